@@ -1,0 +1,128 @@
+"""kvpush.v1.Admin: tenants (quota, allowed pools, token) and a status snapshot."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import grpc
+
+from controlplane import errors, keys, validation as v
+from controlplane.api import unary
+from controlplane.auth import Auth, new_token
+from controlplane.etcd import EtcdClient, EtcdUnavailable, cmp_create, cmp_mod, op_delete, op_put
+from controlplane.lifecycle import Lifecycle
+from controlplane.lifecycle_states import State
+from controlplane.records import TenantRecord
+from controlplane.scheduler_service import engine_proto
+from controlplane.view import View, token_hash
+from kvpush.v1 import admin_pb2, admin_pb2_grpc, types_pb2
+
+
+class AdminService(admin_pb2_grpc.AdminServicer):
+    def __init__(self, view: View, auth: Auth, etcd: EtcdClient, lifecycle: Lifecycle, replica_id: str) -> None:
+        self.view = view
+        self._auth = auth
+        self._etcd = etcd
+        self._lifecycle = lifecycle
+        self._replica_id = replica_id
+
+    def _pools(self, pools) -> list[str]:
+        if len(pools) > 64:
+            raise errors.invalid("allowed_pools has more than 64 entries")
+        for i, pool in enumerate(pools):
+            v.text(pool, f"allowed_pools[{i}]", 128, v.POOL_NAME)
+        return sorted(set(pools))
+
+    async def _txn(self, compares, ops):
+        try:
+            return await self._etcd.txn(compares, ops)
+        except EtcdUnavailable as exc:
+            raise errors.unavailable(f"etcd unavailable: {exc}") from None
+
+    def _existing(self, name: str):
+        v.text(name, "name", 63, v.TENANT_NAME)
+        entry = self.view.tenants.get(name)
+        if entry is None:
+            raise errors.not_found(f"tenant {name!r} not found")
+        return entry
+
+    @unary
+    async def CreateTenant(self, request, context) -> types_pb2.Tenant:
+        self._auth.admin(context)
+        v.text(request.name, "name", 63, v.TENANT_NAME)
+        v.in_range(request.quota_blocks, "quota_blocks", 0, v.MAX_QUOTA)
+        token = request.token or new_token()
+        if len(token) < 16 or len(token) > 256 or not v.PRINTABLE.match(token):
+            raise errors.invalid("token must be 16..256 printable characters")
+        if token_hash(token) in self.view.tenant_by_token:
+            raise errors.invalid("token is already in use")
+        rec = TenantRecord(request.name, request.quota_blocks, self._pools(request.allowed_pools), token_hash(token))
+        result = await self._txn([cmp_create(keys.tenant(rec.name), 0)], [op_put(keys.tenant(rec.name), rec.encode())])
+        if not result.succeeded:
+            raise errors.ApiError(grpc.StatusCode.ALREADY_EXISTS, f"tenant {rec.name!r} already exists")
+        await self.view.wait_for_revision(result.revision, 2.0)
+        return rec.to_proto(token=token)
+
+    async def _replace(self, entry, rec: TenantRecord) -> None:
+        result = await self._txn([cmp_mod(keys.tenant(rec.name), entry.mod_revision)],
+                                 [op_put(keys.tenant(rec.name), rec.encode())])
+        if not result.succeeded:
+            raise errors.ApiError(grpc.StatusCode.ABORTED, f"tenant {rec.name!r} changed concurrently; retry")
+        await self.view.wait_for_revision(result.revision, 2.0)
+
+    @unary
+    async def UpdateTenant(self, request, context) -> types_pb2.Tenant:
+        self._auth.admin(context)
+        entry = self._existing(request.name)
+        v.in_range(request.quota_blocks, "quota_blocks", 0, v.MAX_QUOTA)
+        rec = dataclasses.replace(entry.record, quota_blocks=request.quota_blocks,
+                                  allowed_pools=self._pools(request.allowed_pools))
+        await self._replace(entry, rec)
+        return rec.to_proto(self.view.tenant_used.get(rec.name, 0))
+
+    @unary
+    async def RotateTenantToken(self, request, context) -> types_pb2.Tenant:
+        self._auth.admin(context)
+        entry = self._existing(request.name)
+        token = new_token()
+        rec = dataclasses.replace(entry.record, token_sha256=token_hash(token))
+        await self._replace(entry, rec)
+        return rec.to_proto(self.view.tenant_used.get(rec.name, 0), token=token)
+
+    @unary
+    async def DeleteTenant(self, request, context) -> admin_pb2.DeleteTenantResponse:
+        self._auth.admin(context)
+        entry = self._existing(request.name)
+        # Delete first so no new reservation can be made, then end the live ones.
+        result = await self._txn([cmp_mod(keys.tenant(request.name), entry.mod_revision)],
+                                 [op_delete(keys.tenant(request.name))])
+        if not result.succeeded:
+            raise errors.ApiError(grpc.StatusCode.ABORTED, f"tenant {request.name!r} changed concurrently; retry")
+        await self.view.wait_for_revision(result.revision, 2.0)
+        released = 0
+        for rec in self.view.live_reservations(tenant=request.name):
+            try:
+                await self._lifecycle.transition(rec.id, State.RELEASED, "tenant deleted")
+                released += 1
+            except errors.StateConflict:
+                pass
+        return admin_pb2.DeleteTenantResponse(reservations_released=released)
+
+    @unary
+    async def ListTenants(self, request, context) -> admin_pb2.ListTenantsResponse:
+        self._auth.admin(context)
+        tenants = [e.record.to_proto(self.view.tenant_used.get(name, 0))
+                   for name, e in sorted(self.view.tenants.items())]
+        return admin_pb2.ListTenantsResponse(tenants=tenants)
+
+    @unary
+    async def GetStatus(self, request, context) -> admin_pb2.StatusResponse:
+        self._auth.admin(context)
+        by_state = collections.Counter(e.record.state.name for e in self.view.reservations.values())
+        live = sorted((r for r in self.view.live_reservations()), key=lambda r: r.created_ms)
+        return admin_pb2.StatusResponse(
+            engines=sorted((engine_proto(self.view, e.record) for e in self.view.engines.values()),
+                           key=lambda e: e.engine_id),
+            reservations_by_state=dict(by_state), live_reservations=[r.to_proto() for r in live[:1000]],
+            revision=self.view.revision, replica_id=self._replica_id)

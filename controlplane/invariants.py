@@ -1,0 +1,127 @@
+"""The registry's invariants, checked by reading etcd directly (DESIGN.md §4).
+
+Used by every fault test after the dust settles, by the benchmarks after each
+run, and by ``kvpush check``. It trusts nothing of the control plane: one
+consistent range read of the whole prefix, then arithmetic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from controlplane import keys
+from controlplane.etcd import EtcdClient
+from controlplane.records import EngineRecord, ReservationRecord, TenantRecord
+
+
+@dataclasses.dataclass
+class EngineBlocks:
+    engine_id: str
+    num_blocks: int
+    reserved: set[int]
+    free: set[int]
+
+
+@dataclasses.dataclass
+class InvariantReport:
+    revision: int
+    engines: dict[str, EngineBlocks]
+    live: list[ReservationRecord]
+    terminal: list[ReservationRecord]
+    orphans: list[ReservationRecord]      # live, but their engine (incarnation) is gone
+    tenant_usage: dict[str, int]
+    violations: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def summary(self) -> str:
+        lines = [f"revision {self.revision}: {len(self.engines)} engines, {len(self.live)} live "
+                 f"reservations, {len(self.orphans)} orphaned, {len(self.violations)} violations"]
+        lines += [f"  VIOLATION: {v}" for v in self.violations[:50]]
+        return "\n".join(lines)
+
+
+async def check(etcd: EtcdClient | str, quiet: bool = False, allow_orphans: bool = False) -> InvariantReport:
+    """``quiet``: the system has settled, so nothing may be reserved at all.
+    ``allow_orphans``: tolerate live reservations of a dead engine (the reaper
+    has not run yet); otherwise they are violations."""
+    client = EtcdClient(etcd) if isinstance(etcd, str) else etcd
+    try:
+        kvs, revision = await client.get_prefix(keys.ROOT)
+    finally:
+        if isinstance(etcd, str):
+            await client.close()
+    engines: dict[str, EngineRecord] = {}
+    pools: set[str] = set()
+    reservations: list[ReservationRecord] = []
+    requests: dict[tuple[str, str], str] = {}
+    tenants: dict[str, TenantRecord] = {}
+    for kv in kvs:
+        if kv.key.startswith(keys.ENGINES):
+            rec = EngineRecord.decode(kv.value)
+            engines[rec.engine_id] = rec
+        elif kv.key.startswith(keys.POOLS):
+            pools.add(keys.name_of(kv.key, keys.POOLS))
+        elif kv.key.startswith(keys.RESERVATIONS):
+            reservations.append(ReservationRecord.decode(kv.value))
+        elif kv.key.startswith(keys.REQUESTS):
+            tenant, _, request_id = keys.name_of(kv.key, keys.REQUESTS).partition("/")
+            requests[(tenant, request_id)] = kv.value.decode()
+        elif kv.key.startswith(keys.TENANTS):
+            rec = TenantRecord.decode(kv.value)
+            tenants[rec.name] = rec
+
+    violations: list[str] = []
+    live = [r for r in reservations if r.state.live]
+    terminal = [r for r in reservations if not r.state.live]
+    orphans = [r for r in live if r.engine_id not in engines or engines[r.engine_id].incarnation != r.incarnation]
+    if orphans and not allow_orphans:
+        violations += [f"reservation {r.id} is {r.state.name} but engine {r.engine_id} "
+                       f"(incarnation {r.incarnation}) is gone" for r in orphans]
+
+    report_engines: dict[str, EngineBlocks] = {}
+    for engine_id, eng in engines.items():
+        if engine_id not in pools:
+            violations.append(f"engine {engine_id} has no pool key")
+        owner: dict[int, str] = {}
+        for r in live:
+            if r.engine_id != engine_id or r.incarnation != eng.incarnation:
+                continue
+            for b in r.blocks:
+                if not 0 <= b < eng.num_blocks:
+                    violations.append(f"reservation {r.id} holds block {b} outside engine {engine_id}'s "
+                                      f"{eng.num_blocks} blocks")
+                elif b in owner:
+                    violations.append(f"block {b} of engine {engine_id} is in two live reservations: "
+                                      f"{owner[b]} and {r.id}")
+                else:
+                    owner[b] = r.id
+        reserved = set(owner)
+        free = set(range(eng.num_blocks)) - reserved
+        if free & reserved or len(free) + len(reserved) != eng.num_blocks:
+            violations.append(f"engine {engine_id}: free and reserved blocks do not partition the pool")
+        report_engines[engine_id] = EngineBlocks(engine_id, eng.num_blocks, reserved, free)
+
+    usage: dict[str, int] = {}
+    for r in live:
+        usage[r.tenant] = usage.get(r.tenant, 0) + r.num_blocks
+        if len(set(r.blocks)) != len(r.blocks):
+            violations.append(f"reservation {r.id} lists a block twice")
+        if r.num_blocks * r.block_size < r.num_tokens:
+            violations.append(f"reservation {r.id} has {r.num_blocks} blocks for {r.num_tokens} tokens")
+        if requests.get((r.tenant, r.request_id)) != r.id:
+            violations.append(f"live reservation {r.id} is missing from the request index")
+    for name, used in usage.items():
+        tenant = tenants.get(name)
+        if tenant is not None and tenant.quota_blocks and used > tenant.quota_blocks:
+            violations.append(f"tenant {name} holds {used} blocks over its quota of {tenant.quota_blocks}")
+    live_ids = {r.id for r in live}
+    for (tenant, request_id), res_id in requests.items():
+        if res_id not in live_ids:
+            violations.append(f"request index ({tenant}, {request_id}) points at {res_id}, which is not live")
+    if quiet and live:
+        violations.append(f"system is quiet but {len(live)} reservations are live: "
+                          + ", ".join(f"{r.id}={r.state.name}" for r in live[:10]))
+    return InvariantReport(revision, report_engines, live, terminal, orphans, usage, violations)

@@ -1,0 +1,61 @@
+"""Shared etcd leases: one per second of deadline, one per tombstone period.
+
+A lease per reservation would cost an extra etcd round trip per Reserve; sharing
+one lease among all reservations that expire in the same second keeps Reserve at
+one transaction per batch. Deadlines are therefore rounded up to the second
+(and etcd never expires a lease sooner than about 2 s after it is granted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+from controlplane.etcd import EtcdClient
+
+TOMBSTONE_PERIOD_S = 10
+
+
+class LeaseBuckets:
+    def __init__(self, etcd: EtcdClient, tombstone_ttl_s: int = 120) -> None:
+        self._etcd = etcd
+        self._tombstone_ttl = tombstone_ttl_s
+        self._buckets: dict[tuple[str, int], asyncio.Future] = {}
+
+    async def _lease(self, kind: str, bucket: int, ttl: int) -> int:
+        key = (kind, bucket)
+        fut = self._buckets.get(key)
+        if fut is None:
+            fut = asyncio.get_running_loop().create_future()
+            self._buckets[key] = fut
+            try:
+                fut.set_result(await self._etcd.grant_lease(max(ttl, 1)))
+            except BaseException as exc:
+                del self._buckets[key]
+                fut.set_exception(exc)
+                fut.exception()  # mark retrieved; the caller gets it below
+                raise
+            self._prune()
+        return await asyncio.shield(fut)
+
+    async def for_deadline(self, deadline_ms: int) -> int:
+        """A lease that expires at the first whole second at or after ``deadline_ms``."""
+        bucket = math.ceil(deadline_ms / 1000)
+        return await self._lease("deadline", bucket, bucket - int(time.time()))
+
+    async def tombstone(self) -> int:
+        """A lease for records of ended reservations, kept about ``tombstone_ttl_s``."""
+        bucket = int(time.time()) // TOMBSTONE_PERIOD_S
+        return await self._lease("tombstone", bucket, self._tombstone_ttl)
+
+    def forget(self) -> None:
+        """Drop cached leases (etcd said one was not found, e.g. after a restore)."""
+        self._buckets.clear()
+
+    def _prune(self) -> None:
+        now = int(time.time())
+        for kind, bucket in list(self._buckets):
+            if (kind == "deadline" and bucket < now) or \
+                    (kind == "tombstone" and bucket < now // TOMBSTONE_PERIOD_S - 1):
+                del self._buckets[(kind, bucket)]

@@ -1,0 +1,18 @@
+"""Prometheus metrics of the control plane (served on --metrics-port)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+_LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+RESERVE_LATENCY = Histogram("kvpush_reserve_latency_seconds", "Reserve RPC latency (server side)",
+                            buckets=_LATENCY_BUCKETS)
+RESERVE_RESULTS = Counter("kvpush_reserve_total", "Reserve outcomes by gRPC status code", ["code"])
+ETCD_TXN_LATENCY = Histogram("kvpush_etcd_txn_latency_seconds", "etcd transaction latency",
+                             buckets=_LATENCY_BUCKETS)
+BATCH_SIZE = Histogram("kvpush_reserve_batch_size", "Reservations per group-commit transaction",
+                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
+BATCH_CONFLICTS = Counter("kvpush_reserve_batch_conflicts_total",
+                          "Group commits retried because another replica changed a fence")
+TRANSITIONS = Counter("kvpush_transitions_total", "Lifecycle transitions written", ["to"])

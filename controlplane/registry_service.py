@@ -1,0 +1,169 @@
+"""kvpush.v1.Registry: sidecars register engines, keep them alive, find peers and
+report transfer progress. An engine lives exactly as long as its etcd lease."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import structlog
+
+from controlplane import errors, keys, validation as v
+from controlplane.api import streaming, unary
+from controlplane.auth import Auth
+from controlplane.etcd import KV, EtcdClient, EtcdUnavailable, op_put
+from controlplane.lifecycle import Lifecycle
+from controlplane.lifecycle_states import State
+from controlplane.records import EngineRecord, layout_from_proto, now_ms
+from controlplane.scheduler_service import engine_proto
+from controlplane.view import View
+from kvpush import log
+from kvpush.layout import LayoutError
+from kvpush.v1 import registry_pb2, registry_pb2_grpc, types_pb2
+
+_log = log.get("registry")
+DEFAULT_LEASE_TTL_S = 10
+REPORTABLE = {State.PUSHING, State.LANDED, State.CONSUMED, State.FAILED}
+
+
+class RegistryService(registry_pb2_grpc.RegistryServicer):
+    def __init__(self, view: View, auth: Auth, etcd: EtcdClient, lifecycle: Lifecycle) -> None:
+        self.view = view
+        self._auth = auth
+        self._etcd = etcd
+        self._lifecycle = lifecycle
+        self._background: set[asyncio.Task] = set()
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _engine_record(self, msg: types_pb2.Engine) -> EngineRecord:
+        v.text(msg.engine_id, "engine.engine_id", 128, v.ENGINE_ID)
+        if msg.role not in (types_pb2.PREFILL, types_pb2.DECODE):
+            raise errors.invalid("engine.role must be PREFILL or DECODE")
+        v.text(msg.model, "engine.model", v.MAX_MODEL, v.PRINTABLE)
+        v.text(msg.nixl_agent, "engine.nixl_agent", 256, v.PRINTABLE)
+        if len(msg.nixl_metadata) > v.MAX_NIXL_METADATA:
+            raise errors.invalid(f"engine.nixl_metadata is larger than {v.MAX_NIXL_METADATA} bytes")
+        low = 1 if msg.role == types_pb2.DECODE else 0
+        v.in_range(msg.num_blocks, "engine.num_blocks", low, v.MAX_BLOCKS_PER_ENGINE)
+        v.text(msg.incarnation, "engine.incarnation", 128, v.PRINTABLE)
+        v.text(msg.sidecar_address, "engine.sidecar_address", 256, v.PRINTABLE, required=False)
+        v.text(msg.pool, "engine.pool", 128, v.POOL_NAME, required=False)
+        if msg.memory_kind not in ("", "DRAM", "VRAM"):
+            raise errors.invalid("engine.memory_kind must be DRAM or VRAM")
+        try:
+            layout = layout_from_proto(msg.kv_layout, "engine.kv_layout")
+        except LayoutError as exc:
+            raise errors.invalid(str(exc)) from None
+        return EngineRecord(engine_id=msg.engine_id, role=msg.role, model=msg.model, layout=layout,
+                            nixl_agent=msg.nixl_agent, nixl_metadata=bytes(msg.nixl_metadata),
+                            num_blocks=msg.num_blocks, sidecar_address=msg.sidecar_address,
+                            pool=msg.pool or "default", incarnation=msg.incarnation, registered_ms=now_ms(),
+                            memory_kind=msg.memory_kind or "DRAM", pool_base_address=msg.pool_base_address,
+                            pool_size_bytes=msg.pool_size_bytes, device_id=msg.device_id)
+
+    @unary
+    async def RegisterEngine(self, request, context) -> registry_pb2.RegisterEngineResponse:
+        self._auth.engine(context)
+        rec = self._engine_record(request.engine)
+        ttl = request.lease_ttl_seconds or DEFAULT_LEASE_TTL_S
+        v.in_range(ttl, "lease_ttl_seconds", 2, 300)
+        structlog.contextvars.bind_contextvars(engine_id=rec.engine_id, incarnation=rec.incarnation)
+        old = self.view.engines.get(rec.engine_id)
+        try:
+            lease = await self._etcd.grant_lease(ttl)
+            # Engine record and pool fence share the engine's lease: both vanish with it.
+            result = await self._etcd.txn([], [op_put(keys.engine(rec.engine_id), rec.encode(), lease),
+                                               op_put(keys.pool(rec.engine_id), b"", lease)])
+            if old is not None and old.lease != lease:
+                await self._etcd.revoke_lease(old.lease)
+        except EtcdUnavailable as exc:
+            raise errors.unavailable(f"etcd unavailable: {exc}") from None
+        self.view.apply(KV(keys.engine(rec.engine_id), rec.encode(), result.revision, result.revision, lease),
+                        False, result.revision)
+        self.view.apply(KV(keys.pool(rec.engine_id), b"", result.revision, result.revision, lease),
+                        False, result.revision)
+        _log.info("engine registered", role=types_pb2.EngineRole.Name(rec.role), model=rec.model,
+                  num_blocks=rec.num_blocks, lease_id=lease, replaced=old is not None)
+        return registry_pb2.RegisterEngineResponse(lease_id=lease, lease_ttl_seconds=ttl,
+                                                   engine=engine_proto(self.view, rec))
+
+    @streaming
+    async def Heartbeat(self, request_iterator, context):
+        self._auth.engine(context)
+        engine_id, lease_id = None, None
+        try:
+            async for ping in request_iterator:
+                v.text(ping.engine_id, "engine_id", 128, v.ENGINE_ID)
+                if engine_id is None:
+                    engine_id, lease_id = ping.engine_id, ping.lease_id
+                    structlog.contextvars.bind_contextvars(engine_id=engine_id)
+                elif (ping.engine_id, ping.lease_id) != (engine_id, lease_id):
+                    raise errors.invalid("engine_id and lease_id must not change within one heartbeat stream")
+                try:
+                    remaining = await self._etcd.refresh_lease(lease_id)
+                except EtcdUnavailable as exc:
+                    raise errors.unavailable(f"etcd unavailable: {exc}") from None
+                if remaining <= 0:
+                    engine_id = None  # nothing left to revoke
+                    raise errors.not_found("engine lease expired; register again")
+                yield registry_pb2.HeartbeatPong(ttl_seconds=remaining)
+        finally:
+            # The stream is the engine's liveness: when it ends, so does the engine,
+            # unless the engine has registered again on a newer lease meanwhile.
+            entry = self.view.engines.get(engine_id) if engine_id else None
+            if entry is not None and entry.lease == lease_id:
+                _log.info("heartbeat stream ended; deregistering", engine_id=engine_id)
+                self._spawn(self._etcd.revoke_lease(lease_id))
+
+    @unary
+    async def DeregisterEngine(self, request, context) -> registry_pb2.DeregisterEngineResponse:
+        self._auth.engine(context)
+        v.text(request.engine_id, "engine_id", 128, v.ENGINE_ID)
+        entry = self.view.engines.get(request.engine_id)
+        if entry is None or (request.incarnation and entry.record.incarnation != request.incarnation):
+            raise errors.not_found(f"engine_id {request.engine_id!r} is not registered")
+        try:
+            await self._etcd.revoke_lease(entry.lease)
+        except EtcdUnavailable as exc:
+            raise errors.unavailable(f"etcd unavailable: {exc}") from None
+        failed = await self._lifecycle.fail_engine(request.engine_id, "decode engine deregistered")
+        return registry_pb2.DeregisterEngineResponse(reservations_failed=failed)
+
+    @unary
+    async def GetEngine(self, request, context) -> types_pb2.Engine:
+        self._auth.engine(context)
+        v.text(request.engine_id, "engine_id", 128, v.ENGINE_ID)
+        rec = self.view.engine(request.engine_id)
+        if rec is None:
+            raise errors.not_found(f"engine_id {request.engine_id!r} is not registered")
+        return engine_proto(self.view, rec)
+
+    @unary
+    async def ReportState(self, request, context) -> types_pb2.Reservation:
+        self._auth.engine(context)
+        v.reservation_id(request.reservation_id)
+        v.text(request.reason, "reason", 1024, required=False)
+        v.text(request.engine_id, "engine_id", 128, v.ENGINE_ID, required=False)
+        try:
+            target = State(request.state)
+        except ValueError:
+            raise errors.invalid(f"state {request.state} is not a reservation state") from None
+        if target not in REPORTABLE:
+            raise errors.invalid(f"state {target.name} cannot be reported; use one of "
+                                 f"{sorted(s.name for s in REPORTABLE)}")
+        structlog.contextvars.bind_contextvars(reservation_id=request.reservation_id, engine_id=request.engine_id)
+        rec = await self._lifecycle.transition(request.reservation_id, target, request.reason)
+        return rec.to_proto()
+
+    @unary
+    async def LookupReservation(self, request, context) -> types_pb2.Reservation:
+        self._auth.engine(context)
+        v.reservation_id(request.reservation_id)
+        rec = await self._lifecycle.find(request.reservation_id)
+        if rec is None:
+            raise errors.not_found(f"reservation_id {request.reservation_id!r} not found")
+        return rec.to_proto()

@@ -1,0 +1,281 @@
+"""Reserve with group commit: many concurrent Reserves, one etcd transaction.
+
+Reserves queue up while the previous transaction is in flight; the committer
+takes everything queued (up to ``max_batch``), allocates from the in-memory view
+and writes all of it in one transaction. The transaction is *fenced*: it
+compares the mod revision of every touched engine's pool key and tenant's usage
+key with what the view saw, and bumps them. Another replica that allocated on
+the same engine (or for the same tenant) in between has bumped a fence, so our
+transaction fails as a whole, the view catches up, and the batch is retried:
+two replicas can never hand out the same block or overrun a quota.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import secrets
+import time
+
+import grpc
+import numpy as np
+
+from controlplane import errors, keys, metrics
+from controlplane.allocator import allocate
+from controlplane.etcd import (KV, EtcdClient, EtcdLeaseNotFound, EtcdUnavailable, cmp_create, cmp_mod,
+                               op_put, op_touch)
+from controlplane.leases import LeaseBuckets
+from controlplane.lifecycle_states import State
+from controlplane.records import EngineRecord, ReservationRecord, TenantRecord, now_ms, to_extents
+from controlplane.view import View
+from kvpush import log
+from kvpush.layout import KvLayout
+
+_log = log.get("reserver")
+MAX_ATTEMPTS = 20
+
+
+@dataclasses.dataclass
+class ReserveAsk:
+    tenant: TenantRecord
+    request_id: str
+    num_tokens: int
+    model: str
+    deadline_ms: int                      # lifetime in ms
+    preferred_engine_id: str = ""
+    prefill_layout: KvLayout | None = None
+    future: asyncio.Future | None = None
+
+    def same_params(self, rec: ReservationRecord) -> bool:
+        return rec.num_tokens == self.num_tokens and rec.model == self.model
+
+
+def new_reservation_id() -> str:
+    return "r-" + secrets.token_hex(12)
+
+
+class Reserver:
+    def __init__(self, etcd: EtcdClient, view: View, leases: LeaseBuckets, max_batch: int = 60) -> None:
+        self._etcd = etcd
+        self._view = view
+        self._leases = leases
+        self.max_batch = max_batch
+        self._queue: asyncio.Queue[ReserveAsk] = asyncio.Queue()
+        self._task: asyncio.Task | None = None
+        self.batch_all_of_queue = True  # False: one transaction per reservation (the baseline)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="reserver")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        while not self._queue.empty():
+            ask = self._queue.get_nowait()
+            if not ask.future.done():
+                ask.future.set_exception(errors.unavailable("control plane is shutting down"))
+
+    async def reserve(self, ask: ReserveAsk) -> ReservationRecord:
+        ask.future = asyncio.get_running_loop().create_future()
+        await self._queue.put(ask)
+        return await ask.future
+
+    async def _run(self) -> None:
+        while True:
+            batch = [await self._queue.get()]
+            limit = self.max_batch if self.batch_all_of_queue else 1
+            while len(batch) < limit and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            try:
+                await self._commit(batch)
+            except asyncio.CancelledError:
+                for ask in batch:
+                    if not ask.future.done():
+                        ask.future.set_exception(errors.unavailable("control plane is shutting down"))
+                raise
+            except Exception as exc:  # never leave a caller hanging
+                _log.exception("reserve batch failed")
+                for ask in batch:
+                    if not ask.future.done():
+                        ask.future.set_exception(errors.unavailable(f"reserve failed: {exc}"))
+
+    async def _commit(self, batch: list[ReserveAsk]) -> None:
+        pending = [a for a in batch if not a.future.cancelled()]
+        for attempt in range(MAX_ATTEMPTS):
+            plan = self._plan(pending)
+            if not plan.records:
+                pending = [a for a in plan.deferred if not a.future.done()]
+                if not pending:
+                    return
+                continue
+            try:
+                await plan.attach_records(self._leases)
+                result = await self._etcd.txn(plan.compares, plan.ops)
+            except EtcdUnavailable as exc:
+                for ask in plan.asks:
+                    ask.future.set_exception(errors.unavailable(f"etcd unavailable: {exc}"))
+                return
+            except EtcdLeaseNotFound:
+                self._leases.forget()
+                continue
+            if result.succeeded:
+                metrics.BATCH_SIZE.observe(len(plan.records))
+                self._apply_own_writes(plan, result.revision)
+                for ask, rec in zip(plan.asks, plan.records):
+                    if not ask.future.done():
+                        ask.future.set_result(rec)
+                # Duplicates inside the batch resolve against what was just written.
+                pending = [a for a in plan.deferred if not a.future.done()]
+                if not pending:
+                    return
+                continue
+            metrics.BATCH_CONFLICTS.inc()
+            # Someone else moved a fence: let the watch bring the view up to date.
+            if not await self._view.wait_for_revision(result.revision, timeout=2.0):
+                _log.warning("view lagging after conflict", want=result.revision, have=self._view.revision)
+            pending = [a for a in pending if not a.future.done()]
+            if attempt >= 3:
+                await asyncio.sleep(0.001 * (attempt - 2))
+        for ask in pending:
+            if not ask.future.done():
+                ask.future.set_exception(errors.unavailable("too much contention between replicas; retry"))
+
+    def _plan(self, asks: list[ReserveAsk]) -> "_Plan":
+        view = self._view
+        plan = _Plan()
+        bitmaps: dict[str, np.ndarray] = {}
+        used: dict[str, int] = {}
+        seen_requests: set[tuple[str, str]] = set()
+        for ask in asks:
+            if ask.future.done():
+                continue
+            req = (ask.tenant.name, ask.request_id)
+            if req in seen_requests:
+                plan.deferred.append(ask)
+                continue
+            existing_id = view.requests.get(req)
+            existing = view.reservation(existing_id) if existing_id else None
+            if existing is not None and existing.state.live:
+                if ask.same_params(existing):
+                    ask.future.set_result(existing)
+                else:
+                    ask.future.set_exception(errors.ApiError(
+                        grpc.StatusCode.ALREADY_EXISTS,
+                        f"request_id {ask.request_id!r} already has live reservation {existing.id} "
+                        "with other parameters"))
+                continue
+            tenant = view.tenant(ask.tenant.name)
+            if tenant is None:
+                ask.future.set_exception(errors.ApiError(grpc.StatusCode.UNAUTHENTICATED,
+                                                         "tenant no longer exists"))
+                continue
+            try:
+                engine, blocks = self._choose(ask, tenant, bitmaps, used)
+            except errors.ApiError as exc:
+                ask.future.set_exception(exc)
+                continue
+            seen_requests.add(req)
+            plan.add(ask, self._record(ask, engine, blocks), tenant, view)
+        return plan
+
+    def _choose(self, ask: ReserveAsk, tenant: TenantRecord, bitmaps: dict, used: dict
+                ) -> tuple[EngineRecord, list[int]]:
+        view = self._view
+        candidates = []
+        for entry in view.engines.values():
+            eng: EngineRecord = entry.record
+            if not eng.is_decode or eng.model != ask.model or not tenant.allows(eng.pool):
+                continue
+            if ask.prefill_layout is not None and ask.prefill_layout.compatibility_error(eng.layout):
+                continue
+            if eng.engine_id not in bitmaps:
+                bitmap = view.allocated.get(eng.engine_id)
+                if bitmap is None or eng.engine_id not in view.pool_fences:
+                    continue
+                bitmaps[eng.engine_id] = bitmap.copy()
+            candidates.append(eng)
+        if not candidates:
+            raise errors.exhausted(f"no decode engine for model {ask.model!r} is available to tenant "
+                                   f"{tenant.name!r}")
+        quota_left = None
+        if tenant.quota_blocks:
+            quota_left = tenant.quota_blocks - view.tenant_used.get(tenant.name, 0) - used.get(tenant.name, 0)
+
+        def free(eng: EngineRecord) -> int:
+            return int(bitmaps[eng.engine_id].size - np.count_nonzero(bitmaps[eng.engine_id]))
+
+        def need(eng: EngineRecord) -> int:
+            return eng.layout.blocks_for_tokens(ask.num_tokens)
+
+        fitting = [e for e in candidates if free(e) >= need(e)]
+        if quota_left is not None:
+            within = [e for e in fitting if need(e) <= quota_left]
+            if fitting and not within:
+                raise errors.exhausted(f"tenant {tenant.name!r} quota of {tenant.quota_blocks} blocks "
+                                       f"reached ({tenant.quota_blocks - quota_left} reserved)")
+            fitting = within
+        if not fitting:
+            most = max(candidates, key=free)
+            raise errors.exhausted(f"no decode engine has room for num_tokens={ask.num_tokens} "
+                                   f"({need(most)} blocks; most free: {free(most)} on {most.engine_id})")
+        preferred = [e for e in fitting if e.engine_id == ask.preferred_engine_id]
+        # Least loaded: the largest free fraction; ties broken by id for determinism.
+        engine = preferred[0] if preferred else max(
+            fitting, key=lambda e: (free(e) / max(e.num_blocks, 1), e.engine_id))
+        blocks = allocate(bitmaps[engine.engine_id], need(engine))
+        used[tenant.name] = used.get(tenant.name, 0) + len(blocks)
+        return engine, blocks
+
+    def _record(self, ask: ReserveAsk, engine: EngineRecord, blocks: list[int]) -> ReservationRecord:
+        created = now_ms()
+        return ReservationRecord(
+            id=new_reservation_id(), tenant=ask.tenant.name, request_id=ask.request_id,
+            engine_id=engine.engine_id, incarnation=engine.incarnation, nixl_agent=engine.nixl_agent,
+            extents=to_extents(blocks), block_size=engine.layout.block_size, num_tokens=ask.num_tokens,
+            model=ask.model, state=State.RESERVED, deadline_ms=created + ask.deadline_ms, created_ms=created)
+
+    def _apply_own_writes(self, plan: "_Plan", revision: int) -> None:
+        # The watch will bring the same writes; applying them now lets the next
+        # batch allocate without waiting for it (the view ignores the echo).
+        for key, value, lease in plan.writes:
+            self._view.apply(KV(key, value, revision, revision, lease), False, revision)
+
+
+@dataclasses.dataclass
+class _Plan:
+    asks: list[ReserveAsk] = dataclasses.field(default_factory=list)
+    records: list[ReservationRecord] = dataclasses.field(default_factory=list)
+    deferred: list[ReserveAsk] = dataclasses.field(default_factory=list)
+    compares: list = dataclasses.field(default_factory=list)
+    ops: list = dataclasses.field(default_factory=list)
+    writes: list = dataclasses.field(default_factory=list)   # (key, value, lease) for the view
+    _fenced: set = dataclasses.field(default_factory=set)
+
+    def add(self, ask: ReserveAsk, rec: ReservationRecord, tenant: TenantRecord, view: View) -> None:
+        self.asks.append(ask)
+        self.records.append(rec)
+        self.compares.append(cmp_create(keys.request(rec.tenant, rec.request_id), 0))
+        if ("e", rec.engine_id) not in self._fenced:
+            self._fenced.add(("e", rec.engine_id))
+            self.compares.append(cmp_mod(keys.engine(rec.engine_id), view.engines[rec.engine_id].mod_revision))
+            self.compares.append(cmp_mod(keys.pool(rec.engine_id), view.pool_fences[rec.engine_id]))
+            self.ops.append(op_touch(keys.pool(rec.engine_id)))
+            self.writes.append((keys.pool(rec.engine_id), b"", view.engines[rec.engine_id].lease))
+        if ("t", rec.tenant) not in self._fenced:
+            self._fenced.add(("t", rec.tenant))
+            self.compares.append(cmp_mod(keys.tenant(rec.tenant), view.tenants[rec.tenant].mod_revision))
+            self.compares.append(cmp_mod(keys.usage(rec.tenant), view.usage_fences.get(rec.tenant, 0)))
+            self.ops.append(op_put(keys.usage(rec.tenant), b""))
+            self.writes.append((keys.usage(rec.tenant), b"", 0))
+
+    async def attach_records(self, leases: LeaseBuckets) -> None:
+        """Add the reservation and request-index puts, bound to their deadline lease."""
+        for rec in self.records:
+            lease = await leases.for_deadline(rec.deadline_ms)
+            value = rec.encode()
+            req_key = keys.request(rec.tenant, rec.request_id)
+            self.ops.append(op_put(keys.reservation(rec.id), value, lease))
+            self.ops.append(op_put(req_key, rec.id.encode(), lease))
+            self.writes.append((keys.reservation(rec.id), value, lease))
+            self.writes.append((req_key, rec.id.encode(), lease))

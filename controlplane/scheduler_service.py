@@ -1,0 +1,160 @@
+"""kvpush.v1.Scheduler: what routers call. Every call is scoped to the caller's tenant."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import grpc
+import structlog
+
+from controlplane import errors, metrics, validation as v
+from controlplane.api import streaming, unary
+from controlplane.auth import Auth
+from controlplane.lifecycle import Lifecycle
+from controlplane.lifecycle_states import State
+from controlplane.records import layout_from_proto
+from controlplane.reserver import Reserver, ReserveAsk
+from controlplane.view import ReservationChange, View
+from kvpush.layout import LayoutError
+from kvpush.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2
+
+DEFAULT_DEADLINE_MS = 30_000
+WATCH_QUEUE = 10_000
+
+
+class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, view: View, auth: Auth, reserver: Reserver, lifecycle: Lifecycle, etcd,
+                 default_deadline_ms: int = DEFAULT_DEADLINE_MS) -> None:
+        self.view = view
+        self._auth = auth
+        self._reserver = reserver
+        self._lifecycle = lifecycle
+        self._etcd = etcd
+        self._default_deadline_ms = default_deadline_ms
+
+    @unary
+    async def Reserve(self, request: scheduler_pb2.ReserveRequest, context) -> types_pb2.Reservation:
+        started = time.perf_counter()
+        code = "OK"
+        try:
+            tenant = self._auth.tenant(context)
+            structlog.contextvars.bind_contextvars(tenant=tenant.name, request_id=request.request_id[:256])
+            ask = self._validate_reserve(request, tenant)
+            rec = await self._reserver.reserve(ask)
+            structlog.contextvars.bind_contextvars(reservation_id=rec.id)
+            return rec.to_proto()
+        except errors.ApiError as exc:
+            code = exc.code.name
+            raise
+        finally:
+            metrics.RESERVE_LATENCY.observe(time.perf_counter() - started)
+            metrics.RESERVE_RESULTS.labels(code=code).inc()
+
+    def _validate_reserve(self, request, tenant) -> ReserveAsk:
+        v.request_id(request.request_id)
+        v.in_range(request.num_tokens, "num_tokens", 1, v.MAX_TOKENS)
+        v.text(request.model, "model", v.MAX_MODEL, v.PRINTABLE)
+        deadline = request.deadline_ms or self._default_deadline_ms
+        v.in_range(deadline, "deadline_ms", v.MIN_DEADLINE_MS, v.MAX_DEADLINE_MS)
+        if not any(e.record.is_decode and e.record.model == request.model for e in self.view.engines.values()):
+            raise errors.invalid(f"model {request.model!r} is not served by any registered decode engine")
+        if request.preferred_engine_id:
+            v.text(request.preferred_engine_id, "preferred_engine_id", 128, v.ENGINE_ID)
+            if self.view.engine(request.preferred_engine_id) is None:
+                raise errors.invalid(f"preferred_engine_id {request.preferred_engine_id!r} is not registered")
+        layout = None
+        if request.HasField("prefill_layout"):
+            try:
+                layout = layout_from_proto(request.prefill_layout, "prefill_layout")
+            except LayoutError as exc:
+                raise errors.invalid(str(exc)) from None
+        return ReserveAsk(tenant=tenant, request_id=request.request_id, num_tokens=request.num_tokens,
+                          model=request.model, deadline_ms=deadline,
+                          preferred_engine_id=request.preferred_engine_id, prefill_layout=layout)
+
+    @unary
+    async def Release(self, request: scheduler_pb2.ReleaseRequest, context) -> types_pb2.Reservation:
+        tenant = self._auth.tenant(context)
+        v.reservation_id(request.reservation_id)
+        v.text(request.reason, "reason", 1024, required=False)
+        structlog.contextvars.bind_contextvars(tenant=tenant.name, reservation_id=request.reservation_id)
+        target = State.CONSUMED if request.consumed else State.RELEASED
+        try:
+            rec = await self._lifecycle.transition(request.reservation_id, target,
+                                                   request.reason or ("consumed" if request.consumed
+                                                                      else "released by scheduler"),
+                                                   tenant=tenant.name)
+        except errors.StateConflict as exc:
+            if exc.current.terminal:
+                raise errors.not_found(f"reservation_id {request.reservation_id!r} has already ended "
+                                       f"({exc.current.name})") from None
+            raise
+        return rec.to_proto()
+
+    @unary
+    async def GetReservation(self, request, context) -> types_pb2.Reservation:
+        tenant = self._auth.tenant(context)
+        v.reservation_id(request.reservation_id)
+        rec = await self._lifecycle.find(request.reservation_id)
+        if rec is None or rec.tenant != tenant.name:
+            raise errors.not_found(f"reservation_id {request.reservation_id!r} not found")
+        return rec.to_proto()
+
+    @streaming
+    async def WatchReservations(self, request, context):
+        tenant = self._auth.tenant(context)
+        queue: asyncio.Queue = asyncio.Queue(WATCH_QUEUE)
+        overflow = False
+
+        def on_change(change: object) -> None:
+            nonlocal overflow
+            if not isinstance(change, ReservationChange):
+                return
+            rec = change.new
+            if rec is None:
+                if not change.expired:
+                    return
+                rec = dataclasses.replace(change.old, state=State.EXPIRED, reason="deadline passed")
+            if rec.tenant != tenant.name:
+                return
+            try:
+                queue.put_nowait((rec, change.revision))
+            except asyncio.QueueFull:
+                overflow = True
+
+        unsubscribe = self.view.subscribe(on_change)
+        try:
+            if request.include_snapshot:
+                for rec in self.view.live_reservations(tenant=tenant.name):
+                    yield scheduler_pb2.ReservationEvent(kind=scheduler_pb2.ReservationEvent.SNAPSHOT,
+                                                         reservation=rec.to_proto(), revision=self.view.revision)
+                yield scheduler_pb2.ReservationEvent(kind=scheduler_pb2.ReservationEvent.SNAPSHOT_END,
+                                                     revision=self.view.revision)
+            while True:
+                rec, revision = await queue.get()
+                if overflow:
+                    raise errors.exhausted("watcher fell too far behind; reconnect with include_snapshot")
+                yield scheduler_pb2.ReservationEvent(kind=scheduler_pb2.ReservationEvent.CHANGED,
+                                                     reservation=rec.to_proto(), revision=revision)
+        finally:
+            unsubscribe()
+
+    @unary
+    async def ListEngines(self, request, context) -> scheduler_pb2.ListEnginesResponse:
+        tenant = self._auth.tenant(context)
+        v.text(request.model, "model", v.MAX_MODEL, v.PRINTABLE, required=False)
+        engines = [engine_proto(self.view, e.record) for e in self.view.engines.values()
+                   if e.record.is_decode and tenant.allows(e.record.pool)
+                   and (not request.model or e.record.model == request.model)]
+        return scheduler_pb2.ListEnginesResponse(engines=sorted(engines, key=lambda e: e.engine_id))
+
+
+def engine_proto(view: View, rec) -> types_pb2.Engine:
+    msg = rec.to_proto()
+    live = view.live_reservations(engine_id=rec.engine_id)
+    msg.free_blocks = view.free_blocks(rec.engine_id)
+    msg.reserved_blocks = rec.num_blocks - msg.free_blocks
+    msg.live_reservations = len(live)
+    return msg

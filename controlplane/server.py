@@ -1,0 +1,177 @@
+"""The control-plane process: one replica. Any number can run against one etcd."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import secrets
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import REGISTRY, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+from controlplane.admin_service import AdminService
+from controlplane.auth import Auth
+from controlplane.etcd import EtcdClient
+from controlplane.leases import LeaseBuckets
+from controlplane.lifecycle import Lifecycle
+from controlplane.reaper import Reaper
+from controlplane.registry_service import RegistryService
+from controlplane.reserver import Reserver
+from controlplane.scheduler_service import DEFAULT_DEADLINE_MS, SchedulerService
+from controlplane.view import View, follow
+from kvpush import log
+from kvpush.v1 import admin_pb2, admin_pb2_grpc, registry_pb2, registry_pb2_grpc, scheduler_pb2, \
+    scheduler_pb2_grpc
+
+_log = log.get("controlplane")
+MAX_MESSAGE_BYTES = 4 << 20
+
+
+@dataclasses.dataclass
+class ControlPlaneConfig:
+    listen: str = "127.0.0.1:50051"
+    etcd: str = "127.0.0.1:2379"
+    admin_token: str = ""
+    engine_token: str = ""
+    metrics_port: int = 0                 # 0: no metrics endpoint
+    metrics_host: str = "127.0.0.1"
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""               # set: clients must present a certificate (mTLS)
+    max_batch: int = 60                   # etcd's default --max-txn-ops is 128
+    group_commit: bool = True
+    default_deadline_ms: int = DEFAULT_DEADLINE_MS
+    replica_id: str = ""
+    sweep_interval_s: float = 2.0
+
+
+class _ViewCollector:
+    """Gauges read from the view at scrape time, so they can never go stale."""
+
+    def __init__(self, view: View) -> None:
+        self._view = view
+
+    def collect(self):
+        states = GaugeMetricFamily("kvpush_reservations", "Reservations known to this replica, by state",
+                                   labels=["state"])
+        counts: dict[str, int] = {}
+        for entry in self._view.reservations.values():
+            counts[entry.record.state.name] = counts.get(entry.record.state.name, 0) + 1
+        for state, count in sorted(counts.items()):
+            states.add_metric([state], count)
+        yield states
+        free = GaugeMetricFamily("kvpush_engine_free_blocks", "Free landing blocks per engine", labels=["engine"])
+        for engine_id in sorted(self._view.engines):
+            free.add_metric([engine_id], self._view.free_blocks(engine_id))
+        yield free
+
+
+def server_credentials(cfg: ControlPlaneConfig) -> grpc.ServerCredentials | None:
+    if not cfg.tls_cert:
+        return None
+    with open(cfg.tls_cert, "rb") as f:
+        cert = f.read()
+    with open(cfg.tls_key, "rb") as f:
+        key = f.read()
+    ca = None
+    if cfg.tls_client_ca:
+        with open(cfg.tls_client_ca, "rb") as f:
+            ca = f.read()
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+
+
+class ControlPlane:
+    def __init__(self, cfg: ControlPlaneConfig) -> None:
+        self.cfg = cfg
+        self.replica_id = cfg.replica_id or f"cp-{os.getpid()}-{secrets.token_hex(3)}"
+        self.etcd = EtcdClient(cfg.etcd)
+        self.view = View()
+        self.leases = LeaseBuckets(self.etcd)
+        self.lifecycle = Lifecycle(self.etcd, self.view, self.leases)
+        self.reserver = Reserver(self.etcd, self.view, self.leases, max_batch=cfg.max_batch)
+        self.reserver.batch_all_of_queue = cfg.group_commit
+        self.reaper = Reaper(self.view, self.lifecycle, cfg.sweep_interval_s)
+        self.auth = Auth(self.view, cfg.admin_token, cfg.engine_token or None)
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+        self._stop = asyncio.Event()
+        self._follow: asyncio.Task | None = None
+        self._health = health.aio.HealthServicer()
+
+    async def start(self) -> None:
+        self._follow = asyncio.create_task(follow(self.view, self.etcd, self._stop), name="view-follow")
+        self.reserver.start()
+        self.reaper.start()
+        self.server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", 64 << 20),
+            ("grpc.so_reuseport", 0),
+        ])
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(
+            SchedulerService(self.view, self.auth, self.reserver, self.lifecycle, self.etcd,
+                             self.cfg.default_deadline_ms), self.server)
+        registry_pb2_grpc.add_RegistryServicer_to_server(
+            RegistryService(self.view, self.auth, self.etcd, self.lifecycle), self.server)
+        admin_pb2_grpc.add_AdminServicer_to_server(
+            AdminService(self.view, self.auth, self.etcd, self.lifecycle, self.replica_id), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
+        names = [d.services_by_name[n].full_name for d, n in (
+            (scheduler_pb2.DESCRIPTOR, "Scheduler"), (registry_pb2.DESCRIPTOR, "Registry"),
+            (admin_pb2.DESCRIPTOR, "Admin"))]
+        reflection.enable_server_reflection(names + [health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        creds = server_credentials(self.cfg)
+        if creds is None:
+            self.port = self.server.add_insecure_port(self.cfg.listen)
+        else:
+            self.port = self.server.add_secure_port(self.cfg.listen, creds)
+        if self.port == 0:
+            raise RuntimeError(f"cannot listen on {self.cfg.listen}")
+        await self.server.start()
+        for name in names + [""]:
+            await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.cfg.metrics_port:
+            REGISTRY.register(_ViewCollector(self.view))
+            start_http_server(self.cfg.metrics_port, addr=self.cfg.metrics_host)
+        asyncio.create_task(self._serving_when_ready(names + [""]))
+        _log.info("control plane listening", listen=self.cfg.listen, port=self.port, etcd=self.cfg.etcd,
+                  replica_id=self.replica_id, tls=creds is not None, metrics_port=self.cfg.metrics_port)
+
+    async def _serving_when_ready(self, names: list[str]) -> None:
+        await self.view.ready.wait()
+        for name in names:
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self, grace: float = 2.0) -> None:
+        self._stop.set()
+        if self.server is not None:
+            await self.server.stop(grace)
+        await self.reserver.stop()
+        await self.reaper.stop()
+        if self._follow:
+            self._follow.cancel()
+            await asyncio.gather(self._follow, return_exceptions=True)
+        await self.etcd.close()
+
+    async def wait_closed(self) -> None:
+        await self.server.wait_for_termination()
+
+
+async def serve(cfg: ControlPlaneConfig, ready_file: str | None = None) -> None:
+    import signal
+    cp = ControlPlane(cfg)
+    await cp.start()
+    if ready_file:
+        with open(ready_file + ".tmp", "w") as f:
+            f.write(f"{cp.port}\n")
+        os.replace(ready_file + ".tmp", ready_file)
+    loop = asyncio.get_running_loop()
+    done = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, done.set)
+    await done.wait()
+    _log.info("shutting down")
+    await cp.stop()

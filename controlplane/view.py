@@ -1,0 +1,301 @@
+"""The in-memory view of the registry, fed by one etcd watch per replica.
+
+Every replica keeps the whole registry (tenants, engines, reservations) in
+memory so a Reserve decides without reading etcd. The view may lag etcd: that is
+safe because every write it informs is fenced in etcd (see reserver.py) and a lag
+only hides frees, never allocations of other replicas that the fences would not
+catch. Derived state (each engine's allocated-block bitmap, each tenant's usage)
+is kept incrementally so a Reserve costs O(blocks it takes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+from typing import Callable
+
+import numpy as np
+
+from controlplane import keys
+from controlplane.etcd import KV, EtcdClient, EtcdUnavailable, WatchCompacted
+from controlplane.lifecycle_states import State
+from controlplane.records import EngineRecord, ReservationRecord, TenantRecord
+from kvpush import log
+
+_log = log.get("view")
+
+
+@dataclasses.dataclass
+class Entry:
+    record: object
+    mod_revision: int
+    lease: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ReservationChange:
+    """A reservation appeared, changed state, or vanished (new is None)."""
+    old: ReservationRecord | None
+    new: ReservationRecord | None
+    revision: int
+    expired: bool = False  # vanished while live: its deadline lease ran out
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineChange:
+    old: EngineRecord | None
+    new: EngineRecord | None
+    revision: int
+
+
+def token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class View:
+    def __init__(self) -> None:
+        self.revision = 0
+        self.engines: dict[str, Entry] = {}
+        self.pool_fences: dict[str, int] = {}
+        self.reservations: dict[str, Entry] = {}
+        self.requests: dict[tuple[str, str], str] = {}
+        self.usage_fences: dict[str, int] = {}
+        self.tenants: dict[str, Entry] = {}
+        self.tenant_by_token: dict[str, str] = {}
+        self.allocated: dict[str, np.ndarray] = {}   # engine -> bool per block, live reservations
+        self.tenant_used: dict[str, int] = {}
+        self._key_revs: dict[bytes, int] = {}         # newest revision applied per key, deletes too
+        self._deleted: list[tuple[int, bytes]] = []   # (revision, key) to prune from _key_revs
+        self._expired_ids: dict[str, int] = {}        # ids whose EXPIRED we already announced
+        self._listeners: list[Callable[[object], None]] = []
+        self._revision_waiters: list[tuple[int, asyncio.Future]] = []
+        self.ready = asyncio.Event()
+        self._loading = False
+
+    # ----- listeners -------------------------------------------------------
+    def subscribe(self, fn: Callable[[object], None]) -> Callable[[], None]:
+        self._listeners.append(fn)
+        return lambda: self._listeners.remove(fn) if fn in self._listeners else None
+
+    def _emit(self, change: object) -> None:
+        if self._loading:
+            return
+        for fn in list(self._listeners):
+            fn(change)
+
+    # ----- queries ---------------------------------------------------------
+    def engine(self, engine_id: str) -> EngineRecord | None:
+        entry = self.engines.get(engine_id)
+        return entry.record if entry else None
+
+    def reservation(self, res_id: str) -> ReservationRecord | None:
+        entry = self.reservations.get(res_id)
+        return entry.record if entry else None
+
+    def tenant(self, name: str) -> TenantRecord | None:
+        entry = self.tenants.get(name)
+        return entry.record if entry else None
+
+    def tenant_for_token(self, token: str) -> TenantRecord | None:
+        name = self.tenant_by_token.get(token_hash(token))
+        return self.tenant(name) if name else None
+
+    def free_blocks(self, engine_id: str) -> int:
+        bitmap = self.allocated.get(engine_id)
+        return 0 if bitmap is None else int(bitmap.size - np.count_nonzero(bitmap))
+
+    def live_reservations(self, engine_id: str | None = None, tenant: str | None = None) -> list[ReservationRecord]:
+        out = []
+        for entry in self.reservations.values():
+            rec: ReservationRecord = entry.record
+            if rec.state.live and (engine_id is None or rec.engine_id == engine_id) \
+                    and (tenant is None or rec.tenant == tenant):
+                out.append(rec)
+        return out
+
+    def counts(self, rec: ReservationRecord) -> bool:
+        """Does ``rec`` hold blocks of a registered engine (live, same incarnation)?"""
+        engine = self.engine(rec.engine_id)
+        return rec.state.live and engine is not None and engine.incarnation == rec.incarnation
+
+    # ----- applying changes ------------------------------------------------
+    def apply(self, kv: KV, deleted: bool, revision: int) -> None:
+        """Apply one put or delete at ``revision`` (idempotent; older ones are ignored)."""
+        if self._key_revs.get(kv.key, 0) >= revision:
+            return
+        self._key_revs[kv.key] = revision
+        if deleted:
+            self._deleted.append((revision, kv.key))
+        key = kv.key
+        if key.startswith(keys.RESERVATIONS):
+            self._apply_reservation(keys.name_of(key, keys.RESERVATIONS), kv, deleted, revision)
+        elif key.startswith(keys.ENGINES):
+            self._apply_engine(keys.name_of(key, keys.ENGINES), kv, deleted, revision)
+        elif key.startswith(keys.POOLS):
+            name = keys.name_of(key, keys.POOLS)
+            if deleted:
+                self.pool_fences.pop(name, None)
+            else:
+                self.pool_fences[name] = revision
+        elif key.startswith(keys.REQUESTS):
+            tenant, _, request_id = keys.name_of(key, keys.REQUESTS).partition("/")
+            if deleted:
+                self.requests.pop((tenant, request_id), None)
+            else:
+                self.requests[(tenant, request_id)] = kv.value.decode()
+        elif key.startswith(keys.USAGE):
+            name = keys.name_of(key, keys.USAGE)
+            if deleted:
+                self.usage_fences.pop(name, None)
+            else:
+                self.usage_fences[name] = revision
+        elif key.startswith(keys.TENANTS):
+            self._apply_tenant(keys.name_of(key, keys.TENANTS), kv, deleted, revision)
+
+    def _contribute(self, rec: ReservationRecord, sign: int) -> None:
+        if not self.counts(rec):
+            return
+        bitmap = self.allocated.get(rec.engine_id)
+        if bitmap is not None:
+            for start, count in rec.extents:
+                bitmap[start:start + count] = sign > 0
+        self.tenant_used[rec.tenant] = self.tenant_used.get(rec.tenant, 0) + sign * rec.num_blocks
+
+    def _apply_reservation(self, res_id: str, kv: KV, deleted: bool, revision: int) -> None:
+        old_entry = self.reservations.get(res_id)
+        old = old_entry.record if old_entry else None
+        if old is not None:
+            self._contribute(old, -1)
+        if deleted:
+            self.reservations.pop(res_id, None)
+            expired = old is not None and old.state.live
+            if expired:
+                self._expired_ids[res_id] = revision
+            if old is not None:
+                self._emit(ReservationChange(old, None, revision, expired=expired))
+            return
+        new = ReservationRecord.decode(kv.value)
+        self.reservations[res_id] = Entry(new, revision, kv.lease)
+        self._contribute(new, +1)
+        # The EXPIRED tombstone written after a lease ran out was announced already.
+        if old is None and new.state == State.EXPIRED and self._expired_ids.pop(res_id, None):
+            return
+        if old is None or old.state != new.state:
+            self._emit(ReservationChange(old, new, revision))
+
+    def _apply_engine(self, engine_id: str, kv: KV, deleted: bool, revision: int) -> None:
+        # An engine change alters which of its reservations count: take their
+        # share out, swap the engine, put back the share of those that still count.
+        affected = [e.record for e in self.reservations.values() if e.record.engine_id == engine_id]
+        for rec in affected:
+            self._contribute(rec, -1)
+        old_entry = self.engines.pop(engine_id, None)
+        self.allocated.pop(engine_id, None)
+        new = None if deleted else EngineRecord.decode(kv.value)
+        if new is not None:
+            self.engines[engine_id] = Entry(new, revision, kv.lease)
+            self.allocated[engine_id] = np.zeros(new.num_blocks, dtype=bool)
+        for rec in affected:
+            self._contribute(rec, +1)
+        self._emit(EngineChange(old_entry.record if old_entry else None, new, revision))
+
+    def _apply_tenant(self, name: str, kv: KV, deleted: bool, revision: int) -> None:
+        old = self.tenants.pop(name, None)
+        if old is not None:
+            self.tenant_by_token.pop(old.record.token_sha256, None)
+        if not deleted:
+            rec = TenantRecord.decode(kv.value)
+            self.tenants[name] = Entry(rec, revision, kv.lease)
+            self.tenant_by_token[rec.token_sha256] = name
+
+    def advance(self, revision: int) -> None:
+        """Everything up to ``revision`` has been applied."""
+        if revision <= self.revision:
+            return
+        self.revision = revision
+        while self._deleted and self._deleted[0][0] <= revision:
+            rev, key = self._deleted.pop(0)
+            if self._key_revs.get(key) == rev:
+                del self._key_revs[key]
+        for res_id, rev in list(self._expired_ids.items()):
+            if rev < revision - 100_000:
+                del self._expired_ids[res_id]
+        still = []
+        for want, fut in self._revision_waiters:
+            if want <= revision:
+                if not fut.done():
+                    fut.set_result(None)
+            else:
+                still.append((want, fut))
+        self._revision_waiters = still
+
+    async def wait_for_revision(self, revision: int, timeout: float) -> bool:
+        if self.revision >= revision:
+            return True
+        fut = asyncio.get_running_loop().create_future()
+        self._revision_waiters.append((revision, fut))
+        try:
+            await asyncio.wait_for(fut, timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    def load(self, kvs: list[KV], revision: int) -> None:
+        """Replace the whole view with a snapshot taken at ``revision``."""
+        old_res = {rid: e.record for rid, e in self.reservations.items()}
+        self.__init_state()
+        self._loading = True
+        # Engines first so reservations find their engine when they are counted.
+        order = sorted(kvs, key=lambda kv: 0 if kv.key.startswith(keys.ENGINES) else 1)
+        for kv in order:
+            self.apply(kv, False, kv.mod_revision)
+        self._key_revs = {kv.key: kv.mod_revision for kv in kvs}
+        self.revision = 0
+        self.advance(revision)
+        self._loading = False
+        # Tell listeners what changed while we were not watching.
+        for rid, old in old_res.items():
+            if rid not in self.reservations:
+                self._emit(ReservationChange(old, None, revision, expired=old.state.live))
+        for rid, entry in self.reservations.items():
+            old = old_res.get(rid)
+            if old is None or old.state != entry.record.state:
+                self._emit(ReservationChange(old, entry.record, revision))
+        for engine_id, entry in self.engines.items():
+            self._emit(EngineChange(None, entry.record, revision))
+
+    def __init_state(self) -> None:
+        listeners, waiters, ready = self._listeners, self._revision_waiters, self.ready
+        expired = self._expired_ids
+        self.__init__()
+        self._listeners, self._revision_waiters, self.ready = listeners, waiters, ready
+        self._expired_ids = expired
+
+
+async def follow(view: View, etcd: EtcdClient, stop: asyncio.Event) -> None:
+    """Keep ``view`` in step with etcd until ``stop``: load, then watch; reload on gaps."""
+    backoff = 0.1
+    while not stop.is_set():
+        try:
+            kvs, revision = await etcd.get_prefix(keys.ROOT)
+            view.load(kvs, revision)
+            view.ready.set()
+            backoff = 0.1
+            async for rev, events in etcd.watch_prefix(keys.ROOT, revision + 1):
+                for ev in events:
+                    view.apply(ev.kv, ev.deleted, ev.kv.mod_revision)
+                view.advance(rev)
+                if stop.is_set():
+                    return
+        except (EtcdUnavailable, WatchCompacted) as exc:
+            _log.warning("view resync", reason=str(exc))
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug must not kill the replica's view for good
+            _log.exception("view follow failed")
+        try:
+            await asyncio.wait_for(stop.wait(), backoff)
+        except asyncio.TimeoutError:
+            pass
+        backoff = min(backoff * 2, 2.0)

@@ -1,0 +1,52 @@
+"""Small helpers for control-plane tests."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from controlplane.client import ControlPlaneClient
+from controlplane.invariants import check
+from kvpush.v1 import admin_pb2, scheduler_pb2
+
+
+async def make_tenant(admin: ControlPlaneClient, address: str, name: str, quota_blocks: int = 0,
+                      pools: list[str] | None = None) -> ControlPlaneClient:
+    tenant = await admin.admin.CreateTenant(
+        admin_pb2.CreateTenantRequest(name=name, quota_blocks=quota_blocks, allowed_pools=pools or []),
+        metadata=admin.metadata, timeout=10)
+    return ControlPlaneClient(address, tenant.token)
+
+
+async def reserve(client: ControlPlaneClient, request_id: str, num_tokens: int, model: str = "sim-model",
+                  **kw) -> scheduler_pb2.Reservation:
+    return await client.scheduler.Reserve(
+        scheduler_pb2.ReserveRequest(request_id=request_id, num_tokens=num_tokens, model=model, **kw),
+        metadata=client.metadata, timeout=10)
+
+
+async def release(client: ControlPlaneClient, res_id: str, consumed: bool = False):
+    return await client.scheduler.Release(scheduler_pb2.ReleaseRequest(reservation_id=res_id, consumed=consumed),
+                                          metadata=client.metadata, timeout=10)
+
+
+async def expect_code(code: grpc.StatusCode, coro) -> str:
+    """Await ``coro``; it must fail with ``code``. Returns the status details."""
+    try:
+        await coro
+    except grpc.aio.AioRpcError as exc:
+        assert exc.code() == code, f"expected {code.name}, got {exc.code().name}: {exc.details()}"
+        return exc.details()
+    raise AssertionError(f"expected {code.name}, the call succeeded")
+
+
+async def settle(endpoint: str, quiet: bool = False, timeout: float = 15.0):
+    """Wait until etcd satisfies every invariant (orphans reaped); return the report."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        report = await check(endpoint, quiet=quiet)
+        if report.ok or asyncio.get_running_loop().time() > deadline:
+            assert report.ok, report.summary()
+            return report
+        await asyncio.sleep(0.2)

@@ -1,0 +1,235 @@
+"""Memory that a sidecar registers with NIXL and shares with its vLLM engine.
+
+A pool is one contiguous region. On the CPU it is a POSIX shared-memory segment
+(a file under /dev/shm): the sidecar creates it, the engine process maps the
+same bytes by name, and NIXL registers it as DRAM. On a GPU the same role is
+played by device memory exported with a CUDA IPC handle; ``PoolMemory`` is the
+seam for that (see ``DeviceMemory`` below) and nothing here pretends to have one.
+
+Segment names embed the creating process id, so a sidecar that was killed
+(SIGKILL leaves its segments behind) can be cleaned up by the next one:
+``sweep_stale_segments`` unlinks segments whose owner is no longer alive.
+"""
+
+from __future__ import annotations
+
+import abc
+import mmap
+import os
+import re
+import secrets
+
+import numpy as np
+
+SHM_DIR = "/dev/shm"
+NAME_PREFIX = "kvpush"
+# kvpush-<tag>-<pid>-<random>: tag is the caller's (engine id + role), sanitised.
+_NAME_RE = re.compile(rf"^{NAME_PREFIX}-(?P<tag>[A-Za-z0-9_.]+)-(?P<pid>\d+)-(?P<rand>[0-9a-f]+)$")
+_TAG_SAFE = re.compile(r"[^A-Za-z0-9_.]")
+
+
+class PoolMemory(abc.ABC):
+    """One contiguous, registrable region of pool memory.
+
+    What NIXL needs (``base_address``, ``size``, ``mem_kind``, ``device_id``),
+    what a peer needs to address it (the same numbers, published in the
+    ``Engine`` record) and what the local engine needs to map it
+    (``share_handle``).
+    """
+
+    @property
+    @abc.abstractmethod
+    def name(self) -> str: ...
+
+    @property
+    @abc.abstractmethod
+    def base_address(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def size(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def mem_kind(self) -> str:
+        """NIXL memory type: "DRAM" or "VRAM"."""
+
+    @property
+    def device_id(self) -> int:
+        return 0
+
+    @abc.abstractmethod
+    def share_handle(self) -> str:
+        """What the local engine process needs to map the same bytes (shm name, IPC handle)."""
+
+    @abc.abstractmethod
+    def host_view(self) -> np.ndarray:
+        """The bytes as a uint8 array (host memory only; device memory raises)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Unmap and, for the owner, destroy the region. Idempotent."""
+
+
+class DeviceMemory(PoolMemory, abc.ABC):
+    """Seam for GPU pools: device memory allocated by the sidecar (or by the
+    engine and imported), registered with NIXL as VRAM, shared with the engine
+    by a CUDA IPC handle (``share_handle`` returns it serialised). Not
+    implemented here: this machine has no GPU, and a fake would test nothing.
+    """
+
+    @property
+    def mem_kind(self) -> str:
+        return "VRAM"
+
+    def host_view(self) -> np.ndarray:
+        raise TypeError("device memory has no host view; copy through the engine")
+
+
+def _segment_path(name: str) -> str:
+    return os.path.join(SHM_DIR, name)
+
+
+def make_segment_name(tag: str) -> str:
+    """A fresh segment name for ``tag``; unique, and recognisable by the sweeper."""
+    safe = _TAG_SAFE.sub("_", tag)[:120] or "pool"
+    return f"{NAME_PREFIX}-{safe}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale_segments(tag_prefix: str = "") -> list[str]:
+    """Unlink kvpush segments whose creating process is dead.
+
+    Only names that match our own pattern (and ``tag_prefix``, when given) are
+    considered, so foreign segments are never touched.
+    """
+    removed = []
+    try:
+        entries = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        match = _NAME_RE.match(entry)
+        if not match or not match.group("tag").startswith(_TAG_SAFE.sub("_", tag_prefix)):
+            continue
+        if _pid_alive(int(match.group("pid"))):
+            continue
+        try:
+            os.unlink(_segment_path(entry))
+            removed.append(entry)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+class ShmMemory(PoolMemory):
+    """A POSIX shared-memory segment mapped into this process.
+
+    ``create`` makes and owns the segment (``close`` unlinks it); ``attach``
+    maps an existing one by name (``close`` only unmaps). The backing pages
+    are allocated up front with ``posix_fallocate`` so that a full /dev/shm
+    fails here, with a clear error, instead of as SIGBUS in the middle of a
+    transfer; it also spares the first NIXL write the page faults.
+    """
+
+    def __init__(self, name: str, size: int, mm: mmap.mmap, owner: bool):
+        self._name = name
+        self._size = size
+        self._mm: mmap.mmap | None = mm
+        self._owner = owner
+        self._array: np.ndarray | None = np.frombuffer(mm, dtype=np.uint8)
+        self._base = int(self._array.ctypes.data)
+
+    @classmethod
+    def create(cls, tag: str, size: int) -> "ShmMemory":
+        if size <= 0:
+            raise ValueError(f"pool size must be positive, got {size}")
+        name = make_segment_name(tag)
+        path = _segment_path(name)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                raise MemoryError(f"cannot reserve {size} bytes in {SHM_DIR} for {name}: {exc}") from exc
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        os.close(fd)  # the mapping keeps the segment alive
+        return cls(name, size, mm, owner=True)
+
+    @classmethod
+    def attach(cls, name: str, size: int | None = None) -> "ShmMemory":
+        if not _NAME_RE.match(name):
+            raise ValueError(f"not a kvpush segment name: {name!r}")
+        fd = os.open(_segment_path(name), os.O_RDWR)
+        try:
+            actual = os.fstat(fd).st_size
+            if size is not None and size != actual:
+                raise ValueError(f"segment {name} has {actual} bytes, expected {size}")
+            mm = mmap.mmap(fd, actual, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return cls(name, actual, mm, owner=False)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def base_address(self) -> int:
+        return self._base
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def mem_kind(self) -> str:
+        return "DRAM"
+
+    @property
+    def owner(self) -> bool:
+        return self._owner
+
+    def share_handle(self) -> str:
+        return self._name
+
+    def host_view(self) -> np.ndarray:
+        if self._array is None:
+            raise ValueError(f"segment {self._name} is closed")
+        return self._array
+
+    def close(self) -> None:
+        if self._mm is None:
+            return
+        if self._owner:
+            try:
+                os.unlink(_segment_path(self._name))
+            except FileNotFoundError:
+                pass
+        self._array = None
+        try:
+            self._mm.close()
+        except BufferError:
+            # Someone still holds a numpy view: the mapping goes when they drop
+            # it. The name is already unlinked, so nothing leaks past that.
+            pass
+        self._mm = None
+
+    def __enter__(self) -> "ShmMemory":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
