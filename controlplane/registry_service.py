@@ -126,11 +126,13 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         entry = self.view.engines.get(request.engine_id)
         if entry is None or (request.incarnation and entry.record.incarnation != request.incarnation):
             raise errors.not_found(f"engine_id {request.engine_id!r} is not registered")
+        # End its reservations first so the count is ours; the lease revoke then
+        # removes the engine, and the reaper ends anything reserved in between.
+        failed = await self._lifecycle.fail_engine(request.engine_id, "decode engine deregistered")
         try:
             await self._etcd.revoke_lease(entry.lease)
         except EtcdUnavailable as exc:
             raise errors.unavailable(f"etcd unavailable: {exc}") from None
-        failed = await self._lifecycle.fail_engine(request.engine_id, "decode engine deregistered")
         return registry_pb2.DeregisterEngineResponse(reservations_failed=failed)
 
     @unary

@@ -114,7 +114,8 @@ class Reserver:
                 result = await self._etcd.txn(plan.compares, plan.ops)
             except EtcdUnavailable as exc:
                 for ask in plan.asks:
-                    ask.future.set_exception(errors.unavailable(f"etcd unavailable: {exc}"))
+                    ask.future.set_exception(errors.unavailable(
+                        f"etcd unavailable ({exc}); the outcome is unknown: retry with the same request_id"))
                 return
             except EtcdLeaseNotFound:
                 self._leases.forget()

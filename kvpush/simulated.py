@@ -51,7 +51,10 @@ class SimulatedEngine:
             metadata=self.client.metadata, timeout=10)
         self.lease_id = resp.lease_id
         self._stop.clear()
+        self._alive = asyncio.Event()
         self._beat = asyncio.create_task(self._heartbeat())
+        # Registered means the heartbeat stream is up: from here on a crash is noticed.
+        await asyncio.wait_for(self._alive.wait(), 10)
         return resp
 
     async def _heartbeat(self) -> None:
@@ -64,7 +67,7 @@ class SimulatedEngine:
                     pass
         try:
             async for _ in self.client.registry.Heartbeat(pings(), metadata=self.client.metadata):
-                pass
+                self._alive.set()
         except grpc.aio.AioRpcError:
             pass
 

@@ -26,6 +26,6 @@ fi
 echo "==> generating gRPC stubs from proto/"
 "$VENV/bin/python" -m kvpush.protogen
 if [ ! -x "$VENV/bin/kvpush" ]; then
-  $PIP install -q --no-deps --no-build-isolation -e .
+  $PIP install -q --no-deps -e .
 fi
 echo "==> ready: $VENV/bin/kvpush"

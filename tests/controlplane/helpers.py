@@ -41,12 +41,15 @@ async def expect_code(code: grpc.StatusCode, coro) -> str:
     raise AssertionError(f"expected {code.name}, the call succeeded")
 
 
-async def settle(endpoint: str, quiet: bool = False, timeout: float = 15.0):
-    """Wait until etcd satisfies every invariant (orphans reaped); return the report."""
+async def settle(endpoint: str, quiet: bool = False, timeout: float = 15.0, until=None):
+    """Wait until etcd satisfies every invariant (orphans reaped) and ``until(report)``
+    holds, if given; return the report."""
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
         report = await check(endpoint, quiet=quiet)
-        if report.ok or asyncio.get_running_loop().time() > deadline:
+        done = report.ok and (until is None or until(report))
+        if done or asyncio.get_running_loop().time() > deadline:
             assert report.ok, report.summary()
+            assert until is None or until(report), f"condition not reached: {report.summary()}"
             return report
         await asyncio.sleep(0.2)

@@ -1,0 +1,108 @@
+"""The reservation lifecycle: every legal transition applied in etcd, every
+illegal one refused, stale reports ignored."""
+
+from __future__ import annotations
+
+import itertools
+
+import grpc
+import pytest
+
+from controlplane import errors
+from controlplane.lifecycle_states import LEGAL, LIVE, TERMINAL, IllegalTransition, Move, State, decide
+from kvpush.simulated import SimulatedEngine
+from kvpush.v1 import registry_pb2
+from tests.controlplane.helpers import expect_code, make_tenant, release, reserve, settle
+
+ALL = list(State)
+
+
+def test_table_is_complete_and_terminal_states_are_final():
+    assert set(LEGAL) == set(State)
+    assert LIVE | TERMINAL == set(State) and not LIVE & TERMINAL
+    for state in TERMINAL:
+        assert LEGAL[state] == frozenset()
+    for state in LIVE:
+        assert {State.RELEASED, State.EXPIRED, State.FAILED} <= LEGAL[state]
+
+
+@pytest.mark.parametrize("current,target", list(itertools.product(ALL, ALL)))
+def test_decide_every_pair(current, target):
+    if target in LEGAL[current]:
+        assert decide(current, target) is Move.APPLY
+    elif current.live and target.live and (current == target or
+                                           [State.RESERVED, State.PUSHING, State.LANDED].index(target)
+                                           < [State.RESERVED, State.PUSHING, State.LANDED].index(current)):
+        assert decide(current, target) is Move.STALE
+    else:
+        with pytest.raises(IllegalTransition):
+            decide(current, target)
+
+
+# Paths from RESERVED through the legal moves, each applied for real in etcd.
+PATHS = [
+    [State.PUSHING, State.LANDED, State.CONSUMED],
+    [State.LANDED, State.CONSUMED],
+    [State.RELEASED], [State.FAILED], [State.EXPIRED],
+    [State.PUSHING, State.RELEASED], [State.PUSHING, State.FAILED], [State.PUSHING, State.EXPIRED],
+    [State.PUSHING, State.LANDED, State.RELEASED], [State.LANDED, State.FAILED], [State.LANDED, State.EXPIRED],
+]
+
+
+@pytest.mark.parametrize("path", PATHS, ids=lambda p: "->".join(s.name for s in p))
+async def test_legal_paths_in_etcd(cp, admin, engine_client, etcd, path):
+    engine = SimulatedEngine(engine_client, "decode-0", num_blocks=32)
+    await engine.register()
+    tenant = await make_tenant(admin, cp.address, "acme")
+    res = await reserve(tenant, "r", 64)
+    for target in path:
+        rec = await cp.lifecycle.transition(res.id, target, "test")
+        assert rec.state == target
+        stored = await cp.lifecycle.find(res.id)
+        assert stored.state == target
+    # Whatever the last state, one more terminal move is refused.
+    with pytest.raises(errors.StateConflict):
+        await cp.lifecycle.transition(res.id, State.FAILED, "again")
+    report = await settle(etcd.endpoint, quiet=True)
+    assert len(report.engines["decode-0"].free) == 32
+    await tenant.close()
+    await engine.stop()
+
+
+async def test_reports_over_the_api(cp, admin, engine_client, etcd):
+    engine = SimulatedEngine(engine_client, "decode-0", num_blocks=32)
+    await engine.register()
+    tenant = await make_tenant(admin, cp.address, "acme")
+    res = await reserve(tenant, "r", 16)
+
+    async def report(state, client=engine_client):
+        return await client.registry.ReportState(
+            registry_pb2.ReportStateRequest(reservation_id=res.id, state=state, engine_id="decode-0"),
+            metadata=client.metadata, timeout=5)
+
+    assert (await report(State.LANDED)).state == State.LANDED
+    # The prefill side's PUSHING arrives late: stale, not an error, nothing changes.
+    assert (await report(State.PUSHING)).state == State.LANDED
+    # Tenants cannot report states: that is the sidecars' API.
+    await expect_code(grpc.StatusCode.UNAUTHENTICATED, report(State.CONSUMED, client=tenant))
+    # RESERVED/RELEASED/EXPIRED are not reportable.
+    for bad in (State.RESERVED, State.RELEASED, State.EXPIRED):
+        await expect_code(grpc.StatusCode.INVALID_ARGUMENT, report(bad))
+    assert (await report(State.CONSUMED)).state == State.CONSUMED
+    await expect_code(grpc.StatusCode.FAILED_PRECONDITION, report(State.LANDED))
+    # Releasing an ended reservation: NOT_FOUND.
+    await expect_code(grpc.StatusCode.NOT_FOUND, release(tenant, res.id))
+    await settle(etcd.endpoint, quiet=True)
+    await tenant.close()
+    await engine.stop()
+
+
+async def test_consume_before_landed_is_refused(cp, admin, engine_client):
+    engine = SimulatedEngine(engine_client, "decode-0", num_blocks=32)
+    await engine.register()
+    tenant = await make_tenant(admin, cp.address, "acme")
+    res = await reserve(tenant, "r", 16)
+    details = await expect_code(grpc.StatusCode.FAILED_PRECONDITION, release(tenant, res.id, consumed=True))
+    assert "RESERVED" in details and "CONSUMED" in details
+    await tenant.close()
+    await engine.stop()

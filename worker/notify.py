@@ -1,0 +1,87 @@
+"""The NIXL notifications a prefill sidecar sends to a decode sidecar.
+
+Three kinds, all naming a reservation and the decode engine's incarnation:
+
+* ``BEGIN``: sent (standalone) when the first write of a reservation is
+  posted. It is a hint: the decode sidecar polls hot until the reservation
+  ends, because on this transport the writes themselves only complete while
+  the target progresses.
+* ``LANDED``: carried by the *final* write, which is posted only after every
+  earlier write of the reservation is DONE, so it is delivered after all
+  bytes. It restates the block ids, block size and token count (the decode
+  side checks them against its pool) and, in checksum mode, one CRC32 per
+  block.
+* ``ABORT``: best effort, when a push fails or is cancelled, so a waiting
+  decode connector learns it before the control plane's deadline.
+
+Encoding: ``b"KVP1"`` + kind letter + compact JSON. A notification is one per
+request, not per layer, so JSON costs nothing that matters; block ids travel
+as runs ``[[first, count], ...]`` (a reservation is usually a few runs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+MAGIC = b"KVP1"
+BEGIN, LANDED, ABORT = "B", "L", "A"
+
+
+class NotifError(ValueError):
+    """A notification that is not ours or is malformed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PushNotice:
+    kind: str
+    reservation_id: str
+    incarnation: str
+    block_ids: tuple[int, ...] = ()
+    block_size: int = 0
+    num_tokens: int = 0
+    checksums: tuple[int, ...] | None = None
+    reason: str = ""
+
+
+def _runs(ids) -> list[list[int]]:
+    runs: list[list[int]] = []
+    for b in ids:
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1][1] += 1
+        else:
+            runs.append([int(b), 1])
+    return runs
+
+
+def encode(notice: PushNotice) -> bytes:
+    body: dict = {"r": notice.reservation_id, "i": notice.incarnation}
+    if notice.kind == LANDED:
+        body.update(b=_runs(notice.block_ids), s=notice.block_size, t=notice.num_tokens)
+        if notice.checksums is not None:
+            body["c"] = list(notice.checksums)
+    elif notice.kind == ABORT:
+        body["why"] = notice.reason[:500]
+    elif notice.kind != BEGIN:
+        raise NotifError(f"unknown notification kind {notice.kind!r}")
+    return MAGIC + notice.kind.encode() + json.dumps(body, separators=(",", ":")).encode()
+
+
+def decode(message: bytes) -> PushNotice:
+    if not message.startswith(MAGIC) or len(message) < len(MAGIC) + 2:
+        raise NotifError("not a kvpush notification")
+    kind = chr(message[len(MAGIC)])
+    try:
+        body = json.loads(message[len(MAGIC) + 1:])
+        rid, inc = str(body["r"]), str(body["i"])
+        if kind == BEGIN:
+            return PushNotice(BEGIN, rid, inc)
+        if kind == ABORT:
+            return PushNotice(ABORT, rid, inc, reason=str(body.get("why", "")))
+        if kind == LANDED:
+            ids = tuple(first + k for first, count in body["b"] for k in range(int(count)))
+            sums = tuple(int(c) for c in body["c"]) if "c" in body else None
+            return PushNotice(LANDED, rid, inc, ids, int(body["s"]), int(body["t"]), sums)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise NotifError(f"malformed {kind!r} notification: {exc}") from exc
+    raise NotifError(f"unknown notification kind {kind!r}")
