@@ -9,7 +9,7 @@ import grpc
 import structlog
 
 from controlplane import errors, keys, validation as v
-from controlplane.api import streaming, unary
+from controlplane.api import check_parsed, streaming, unary
 from controlplane.auth import Auth
 from controlplane.etcd import KV, EtcdClient, EtcdUnavailable, op_put
 from controlplane.lifecycle import Lifecycle
@@ -97,6 +97,7 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         engine_id, lease_id = None, None
         try:
             async for ping in request_iterator:
+                check_parsed(ping)
                 v.text(ping.engine_id, "engine_id", 128, v.ENGINE_ID)
                 if engine_id is None:
                     engine_id, lease_id = ping.engine_id, ping.lease_id

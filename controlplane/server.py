@@ -14,6 +14,7 @@ from prometheus_client import REGISTRY, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
 from controlplane.admin_service import AdminService
+from controlplane.api import add_service
 from controlplane.auth import Auth
 from controlplane.etcd import EtcdClient
 from controlplane.leases import LeaseBuckets
@@ -111,13 +112,13 @@ class ControlPlane:
             ("grpc.max_send_message_length", 64 << 20),
             ("grpc.so_reuseport", 0),
         ])
-        scheduler_pb2_grpc.add_SchedulerServicer_to_server(
-            SchedulerService(self.view, self.auth, self.reserver, self.lifecycle, self.etcd,
-                             self.cfg.default_deadline_ms), self.server)
-        registry_pb2_grpc.add_RegistryServicer_to_server(
-            RegistryService(self.view, self.auth, self.etcd, self.lifecycle), self.server)
-        admin_pb2_grpc.add_AdminServicer_to_server(
-            AdminService(self.view, self.auth, self.etcd, self.lifecycle, self.replica_id), self.server)
+        add_service(self.server, scheduler_pb2_grpc.add_SchedulerServicer_to_server,
+                    SchedulerService(self.view, self.auth, self.reserver, self.lifecycle, self.etcd,
+                                     self.cfg.default_deadline_ms))
+        add_service(self.server, registry_pb2_grpc.add_RegistryServicer_to_server,
+                    RegistryService(self.view, self.auth, self.etcd, self.lifecycle))
+        add_service(self.server, admin_pb2_grpc.add_AdminServicer_to_server,
+                    AdminService(self.view, self.auth, self.etcd, self.lifecycle, self.replica_id))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
         names = [d.services_by_name[n].full_name for d, n in (
             (scheduler_pb2.DESCRIPTOR, "Scheduler"), (registry_pb2.DESCRIPTOR, "Registry"),

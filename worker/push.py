@@ -189,7 +189,7 @@ class PushEngine:
         ob.remaining -= end - start
         final = ob.remaining == 0
         if final:
-            ob.state = PushState.FINALIZING if ob.state == PushState.PUSHING else ob.state
+            ob.state = PushState.FINALIZING
         if ob.peer is None:  # still resolving the peer: keep the order
             ob.queued.append((layer, start, end, final))
             return

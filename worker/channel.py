@@ -1,0 +1,388 @@
+"""The local channel: a Unix-domain socket between vLLM's connector and its sidecar.
+
+Server side (in the sidecar): ``ChannelServer`` parses frames straight from
+an asyncio ``Protocol`` buffer and calls a ``ChannelHandler`` synchronously,
+in arrival order; replies and events are written without awaiting (the
+connector reads them on its own thread).
+
+Client side (in the engine process): ``SidecarClient`` is plain synchronous
+code for vLLM's worker thread. ``push``/``end_request`` are fire-and-forget:
+one ``sendall`` of a small frame into the socket buffer, no reply awaited, so
+the forward pass never waits on the sidecar; order is kept because one stream
+carries them all. Calls that need an answer (``begin_push``, ``query``, ...)
+block for their reply with a timeout. A reader thread, asleep in ``recv`` when
+nothing comes, matches replies to callers and queues events (push outcomes on
+the prefill side, LANDED/FAILED on the decode side).
+
+Frame format: ``worker/frames.py``. Round-trip time: ``measure_rtt``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from typing import Awaitable, Callable, Protocol
+
+from worker import frames as F
+from worker.pools import StagingAllocation
+
+log = logging.getLogger(__name__)
+
+MAX_UNSENT = 8 << 20  # a client that stops reading events is dropped past this
+
+
+class ChannelError(Exception):
+    """The sidecar refused a call, or the channel broke or timed out."""
+
+
+class Connection:
+    """One connected engine process, as the handler sees it."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, transport: asyncio.Transport):
+        self.transport = transport
+        self.owner = f"conn-{next(self._ids)}"
+        self.info: dict = {}
+        self.closed = False
+
+    def send(self, data: bytes) -> None:
+        if self.closed:
+            return
+        if self.transport.get_write_buffer_size() > MAX_UNSENT:
+            log.warning("%s is not reading its events; closing it", self.owner)
+            self.transport.close()
+            return
+        self.transport.write(data)
+
+    def send_event(self, event: F.StateEvent) -> None:
+        self.send(F.frame(F.EVENT, 0, F.encode_state(event)))
+
+
+class ChannelHandler(Protocol):
+    def on_hello(self, conn: Connection, info: dict) -> dict: ...
+    def on_begin(self, conn: Connection, req: F.BeginRequest) -> StagingAllocation: ...
+    def on_push(self, conn: Connection, piece: F.PushPiece) -> None: ...
+    def on_end(self, conn: Connection, end: F.EndRequest) -> None: ...
+    def on_query(self, conn: Connection, reservation_id: str) -> F.StateEvent: ...
+    def on_subscribe(self, conn: Connection, reservation_id: str) -> F.StateEvent: ...
+    def on_consumed(self, conn: Connection, reservation_id: str) -> F.StateEvent: ...
+    def on_admin(self, conn: Connection, request: dict) -> dict | Awaitable[dict]: ...
+    def on_disconnect(self, conn: Connection) -> None: ...
+
+
+class _ServerProtocol(asyncio.Protocol):
+    def __init__(self, handler: ChannelHandler, connections: set):
+        self.handler = handler
+        self.connections = connections
+        self.buf = bytearray()
+        self.conn: Connection | None = None
+        self.paused_for: asyncio.Task | None = None
+
+    def connection_made(self, transport) -> None:
+        self.conn = Connection(transport)
+        self.connections.add(self.conn)
+
+    def connection_lost(self, exc) -> None:
+        conn = self.conn
+        conn.closed = True
+        self.connections.discard(conn)
+        try:
+            self.handler.on_disconnect(conn)
+        except Exception:
+            log.exception("disconnect handler failed for %s", conn.owner)
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        self._drain()
+
+    def _drain(self) -> None:
+        buf = self.buf
+        while len(buf) >= F.HEADER.size and self.paused_for is None:
+            length, kind, seq = F.HEADER.unpack_from(buf)
+            if length > F.MAX_BODY:
+                log.error("%s sent a %d-byte frame; closing", self.conn.owner, length)
+                self.conn.transport.close()
+                return
+            end = F.HEADER.size + length
+            if len(buf) < end:
+                return
+            body = bytes(buf[F.HEADER.size:end])
+            del buf[:end]
+            self._dispatch(kind, seq, body)
+
+    def _dispatch(self, kind: int, seq: int, body: bytes) -> None:
+        conn, h = self.conn, self.handler
+        try:
+            if kind == F.PUSH:
+                return h.on_push(conn, F.decode_push(body))
+            if kind == F.END:
+                return h.on_end(conn, F.decode_end(body))
+            if kind == F.PING:
+                answer = b""
+            elif kind == F.BEGIN:
+                answer = F.encode_alloc(h.on_begin(conn, F.decode_begin(body)))
+            elif kind == F.QUERY:
+                answer = F.encode_state(h.on_query(conn, F.decode_id(body)))
+            elif kind == F.SUBSCRIBE:
+                answer = F.encode_state(h.on_subscribe(conn, F.decode_id(body)))
+            elif kind == F.CONSUMED:
+                answer = F.encode_state(h.on_consumed(conn, F.decode_id(body)))
+            elif kind == F.HELLO:
+                conn.info = F.decode_json(body)
+                answer = F.encode_json(h.on_hello(conn, conn.info))
+            elif kind == F.ADMIN:
+                result = h.on_admin(conn, F.decode_json(body))
+                if asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
+                    return self._await_admin(seq, result)
+                answer = F.encode_json(result)
+            else:
+                raise F.FrameError(f"unknown frame type {kind}")
+        except Exception as exc:
+            if seq:
+                conn.send(F.reply(seq, error=f"{type(exc).__name__}: {exc}"))
+            else:
+                log.warning("%s: frame type %d failed: %s", conn.owner, kind, exc)
+            return
+        if seq:
+            conn.send(F.reply(seq, answer))
+
+    def _await_admin(self, seq: int, awaitable) -> None:
+        # Stop reading until the answer is in, so frames after it keep their order.
+        self.conn.transport.pause_reading()
+
+        async def finish() -> None:
+            try:
+                self.conn.send(F.reply(seq, F.encode_json(await awaitable)))
+            except Exception as exc:
+                self.conn.send(F.reply(seq, error=f"{type(exc).__name__}: {exc}"))
+            finally:
+                self.paused_for = None
+                if not self.conn.closed:
+                    self.conn.transport.resume_reading()
+                    self._drain()
+
+        self.paused_for = asyncio.get_running_loop().create_task(finish())
+
+
+class ChannelServer:
+    def __init__(self, path: str, handler: ChannelHandler):
+        self.path = path
+        self.handler = handler
+        self.connections: set[Connection] = set()
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> None:
+        if os.path.exists(self.path):
+            os.unlink(self.path)  # a stale socket of a previous sidecar
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(
+            lambda: _ServerProtocol(self.handler, self.connections), self.path)
+        os.chmod(self.path, 0o600)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for conn in list(self.connections):
+                conn.transport.close()
+            await self._server.wait_closed()
+            self._server = None
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+# ---------------------------------------------------------------------------------------
+# The synchronous client, for the engine process.
+
+
+class SidecarClient:
+    """Synchronous client of a sidecar's local channel (thread-safe)."""
+
+    def __init__(self, path: str, timeout_s: float = 5.0,
+                 on_event: Callable[[F.StateEvent], None] | None = None):
+        self.path = path
+        self.timeout_s = timeout_s
+        self.on_event = on_event
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout_s)
+        self._sock.connect(path)
+        self._sock.settimeout(None)  # blocking; sends are bounded by SO_SNDTIMEO instead
+        secs = int(timeout_s)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                              struct.pack("ll", secs, int((timeout_s - secs) * 1e6)))
+        self._send_lock = threading.Lock()
+        self._seq = itertools.count(1)
+        self._pending: dict[int, list] = {}  # seq -> [threading.Event, ok, body]
+        self._events: collections.deque[F.StateEvent] = collections.deque(maxlen=65536)
+        self._event_cv = threading.Condition()
+        self._broken: str = ""
+        self._reader = threading.Thread(target=self._read_loop, name="kvpush-channel-reader", daemon=True)
+        self._reader.start()
+
+    # -- calls ------------------------------------------------------------------------------
+    def hello(self, **info) -> dict:
+        return F.decode_json(self._call(F.HELLO, F.encode_json(info)))
+
+    def begin_push(self, request: F.BeginRequest) -> StagingAllocation:
+        return F.decode_alloc(self._call(F.BEGIN, F.encode_begin(request)))
+
+    def push(self, request_id: str, layer: int, start: int = 0, end: int = 0) -> None:
+        """Fire-and-forget: push tokens [start, end) of ``layer`` (end 0: to the end)."""
+        self._send(F.frame(F.PUSH, 0, F.encode_push(F.PushPiece(request_id, layer, start, end))))
+
+    def end_request(self, request_id: str, aborted: bool = False, reason: str = "") -> None:
+        self._send(F.frame(F.END, 0, F.encode_end(F.EndRequest(request_id, aborted, reason))))
+
+    def query(self, reservation_id: str) -> F.StateEvent:
+        return F.decode_state(self._call(F.QUERY, F.encode_id(reservation_id)))
+
+    def subscribe(self, reservation_id: str) -> F.StateEvent:
+        return F.decode_state(self._call(F.SUBSCRIBE, F.encode_id(reservation_id)))
+
+    def consumed(self, reservation_id: str) -> F.StateEvent:
+        return F.decode_state(self._call(F.CONSUMED, F.encode_id(reservation_id)))
+
+    def ping(self) -> None:
+        self._call(F.PING, b"")
+
+    def admin(self, op: str, **fields) -> dict:
+        return F.decode_json(self._call(F.ADMIN, F.encode_json({"op": op, **fields})))
+
+    def wait_event(self, predicate: Callable[[F.StateEvent], bool], timeout_s: float) -> F.StateEvent:
+        """The first queued event matching ``predicate`` (removed from the queue), waiting
+        up to ``timeout_s``; ``ChannelError`` on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._event_cv:
+            while True:
+                for event in self._events:
+                    if predicate(event):
+                        self._events.remove(event)
+                        return event
+                left = deadline - time.monotonic()
+                if left <= 0 or self._broken:
+                    raise ChannelError(self._broken or f"no matching event within {timeout_s} s")
+                self._event_cv.wait(left)
+
+    def events(self) -> list[F.StateEvent]:
+        with self._event_cv:
+            out = list(self._events)
+            self._events.clear()
+            return out
+
+    def close(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._reader.join(timeout=2)
+        self._sock.close()
+
+    def __enter__(self) -> "SidecarClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def _send(self, data: bytes) -> None:
+        if self._broken:
+            raise ChannelError(self._broken)
+        try:
+            with self._send_lock:
+                self._sock.sendall(data)
+        except OSError as exc:
+            raise ChannelError(f"channel to {self.path} broken: {exc}") from exc
+
+    def _call(self, kind: int, body: bytes) -> bytes:
+        seq = next(self._seq)
+        slot = [threading.Event(), False, b""]
+        self._pending[seq] = slot
+        try:
+            self._send(F.frame(kind, seq, body))
+            if not slot[0].wait(self.timeout_s):
+                raise ChannelError(self._broken or f"no reply from the sidecar within {self.timeout_s} s")
+        finally:
+            self._pending.pop(seq, None)
+        if slot[1] is None:
+            raise ChannelError(self._broken)
+        if not slot[1]:
+            raise ChannelError(slot[2].decode(errors="replace"))
+        return slot[2]
+
+    def _recv_exact(self, n: int) -> bytes:
+        chunks, got = [], 0
+        while got < n:
+            chunk = self._sock.recv(min(n - got, 1 << 20))
+            if not chunk:
+                raise ConnectionError("sidecar closed the channel")
+            chunks.append(chunk)
+            got += len(chunk)
+        return b"".join(chunks)
+
+    def _read_loop(self) -> None:
+        try:
+            while True:
+                length, kind, seq = F.HEADER.unpack(self._recv_exact(F.HEADER.size))
+                body = self._recv_exact(length) if length else b""
+                if kind == F.REPLY:
+                    slot = self._pending.get(seq)
+                    if slot is not None:
+                        slot[1], slot[2] = body[:1] == bytes([F.OK]), body[1:]
+                        slot[0].set()
+                elif kind == F.EVENT:
+                    event = F.decode_state(body)
+                    with self._event_cv:
+                        self._events.append(event)
+                        self._event_cv.notify_all()
+                    if self.on_event is not None:
+                        try:
+                            self.on_event(event)
+                        except Exception:
+                            log.exception("event callback failed")
+        except (OSError, ConnectionError, F.FrameError) as exc:
+            self._broken = f"channel to {self.path} closed: {exc}"
+        finally:
+            for slot in list(self._pending.values()):
+                slot[1] = None
+                slot[0].set()
+            with self._event_cv:
+                self._event_cv.notify_all()
+
+
+@dataclasses.dataclass(frozen=True)
+class RttStats:
+    samples: int
+    p50_us: float
+    p99_us: float
+    max_us: float
+    send_only_us: float  # cost to the caller of one fire-and-forget frame
+
+
+def measure_rtt(client: SidecarClient, samples: int = 2000, warmup: int = 100) -> RttStats:
+    """Round trip of a PING (frame out, reply in, through the reader thread)."""
+    for _ in range(warmup):
+        client.ping()
+    times = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        client.ping()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    # Fire-and-forget cost: an END for a request the sidecar does not know is ignored.
+    t0 = time.perf_counter()
+    for _ in range(samples):
+        client.end_request("rtt-probe")
+    send_only = (time.perf_counter() - t0) / samples
+    client.ping()  # let the sidecar work through them before the caller goes on
+    pick = lambda q: times[min(len(times) - 1, int(q * len(times)))] * 1e6  # noqa: E731
+    return RttStats(samples, pick(0.5), pick(0.99), times[-1] * 1e6, send_only * 1e6)
