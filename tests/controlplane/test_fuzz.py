@@ -1,0 +1,105 @@
+"""Hypothesis throws random fields, sizes and ids at every RPC. The server must
+answer each with a status (never crash or hang), stay up, and leave the registry
+satisfying every invariant."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from controlplane.invariants import check
+from kvpush.simulated import SimulatedEngine
+from kvpush.v1 import admin_pb2, registry_pb2, scheduler_pb2, types_pb2
+from tests.controlplane.helpers import make_tenant
+
+# Codes an API may legitimately answer with; INTERNAL/UNKNOWN would mean a crash.
+ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED,
+           grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION,
+           grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.ABORTED}
+
+texts = st.one_of(st.text(max_size=300), st.sampled_from(["", "sim-model", "decode-0", "acme", "r-" + "0" * 24]))
+u32 = st.one_of(st.integers(0, 2**32 - 1), st.integers(0, 5000))
+layouts = st.builds(types_pb2.KvLayout, num_layers=u32, block_size=u32, num_kv_heads=u32, head_dim=u32,
+                    dtype=st.sampled_from(["", "float32", "bfloat16", "x"]), kv_parts=st.integers(0, 3))
+engines = st.builds(types_pb2.Engine, engine_id=texts, role=st.integers(0, 2), model=texts,
+                    kv_layout=layouts, nixl_agent=texts, nixl_metadata=st.binary(max_size=64), num_blocks=u32,
+                    incarnation=texts, pool=texts, memory_kind=st.sampled_from(["", "DRAM", "VRAM", "?"]))
+
+# Rotating or deleting the fuzzing tenant itself would leave every later call UNAUTHENTICATED.
+others = texts.filter(lambda name: name != "acme")
+
+CALLS = st.one_of(
+    st.tuples(st.just(("scheduler", "Reserve", "tenant")), st.builds(
+        scheduler_pb2.ReserveRequest, request_id=texts, num_tokens=u32, model=texts,
+        preferred_engine_id=texts, deadline_ms=u32, prefill_layout=st.one_of(st.none(), layouts))),
+    st.tuples(st.just(("scheduler", "Release", "tenant")), st.builds(
+        scheduler_pb2.ReleaseRequest, reservation_id=texts, consumed=st.booleans(), reason=texts)),
+    st.tuples(st.just(("scheduler", "GetReservation", "tenant")),
+              st.builds(scheduler_pb2.GetReservationRequest, reservation_id=texts)),
+    st.tuples(st.just(("scheduler", "ListEngines", "tenant")),
+              st.builds(scheduler_pb2.ListEnginesRequest, model=texts)),
+    st.tuples(st.just(("registry", "RegisterEngine", "engine")), st.builds(
+        registry_pb2.RegisterEngineRequest, engine=engines, lease_ttl_seconds=u32)),
+    st.tuples(st.just(("registry", "GetEngine", "engine")),
+              st.builds(registry_pb2.GetEngineRequest, engine_id=texts)),
+    st.tuples(st.just(("registry", "ReportState", "engine")), st.builds(
+        registry_pb2.ReportStateRequest, reservation_id=texts, state=st.integers(0, 9), reason=texts,
+        engine_id=texts)),
+    st.tuples(st.just(("registry", "LookupReservation", "engine")),
+              st.builds(registry_pb2.LookupReservationRequest, reservation_id=texts)),
+    st.tuples(st.just(("registry", "DeregisterEngine", "engine")),
+              st.builds(registry_pb2.DeregisterEngineRequest, engine_id=texts, incarnation=texts)),
+    st.tuples(st.just(("admin", "CreateTenant", "admin")), st.builds(
+        admin_pb2.CreateTenantRequest, name=texts, quota_blocks=u32, allowed_pools=st.lists(texts, max_size=70),
+        token=texts)),
+    st.tuples(st.just(("admin", "UpdateTenant", "admin")), st.builds(
+        admin_pb2.UpdateTenantRequest, name=others, quota_blocks=u32, allowed_pools=st.lists(texts, max_size=3))),
+    st.tuples(st.just(("admin", "DeleteTenant", "admin")), st.builds(admin_pb2.DeleteTenantRequest, name=others)),
+    st.tuples(st.just(("admin", "RotateTenantToken", "admin")),
+              st.builds(admin_pb2.RotateTenantTokenRequest, name=others)),
+    st.tuples(st.just(("admin", "GetStatus", "admin")), st.just(admin_pb2.GetStatusRequest())),
+)
+
+
+async def test_fuzz_every_rpc(cp, admin, engine_client, etcd):
+    engine = SimulatedEngine(engine_client, "decode-0", num_blocks=256)
+    await engine.register()
+    tenant = await make_tenant(admin, cp.address, "acme", quota_blocks=200)
+    clients = {"tenant": tenant, "engine": engine_client, "admin": admin}
+    loop = asyncio.get_running_loop()
+    seen: dict[str, int] = {}
+
+    async def call(spec, request):
+        service, method, who = spec
+        client = clients[who]
+        stub = getattr(client, service)
+        try:
+            await getattr(stub, method)(request, metadata=client.metadata, timeout=10)
+            seen["OK"] = seen.get("OK", 0) + 1
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() in ALLOWED, f"{method}: {exc.code().name}: {exc.details()}"
+            seen[exc.code().name] = seen.get(exc.code().name, 0) + 1
+
+    @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(CALLS, min_size=1, max_size=4))
+    def run(calls):
+        # Hypothesis drives synchronously; run each example on the test's own loop.
+        async def batch():
+            await asyncio.gather(*(call(s, r) for s, r in calls))
+        fut = asyncio.run_coroutine_threadsafe(batch(), loop)
+        fut.result(60)
+
+    await asyncio.to_thread(run)
+    print("fuzz outcomes:", seen)
+    assert seen.get("OK", 0) > 0 and seen.get("INVALID_ARGUMENT", 0) > 0, seen
+    assert sum(seen.values()) >= 400
+    # The server is still up and the registry is consistent (orphans of fuzzed
+    # engines that were registered without heartbeats may still await the reaper).
+    report = await check(etcd.endpoint, allow_orphans=True)
+    assert report.ok, report.summary()
+    status = await admin.admin.GetStatus(admin_pb2.GetStatusRequest(), metadata=admin.metadata, timeout=5)
+    assert status.revision > 0
+    await tenant.close()
+    await engine.stop()

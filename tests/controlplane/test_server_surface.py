@@ -1,0 +1,144 @@
+"""What operators touch: TLS and mutual TLS, grpc health, reflection, metrics, CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from controlplane.client import ControlPlaneClient
+from controlplane.server import ControlPlane, ControlPlaneConfig
+from kvpush.etcd_server import free_port
+from kvpush.simulated import SimulatedEngine
+from kvpush.v1 import admin_pb2
+from tests.conftest import ADMIN_TOKEN, ENGINE_TOKEN, ROOT
+from tests.controlplane.helpers import make_tenant, reserve
+
+
+def openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pki")
+    p = lambda name: str(d / name)  # noqa: E731
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=kvpush-test-ca",
+            "-keyout", p("ca.key"), "-out", p("ca.pem"))
+    for name in ("server", "client"):
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", p(f"{name}.key"),
+                "-out", p(f"{name}.csr"))
+        with open(p(f"{name}.ext"), "w") as f:
+            f.write("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+        openssl("x509", "-req", "-in", p(f"{name}.csr"), "-CA", p("ca.pem"), "-CAkey", p("ca.key"),
+                "-CAcreateserial", "-days", "2", "-extfile", p(f"{name}.ext"), "-out", p(f"{name}.pem"))
+    return p
+
+
+async def _status_ok(client: ControlPlaneClient) -> bool:
+    resp = await client.admin.GetStatus(admin_pb2.GetStatusRequest(), metadata=client.metadata, timeout=5)
+    return bool(resp.replica_id)
+
+
+async def test_tls_and_mutual_tls(etcd, pki):
+    plane = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd.endpoint, admin_token=ADMIN_TOKEN,
+                                            tls_cert=pki("server.pem"), tls_key=pki("server.key"),
+                                            tls_client_ca=pki("ca.pem")))
+    await plane.start()
+    await plane.view.ready.wait()
+    address = f"127.0.0.1:{plane.port}"
+    try:
+        good = ControlPlaneClient(address, ADMIN_TOKEN, tls_ca=pki("ca.pem"), tls_cert=pki("client.pem"),
+                                  tls_key=pki("client.key"))
+        assert await _status_ok(good)
+        no_cert = ControlPlaneClient(address, ADMIN_TOKEN, tls_ca=pki("ca.pem"))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await _status_ok(no_cert)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        plaintext = ControlPlaneClient(address, ADMIN_TOKEN)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await _status_ok(plaintext)
+        for c in (good, no_cert, plaintext):
+            await c.close()
+    finally:
+        await plane.stop(0.1)
+
+
+async def test_health_reflection_and_metrics(etcd):
+    metrics_port = free_port()
+    plane = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd.endpoint, admin_token=ADMIN_TOKEN,
+                                            engine_token=ENGINE_TOKEN, metrics_port=metrics_port))
+    await plane.start()
+    address = f"127.0.0.1:{plane.port}"
+    try:
+        channel = grpc.aio.insecure_channel(address)
+        health = health_pb2_grpc.HealthStub(channel)
+        for _ in range(50):
+            resp = await health.Check(health_pb2.HealthCheckRequest(service="kvpush.v1.Scheduler"))
+            if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                break
+            await asyncio.sleep(0.1)
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+        refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+
+        async def ask():
+            yield reflection_pb2.ServerReflectionRequest(list_services="")
+        services = set()
+        async for answer in refl.ServerReflectionInfo(ask()):
+            services |= {s.name for s in answer.list_services_response.service}
+        assert {"kvpush.v1.Scheduler", "kvpush.v1.Registry", "kvpush.v1.Admin"} <= services
+        await channel.close()
+
+        admin = ControlPlaneClient(address, ADMIN_TOKEN)
+        engine_client = ControlPlaneClient(address, ENGINE_TOKEN)
+        engine = SimulatedEngine(engine_client, "decode-m", num_blocks=32)
+        await engine.register()
+        tenant = await make_tenant(admin, address, "acme")
+        await reserve(tenant, "a", 40)
+        text = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode())
+        assert 'kvpush_reserve_total{code="OK"}' in text
+        assert "kvpush_reserve_latency_seconds_bucket" in text
+        assert "kvpush_etcd_txn_latency_seconds_count" in text
+        assert 'kvpush_reservations{state="RESERVED"} 1.0' in text
+        assert 'kvpush_engine_free_blocks{engine="decode-m"} 29.0' in text
+        await engine.stop()
+        for c in (admin, engine_client, tenant):
+            await c.close()
+    finally:
+        await plane.stop(0.1)
+
+
+async def test_cli_status_and_tenant(cp, engine_client, admin):
+    engine = SimulatedEngine(engine_client, "decode-cli", num_blocks=16)
+    await engine.register()
+    env = {**os.environ, "KVPUSH_ADMIN_TOKEN": ADMIN_TOKEN, "KVPUSH_CONTROLPLANE": cp.address}
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "kvpush.cli", *args], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=60)
+    out = await asyncio.to_thread(run, "tenant", "create", "cli-tenant", "--quota-blocks", "7")
+    assert out.returncode == 0, out.stderr
+    created = json.loads(out.stdout)
+    assert created["name"] == "cli-tenant" and created["token"].startswith("kvp_")
+    tenant = ControlPlaneClient(cp.address, created["token"])
+    await reserve(tenant, "x", 20)
+    out = await asyncio.to_thread(run, "status")
+    assert out.returncode == 0, out.stderr
+    assert "decode-cli" in out.stdout and "RESERVED" in out.stdout
+    out = await asyncio.to_thread(run, "status", "--json")
+    status = json.loads(out.stdout)
+    assert status["engines"][0]["free_blocks"] == 14
+    out = await asyncio.to_thread(run, "tenant", "create", "cli-tenant")
+    assert out.returncode != 0 and "ALREADY_EXISTS" in out.stderr
+    await tenant.close()
+    await engine.stop()
