@@ -100,13 +100,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         if not result.succeeded:
             raise errors.ApiError(grpc.StatusCode.ABORTED, f"tenant {request.name!r} changed concurrently; retry")
         await self.view.wait_for_revision(result.revision, 2.0)
-        released = 0
-        for rec in self.view.live_reservations(tenant=request.name):
-            try:
-                await self._lifecycle.transition(rec.id, State.RELEASED, "tenant deleted")
-                released += 1
-            except errors.StateConflict:
-                pass
+        released = await self._lifecycle.end_many(self.view.live_reservations(tenant=request.name),
+                                                  State.RELEASED, "tenant deleted")
         return admin_pb2.DeleteTenantResponse(reservations_released=released)
 
     @unary

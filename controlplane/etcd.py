@@ -59,6 +59,7 @@ class TxnResult:
     succeeded: bool
     revision: int
     ranges: list[list[KV]]  # one list per range op, in order
+    nested: list[bool] = dataclasses.field(default_factory=list)  # per nested txn op: did it succeed
 
 
 def prefix_end(prefix: bytes) -> bytes:
@@ -98,6 +99,11 @@ def op_touch(key: bytes):
 
 def op_delete(key: bytes):
     return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key))
+
+
+def op_txn(compare: Sequence, success: Sequence):
+    """A nested transaction: many independent compare-and-swaps in one round trip."""
+    return rpc.RequestOp(request_txn=rpc.TxnRequest(compare=list(compare), success=list(success)))
 
 
 def op_get(key: bytes, prefix: bool = False):
@@ -146,7 +152,8 @@ class EtcdClient:
         metrics.ETCD_TXN_LATENCY.observe(time.perf_counter() - started)
         ranges = [[_kv(kv) for kv in r.response_range.kvs] for r in resp.responses
                   if r.WhichOneof("response") == "response_range"]
-        return TxnResult(resp.succeeded, resp.header.revision, ranges)
+        nested = [r.response_txn.succeeded for r in resp.responses if r.WhichOneof("response") == "response_txn"]
+        return TxnResult(resp.succeeded, resp.header.revision, ranges, nested)
 
     async def get_prefix(self, prefix: bytes, revision: int = 0) -> tuple[list[KV], int]:
         resp = await self._call(self._kv.Range, rpc.RangeRequest(key=prefix, range_end=prefix_end(prefix),

@@ -14,8 +14,8 @@ import dataclasses
 import grpc
 
 from controlplane import errors, keys, metrics
-from controlplane.etcd import KV, EtcdClient, EtcdLeaseNotFound, EtcdUnavailable, cmp_create, cmp_mod, \
-    op_delete, op_get, op_put
+from controlplane.etcd import KV, EtcdClient, EtcdLeaseNotFound, EtcdUnavailable, chunks, cmp_create, \
+    cmp_mod, op_delete, op_get, op_put, op_txn
 from controlplane.leases import LeaseBuckets
 from controlplane.lifecycle_states import IllegalTransition, Move, State, decide
 from controlplane.records import ReservationRecord
@@ -24,6 +24,7 @@ from kvpush import log
 
 _log = log.get("lifecycle")
 MAX_ATTEMPTS = 10
+BATCH = 100  # nested compare-and-swaps per transaction (etcd's default op limit is 128)
 
 
 class Lifecycle:
@@ -100,32 +101,84 @@ class Lifecycle:
             raise errors.unavailable(f"etcd unavailable: {exc}") from None
         return ReservationRecord.decode(kv.value) if kv else None
 
-    async def record_expiry(self, rec: ReservationRecord) -> None:
-        """The deadline lease deleted a live reservation: write its EXPIRED tombstone
-        (once, whichever replica gets there first)."""
-        key = keys.reservation(rec.id)
-        expired = dataclasses.replace(rec, state=State.EXPIRED, reason="deadline passed")
-        try:
-            lease = await self._leases.tombstone()
-            result = await self._etcd.txn([cmp_create(key, 0)], [op_put(key, expired.encode(), lease)])
-            if result.succeeded:
-                metrics.TRANSITIONS.labels(to=State.EXPIRED.name).inc()
-                _log.info("transition", reservation_id=rec.id, tenant=rec.tenant, request_id=rec.request_id,
-                          frm=rec.state.name, to="EXPIRED", reason="deadline passed")
-        except (EtcdUnavailable, EtcdLeaseNotFound) as exc:
-            _log.warning("could not record expiry", reservation_id=rec.id, error=str(exc))
+    async def record_expiries(self, records: list[ReservationRecord]) -> int:
+        """Deadline leases deleted these live reservations: write their EXPIRED
+        tombstones (once each, whichever replica gets there first), many per
+        round trip since a whole second's worth of reservations expires at once."""
+        written = 0
+        for chunk in chunks(records, BATCH):
+            try:
+                lease = await self._leases.tombstone()
+                nested, values = [], []
+                for rec in chunk:
+                    key = keys.reservation(rec.id)
+                    value = dataclasses.replace(rec, state=State.EXPIRED, reason="deadline passed").encode()
+                    values.append((key, value))
+                    nested.append(op_txn([cmp_create(key, 0)], [op_put(key, value, lease)]))
+                result = await self._etcd.txn([], nested)
+            except (EtcdUnavailable, EtcdLeaseNotFound) as exc:
+                _log.warning("could not record expiries", count=len(chunk), error=str(exc))
+                continue
+            for (key, value), ok in zip(values, result.nested):
+                if ok:
+                    written += 1
+                    self._view.apply(KV(key, value, result.revision, result.revision, lease), False,
+                                     result.revision)
+        metrics.TRANSITIONS.labels(to=State.EXPIRED.name).inc(written)
+        if written:
+            _log.info("reservations expired", count=written)
+        return written
+
+    async def end_many(self, records: list[ReservationRecord], target: State, reason: str) -> int:
+        """End many live reservations at once (engine death, tenant deletion): one
+        nested compare-and-swap per reservation, up to BATCH per round trip; any
+        the view had stale go through ``transition`` one by one."""
+        assert target.terminal
+        ended, retry = 0, []
+        for chunk in chunks(records, BATCH):
+            entries = [(rec, self._view.reservations.get(rec.id)) for rec in chunk]
+            entries = [(rec, e) for rec, e in entries if e is not None and e.record.state.live]
+            if not entries:
+                continue
+            try:
+                lease = await self._leases.tombstone()
+                nested, writes = [], []
+                for rec, entry in entries:
+                    key = keys.reservation(rec.id)
+                    value = dataclasses.replace(entry.record, state=target, reason=reason).encode()
+                    req_key = keys.request(rec.tenant, rec.request_id)
+                    nested.append(op_txn([cmp_mod(key, entry.mod_revision)],
+                                         [op_put(key, value, lease), op_delete(req_key)]))
+                    writes.append((rec, key, value, req_key))
+                result = await self._etcd.txn([], nested)
+            except EtcdUnavailable as exc:
+                raise errors.unavailable(f"etcd unavailable: {exc}") from None
+            except EtcdLeaseNotFound:
+                self._leases.forget()
+                retry += [rec for rec, _ in entries]
+                continue
+            for (rec, key, value, req_key), ok in zip(writes, result.nested):
+                if not ok:
+                    retry.append(rec)
+                    continue
+                ended += 1
+                self._view.apply(KV(key, value, result.revision, result.revision, lease), False, result.revision)
+                self._view.apply(KV(req_key, b"", result.revision, 0, 0), True, result.revision)
+        metrics.TRANSITIONS.labels(to=target.name).inc(ended)
+        for rec in retry:
+            try:
+                await self.transition(rec.id, target, reason)
+                ended += 1
+            except (errors.StateConflict, errors.ApiError) as exc:
+                if getattr(exc, "code", None) == grpc.StatusCode.UNAVAILABLE:
+                    raise
+        if ended:
+            _log.info("reservations ended", count=ended, to=target.name, reason=reason)
+        return ended
 
     async def fail_engine(self, engine_id: str, reason: str, keep_incarnation: str | None = None) -> int:
         """End FAILED every live reservation on ``engine_id`` (except those of
         ``keep_incarnation``, the engine's current life). Returns how many ended."""
-        ended = 0
-        for rec in self._view.live_reservations(engine_id=engine_id):
-            if keep_incarnation is not None and rec.incarnation == keep_incarnation:
-                continue
-            try:
-                await self.transition(rec.id, State.FAILED, reason)
-                ended += 1
-            except errors.ApiError as exc:
-                if exc.code == grpc.StatusCode.UNAVAILABLE:
-                    raise
-        return ended
+        doomed = [rec for rec in self._view.live_reservations(engine_id=engine_id)
+                  if keep_incarnation is None or rec.incarnation != keep_incarnation]
+        return await self.end_many(doomed, State.FAILED, reason)

@@ -21,7 +21,9 @@ class Reaper:
         self._view = view
         self._lifecycle = lifecycle
         self._sweep_interval = sweep_interval
-        self._work: asyncio.Queue = asyncio.Queue()
+        self._expired: list = []      # records whose deadline lease ran out
+        self._engines: list = []      # (engine id, incarnation to keep, reason)
+        self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._unsubscribe = None
 
@@ -39,26 +41,34 @@ class Reaper:
 
     def _on_change(self, change: object) -> None:
         if isinstance(change, ReservationChange) and change.expired and change.old is not None:
-            self._work.put_nowait(("expired", change.old))
+            self._expired.append(change.old)
         elif isinstance(change, EngineChange) and change.old is not None:
             if change.new is None:
-                self._work.put_nowait(("engine", (change.old.engine_id, None, "decode engine deregistered or "
-                                                  "its sidecar's lease expired")))
+                self._engines.append((change.old.engine_id, None,
+                                      "decode engine deregistered or its sidecar's lease expired"))
             elif change.new.incarnation != change.old.incarnation:
-                self._work.put_nowait(("engine", (change.old.engine_id, change.new.incarnation,
-                                                  "decode engine restarted (new incarnation)")))
+                self._engines.append((change.old.engine_id, change.new.incarnation,
+                                      "decode engine restarted (new incarnation)"))
+            else:
+                return
+        else:
+            return
+        self._wake.set()
 
     async def _worker(self) -> None:
         while True:
-            kind, item = await self._work.get()
+            await self._wake.wait()
+            self._wake.clear()
+            # Take everything queued: a whole lease's worth of reservations expires at once.
+            expired, self._expired = self._expired, []
+            engines, self._engines = self._engines, []
             try:
-                if kind == "expired":
-                    await self._lifecycle.record_expiry(item)
-                else:
-                    engine_id, keep, reason = item
+                if expired:
+                    await self._lifecycle.record_expiries(expired)
+                for engine_id, keep, reason in engines:
                     await self._lifecycle.fail_engine(engine_id, reason, keep_incarnation=keep)
             except errors.ApiError as exc:
-                _log.warning("reaper step failed; the sweep will retry", kind=kind, error=exc.message)
+                _log.warning("reaper step failed; the sweep will retry", error=exc.message)
             except Exception:
                 _log.exception("reaper step crashed")
 
@@ -66,14 +76,9 @@ class Reaper:
         """End FAILED each live reservation whose engine (this incarnation) is gone."""
         orphans = [rec for rec in self._view.live_reservations()
                    if (eng := self._view.engine(rec.engine_id)) is None or eng.incarnation != rec.incarnation]
-        ended = 0
-        for rec in orphans:
-            try:
-                await self._lifecycle.transition(rec.id, State.FAILED, "decode engine is gone")
-                ended += 1
-            except errors.ApiError:
-                pass
-        return ended
+        if not orphans:
+            return 0
+        return await self._lifecycle.end_many(orphans, State.FAILED, "decode engine is gone")
 
     async def _sweeper(self) -> None:
         await self._view.ready.wait()

@@ -7,9 +7,11 @@ connector reads them on its own thread).
 
 Client side (in the engine process): ``SidecarClient`` is plain synchronous
 code for vLLM's worker thread. ``push``/``end_request`` are fire-and-forget:
-one ``sendall`` of a small frame into the socket buffer, no reply awaited, so
-the forward pass never waits on the sidecar; order is kept because one stream
-carries them all. Calls that need an answer (``begin_push``, ``query``, ...)
+one non-blocking ``send`` of a small frame into the socket buffer (a few
+microseconds), no reply awaited; if the buffer is full (the sidecar is busy or
+stopped) the frame joins a backlog that a writer thread flushes, so the forward
+pass never waits on the sidecar. Order is kept: one stream carries every frame
+and nothing overtakes the backlog. Calls that need an answer (``begin_push``, ``query``, ...)
 block for their reply with a timeout. A reader thread, asleep in ``recv`` when
 nothing comes, matches replies to callers and queues events (push outcomes on
 the prefill side, LANDED/FAILED on the decode side).
@@ -26,7 +28,6 @@ import itertools
 import logging
 import os
 import socket
-import struct
 import threading
 import time
 from typing import Awaitable, Callable, Protocol
@@ -37,6 +38,7 @@ from worker.pools import StagingAllocation
 log = logging.getLogger(__name__)
 
 MAX_UNSENT = 8 << 20  # a client that stops reading events is dropped past this
+MAX_BACKLOG = 64 << 20  # frames a client queues for a sidecar that stopped reading
 
 
 class ChannelError(Exception):
@@ -216,11 +218,13 @@ class SidecarClient:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout_s)
         self._sock.connect(path)
-        self._sock.settimeout(None)  # blocking; sends are bounded by SO_SNDTIMEO instead
-        secs = int(timeout_s)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                              struct.pack("ll", secs, int((timeout_s - secs) * 1e6)))
-        self._send_lock = threading.Lock()
+        self._sock.settimeout(None)  # blocking for the reader; sends use MSG_DONTWAIT
+        self._send_lock = threading.Condition(threading.Lock())
+        self._backlog = bytearray()  # bytes the kernel buffer could not take yet, in order
+        self._writer_busy = False
+        self._closing = False
+        self._writer = threading.Thread(target=self._write_loop, name="kvpush-channel-writer", daemon=True)
+        self._writer.start()
         self._seq = itertools.count(1)
         self._pending: dict[int, list] = {}  # seq -> [threading.Event, ok, body]
         self._events: collections.deque[F.StateEvent] = collections.deque(maxlen=65536)
@@ -280,11 +284,15 @@ class SidecarClient:
             return out
 
     def close(self) -> None:
+        with self._send_lock:
+            self._closing = True
+            self._send_lock.notify()
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self._reader.join(timeout=2)
+        self._writer.join(timeout=2)
         self._sock.close()
 
     def __enter__(self) -> "SidecarClient":
@@ -295,13 +303,43 @@ class SidecarClient:
 
     # -- plumbing ---------------------------------------------------------------------------
     def _send(self, data: bytes) -> None:
+        """Never blocks: straight into the socket buffer when it has room (the usual
+        case, one syscall), else onto a backlog the writer thread flushes in order."""
         if self._broken:
             raise ChannelError(self._broken)
-        try:
+        with self._send_lock:
+            if not self._backlog and not self._writer_busy:
+                try:
+                    sent = self._sock.send(data, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    sent = 0
+                except OSError as exc:
+                    raise ChannelError(f"channel to {self.path} broken: {exc}") from exc
+                if sent == len(data):
+                    return
+                data = data[sent:]
+            if len(self._backlog) + len(data) > MAX_BACKLOG:
+                raise ChannelError(f"sidecar at {self.path} is not reading: {len(self._backlog)} bytes queued")
+            self._backlog += data
+            self._send_lock.notify()
+
+    def _write_loop(self) -> None:
+        while True:
             with self._send_lock:
-                self._sock.sendall(data)
-        except OSError as exc:
-            raise ChannelError(f"channel to {self.path} broken: {exc}") from exc
+                while not self._backlog and not self._closing:
+                    self._send_lock.wait()
+                if self._closing:
+                    return
+                data, self._backlog = bytes(self._backlog), bytearray()
+                self._writer_busy = True
+            try:
+                self._sock.sendall(data)  # blocking, off the caller's thread
+            except OSError as exc:
+                self._broken = self._broken or f"channel to {self.path} broken: {exc}"
+                return
+            finally:
+                with self._send_lock:
+                    self._writer_busy = False
 
     def _call(self, kind: int, body: bytes) -> bytes:
         seq = next(self._seq)

@@ -15,9 +15,10 @@ target polls. So a sidecar polls:
   idle sidecar stays far below 2% of a core.
 
 asyncio's own timers have 1 ms resolution (epoll), too coarse for the hot
-interval, so the driver sleeps on a Linux ``timerfd`` registered with the
-loop: sub-millisecond wake-ups without blocking the loop or spinning. Where
-timerfd is unavailable it falls back to ``loop.call_later``.
+interval, so the driver ticks on a periodic Linux ``timerfd`` watched by the
+loop (``Ticker``): sub-millisecond polls without blocking the loop, spinning,
+or a coroutine switch per tick. Where timerfd is unavailable it falls back to
+``loop.call_later``.
 """
 
 from __future__ import annotations
@@ -49,16 +50,23 @@ class _Itimerspec(ctypes.Structure):
     _fields_ = [("it_interval", _Timespec), ("it_value", _Timespec)]
 
 
-class FineSleeper:
-    """Sub-millisecond, interruptible sleeps on the asyncio loop (timerfd based)."""
+class Ticker:
+    """Calls ``callback`` every ``interval`` seconds from the asyncio loop.
+
+    A periodic Linux timerfd watched by the loop: sub-millisecond periods
+    without a coroutine, a future or a re-arm per tick (a tick is one read of
+    the fd and the callback); re-armed only when the period changes. Without
+    timerfd, a ``call_later`` chain at asyncio's millisecond resolution.
+    """
 
     _CLOCK_MONOTONIC = 1
     _TFD_NONBLOCK = 0o4000
     _TFD_CLOEXEC = 0o2000000
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, callback: Callable[[], None]):
         self._loop = loop
-        self._waiter: asyncio.Future | None = None
+        self._callback = callback
+        self._interval = 0.0
         self._handle: asyncio.TimerHandle | None = None
         self._fd = -1
         try:
@@ -69,8 +77,8 @@ class FineSleeper:
             if fd < 0:
                 raise OSError(ctypes.get_errno(), "timerfd_create")
             self._fd = fd
-            loop.add_reader(fd, self._on_timer)
-        except (OSError, AttributeError) as exc:  # not Linux, or a loop without add_reader
+            loop.add_reader(fd, self._on_fd)
+        except (OSError, AttributeError, NotImplementedError) as exc:  # not Linux / no add_reader
             log.info("timerfd unavailable (%s); progress polls at asyncio timer resolution", exc)
             if self._fd >= 0:
                 os.close(self._fd)
@@ -80,47 +88,46 @@ class FineSleeper:
     def fine(self) -> bool:
         return self._fd >= 0
 
-    def _arm(self, seconds: float) -> None:
-        ns = max(1000, int(seconds * 1e9))  # zero would disarm the timer
-        spec = _Itimerspec(_Timespec(0, 0), _Timespec(ns // 1_000_000_000, ns % 1_000_000_000))
-        if self._settime(self._fd, 0, ctypes.byref(spec), None) != 0:
-            raise OSError(ctypes.get_errno(), "timerfd_settime")
-
-    def _on_timer(self) -> None:
-        try:
-            os.read(self._fd, 8)
-        except BlockingIOError:
-            return
-        self._resolve()
-
-    def _resolve(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-    def wake(self) -> None:
-        """End the current sleep now (e.g. a transfer was just posted)."""
-        self._resolve()
-
-    async def sleep(self, seconds: float) -> None:
-        self._waiter = self._loop.create_future()
+    def set_interval(self, seconds: float, fire_soon: bool = False) -> None:
+        """Tick every ``seconds`` from now on; ``fire_soon``: the first tick right away."""
+        self._interval = seconds
         if self._fd >= 0:
-            self._arm(seconds)
+            period = max(1000, int(seconds * 1e9))
+            first = 1000 if fire_soon else period  # 0 would disarm the timer
+            spec = _Itimerspec(_Timespec(period // 1_000_000_000, period % 1_000_000_000),
+                               _Timespec(first // 1_000_000_000, first % 1_000_000_000))
+            if self._settime(self._fd, 0, ctypes.byref(spec), None) != 0:
+                raise OSError(ctypes.get_errno(), "timerfd_settime")
         else:
-            self._handle = self._loop.call_later(seconds, self._resolve)
-        try:
-            await self._waiter
-        finally:
-            self._waiter = None
             if self._handle is not None:
                 self._handle.cancel()
-                self._handle = None
+            self._handle = self._loop.call_later(0 if fire_soon else seconds, self._on_later)
+
+    def _on_fd(self) -> None:
+        try:
+            os.read(self._fd, 8)  # expiration count; missed ticks are not replayed
+        except BlockingIOError:
+            return
+        self._run()
+
+    def _on_later(self) -> None:
+        self._handle = self._loop.call_later(self._interval, self._on_later)
+        self._run()
+
+    def _run(self) -> None:
+        try:
+            self._callback()
+        except Exception:
+            log.exception("progress tick failed")
 
     def close(self) -> None:
         if self._fd >= 0:
             self._loop.remove_reader(self._fd)
             os.close(self._fd)
             self._fd = -1
-        self._resolve()
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
 
 
 @dataclasses.dataclass
@@ -149,8 +156,8 @@ class ProgressDriver:
         self._unreleased: list[object] = []  # handles NIXL would not release yet
         self._expecting: dict[object, float] = {}  # key -> monotonic deadline
         self._last_activity = 0.0
-        self._sleeper: FineSleeper | None = None
-        self._task: asyncio.Task | None = None
+        self._ticker: Ticker | None = None
+        self._interval = policy.idle_interval_s
         self.polls = 0
 
     # -- registration -------------------------------------------------------------
@@ -171,9 +178,11 @@ class ProgressDriver:
         return len(self._inflight)
 
     def wake(self) -> None:
+        """There is work (a transfer posted, a push expected): poll now, then hot."""
         self._last_activity = time.monotonic()
-        if self._sleeper is not None:
-            self._sleeper.wake()
+        if self._ticker is not None and self._interval > self.policy.hot_interval_s:
+            self._interval = self.next_interval()
+            self._ticker.set_interval(self._interval, fire_soon=True)
 
     # -- polling --------------------------------------------------------------------
     def poll_once(self) -> bool:
@@ -234,29 +243,23 @@ class ProgressDriver:
             return p.warm_interval_s
         return p.idle_interval_s
 
-    async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._sleeper = FineSleeper(loop)
-        try:
-            while True:
-                self.poll_once()
-                await self._sleeper.sleep(self.next_interval())
-        finally:
-            self._sleeper.close()
-            self._sleeper = None
+    def start(self) -> None:
+        """Start ticking on the running loop (idle period until there is work)."""
+        self._ticker = Ticker(asyncio.get_running_loop(), self._tick)
+        self._interval = self.next_interval()
+        self._ticker.set_interval(self._interval, fire_soon=True)
 
-    def start(self) -> asyncio.Task:
-        self._task = asyncio.get_running_loop().create_task(self.run(), name="nixl-progress")
-        return self._task
+    def _tick(self) -> None:
+        self.poll_once()
+        want = self.next_interval()
+        if want != self._interval:
+            self._interval = want
+            self._ticker.set_interval(want)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        if self._ticker is not None:
+            self._ticker.close()
+            self._ticker = None
         for xfer in self._inflight:  # the sidecar is going away: fail what is left
             self.agent.release(xfer.handle)
             self._complete(xfer, False, "sidecar stopping")
