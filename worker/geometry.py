@@ -151,6 +151,10 @@ def staging_segment_map(alloc, layer: int, pool_base: int) -> SegmentMap:
 
 
 def _cut(ranges: np.ndarray, cuts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    if len(ranges) == 1:
+        lo, hi = int(ranges[0][0]), int(ranges[0][1])
+        inner = cuts[np.searchsorted(cuts, lo, side="right"):np.searchsorted(cuts, hi, side="left")]
+        return np.concatenate(([lo], inner)), np.concatenate((inner, [hi]))
     starts, ends = [], []
     for lo, hi in ranges:
         inner = cuts[(cuts > lo) & (cuts < hi)]
@@ -166,7 +170,20 @@ def pair_descriptors(ranges: np.ndarray, local: SegmentMap, remote: SegmentMap,
         raise ValueError("nothing to push")
     if ranges[-1][1] > min(local.vend, remote.vend):
         raise ValueError(f"range end {ranges[-1][1]} past the mapped bytes ({local.vend}, {remote.vend})")
-    starts, ends = _cut(ranges, np.union1d(local.vstart, remote.vstart))
+    if local.num_segments == 1 and remote.num_segments == 1:
+        # The common case (one staging extent, contiguous blocks): no cutting at all.
+        n = len(ranges)
+        loc = np.empty((n, 3), dtype=np.uint64)
+        rem = np.empty((n, 3), dtype=np.uint64)
+        loc[:, 0] = local.addr[0] + ranges[:, 0]
+        rem[:, 0] = remote.addr[0] + ranges[:, 0]
+        loc[:, 1] = rem[:, 1] = ranges[:, 1] - ranges[:, 0]
+        loc[:, 2] = local_dev
+        rem[:, 2] = remote_dev
+        return loc, rem
+    cuts = local.vstart if remote.num_segments == 1 else (
+        remote.vstart if local.num_segments == 1 else np.union1d(local.vstart, remote.vstart))
+    starts, ends = _cut(ranges, cuts)
     li = np.searchsorted(local.vstart, starts, side="right") - 1
     ri = np.searchsorted(remote.vstart, starts, side="right") - 1
     n = len(starts)

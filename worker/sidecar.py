@@ -267,6 +267,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--checksums", action="store_true", help="send per-block CRC32 with each push")
     p.add_argument("--transfer-timeout", type=float, default=2.0)
     p.add_argument("--idle-interval", type=float, default=PollPolicy.idle_interval_s)
+    p.add_argument("--hot-interval", type=float, default=PollPolicy.hot_interval_s)
     p.add_argument("--log-level", default="WARNING")
     return p.parse_args(argv)
 
@@ -274,7 +275,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
 async def _serve(args: argparse.Namespace) -> None:
     extra = {"incarnation": args.incarnation} if args.incarnation else {}
     config = SidecarConfig(args.engine_id, args.role, KvLayout.parse(args.layout), args.blocks, args.socket,
-                           poll=dataclasses.replace(PollPolicy(), idle_interval_s=args.idle_interval),
+                           poll=PollPolicy(hot_interval_s=args.hot_interval, idle_interval_s=args.idle_interval),
                            push=PushConfig(transfer_timeout_s=args.transfer_timeout, checksums=args.checksums),
                            **extra)
     sidecar = Sidecar(config)
