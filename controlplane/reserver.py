@@ -76,10 +76,14 @@ class Reserver:
             if not ask.future.done():
                 ask.future.set_exception(errors.unavailable("control plane is shutting down"))
 
-    async def reserve(self, ask: ReserveAsk) -> ReservationRecord:
+    def submit(self, ask: ReserveAsk) -> asyncio.Future:
+        """Queue ``ask`` for the next group commit; the future gets the record or an ApiError."""
         ask.future = asyncio.get_running_loop().create_future()
-        await self._queue.put(ask)
-        return await ask.future
+        self._queue.put_nowait(ask)
+        return ask.future
+
+    async def reserve(self, ask: ReserveAsk) -> ReservationRecord:
+        return await self.submit(ask)
 
     async def _run(self) -> None:
         while True:
@@ -145,8 +149,7 @@ class Reserver:
     def _plan(self, asks: list[ReserveAsk]) -> "_Plan":
         view = self._view
         plan = _Plan()
-        bitmaps: dict[str, np.ndarray] = {}
-        used: dict[str, int] = {}
+        batch = _BatchState()
         seen_requests: set[tuple[str, str]] = set()
         for ask in asks:
             if ask.future.done():
@@ -172,7 +175,7 @@ class Reserver:
                                                          "tenant no longer exists"))
                 continue
             try:
-                engine, blocks = self._choose(ask, tenant, bitmaps, used)
+                engine, blocks = self._choose(ask, tenant, batch)
             except errors.ApiError as exc:
                 ask.future.set_exception(exc)
                 continue
@@ -180,31 +183,26 @@ class Reserver:
             plan.add(ask, self._record(ask, engine, blocks), tenant, view)
         return plan
 
-    def _choose(self, ask: ReserveAsk, tenant: TenantRecord, bitmaps: dict, used: dict
+    def _choose(self, ask: ReserveAsk, tenant: TenantRecord, batch: "_BatchState"
                 ) -> tuple[EngineRecord, list[int]]:
         view = self._view
-        candidates = []
-        for entry in view.engines.values():
-            eng: EngineRecord = entry.record
-            if not eng.is_decode or eng.model != ask.model or not tenant.allows(eng.pool):
-                continue
-            if ask.prefill_layout is not None and ask.prefill_layout.compatibility_error(eng.layout):
-                continue
-            if eng.engine_id not in bitmaps:
-                bitmap = view.allocated.get(eng.engine_id)
-                if bitmap is None or eng.engine_id not in view.pool_fences:
-                    continue
-                bitmaps[eng.engine_id] = bitmap.copy()
-            candidates.append(eng)
+        shape = (ask.model, tenant.name, ask.prefill_layout)
+        candidates = batch.candidates.get(shape)
+        if candidates is None:
+            candidates = batch.candidates[shape] = [
+                eng for eng in (entry.record for entry in view.engines.values())
+                if eng.is_decode and eng.model == ask.model and tenant.allows(eng.pool)
+                and (ask.prefill_layout is None or not ask.prefill_layout.compatibility_error(eng.layout))
+                and eng.engine_id in view.allocated and eng.engine_id in view.pool_fences]
         if not candidates:
             raise errors.exhausted(f"no decode engine for model {ask.model!r} is available to tenant "
                                    f"{tenant.name!r}")
         quota_left = None
         if tenant.quota_blocks:
-            quota_left = tenant.quota_blocks - view.tenant_used.get(tenant.name, 0) - used.get(tenant.name, 0)
+            quota_left = tenant.quota_blocks - view.tenant_used.get(tenant.name, 0) - batch.used.get(tenant.name, 0)
 
         def free(eng: EngineRecord) -> int:
-            return int(bitmaps[eng.engine_id].size - np.count_nonzero(bitmaps[eng.engine_id]))
+            return view.free_count[eng.engine_id] - batch.taken.get(eng.engine_id, 0)
 
         def need(eng: EngineRecord) -> int:
             return eng.layout.blocks_for_tokens(ask.num_tokens)
@@ -224,8 +222,12 @@ class Reserver:
         # Least loaded: the largest free fraction; ties broken by id for determinism.
         engine = preferred[0] if preferred else max(
             fitting, key=lambda e: (free(e) / max(e.num_blocks, 1), e.engine_id))
-        blocks = allocate(bitmaps[engine.engine_id], need(engine))
-        used[tenant.name] = used.get(tenant.name, 0) + len(blocks)
+        eid = engine.engine_id
+        if eid not in batch.bitmaps:
+            batch.bitmaps[eid] = view.allocated[eid].copy()
+        blocks, view.cursors[eid] = allocate(batch.bitmaps[eid], need(engine), view.cursors.get(eid, 0))
+        batch.taken[eid] = batch.taken.get(eid, 0) + len(blocks)
+        batch.used[tenant.name] = batch.used.get(tenant.name, 0) + len(blocks)
         return engine, blocks
 
     def _record(self, ask: ReserveAsk, engine: EngineRecord, blocks: list[int]) -> ReservationRecord:
@@ -239,8 +241,17 @@ class Reserver:
     def _apply_own_writes(self, plan: "_Plan", revision: int) -> None:
         # The watch will bring the same writes; applying them now lets the next
         # batch allocate without waiting for it (the view ignores the echo).
-        for key, value, lease in plan.writes:
-            self._view.apply(KV(key, value, revision, revision, lease), False, revision)
+        for key, value, lease, record in plan.writes:
+            self._view.apply(KV(key, value, revision, revision, lease), False, revision, record)
+
+
+@dataclasses.dataclass
+class _BatchState:
+    """What a batch has taken so far, before it is committed."""
+    bitmaps: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)   # engine -> working copy
+    taken: dict[str, int] = dataclasses.field(default_factory=dict)            # engine -> blocks
+    used: dict[str, int] = dataclasses.field(default_factory=dict)             # tenant -> blocks
+    candidates: dict[tuple, list] = dataclasses.field(default_factory=dict)    # (model, tenant, layout) -> engines
 
 
 @dataclasses.dataclass
@@ -250,7 +261,7 @@ class _Plan:
     deferred: list[ReserveAsk] = dataclasses.field(default_factory=list)
     compares: list = dataclasses.field(default_factory=list)
     ops: list = dataclasses.field(default_factory=list)
-    writes: list = dataclasses.field(default_factory=list)   # (key, value, lease) for the view
+    writes: list = dataclasses.field(default_factory=list)   # (key, value, lease, record) for the view
     _fenced: set = dataclasses.field(default_factory=set)
 
     def add(self, ask: ReserveAsk, rec: ReservationRecord, tenant: TenantRecord, view: View) -> None:
@@ -262,13 +273,13 @@ class _Plan:
             self.compares.append(cmp_mod(keys.engine(rec.engine_id), view.engines[rec.engine_id].mod_revision))
             self.compares.append(cmp_mod(keys.pool(rec.engine_id), view.pool_fences[rec.engine_id]))
             self.ops.append(op_touch(keys.pool(rec.engine_id)))
-            self.writes.append((keys.pool(rec.engine_id), b"", view.engines[rec.engine_id].lease))
+            self.writes.append((keys.pool(rec.engine_id), b"", view.engines[rec.engine_id].lease, None))
         if ("t", rec.tenant) not in self._fenced:
             self._fenced.add(("t", rec.tenant))
             self.compares.append(cmp_mod(keys.tenant(rec.tenant), view.tenants[rec.tenant].mod_revision))
             self.compares.append(cmp_mod(keys.usage(rec.tenant), view.usage_fences.get(rec.tenant, 0)))
             self.ops.append(op_put(keys.usage(rec.tenant), b""))
-            self.writes.append((keys.usage(rec.tenant), b"", 0))
+            self.writes.append((keys.usage(rec.tenant), b"", 0, None))
 
     async def attach_records(self, leases: LeaseBuckets) -> None:
         """Add the reservation and request-index puts, bound to their deadline lease."""
@@ -278,5 +289,5 @@ class _Plan:
             req_key = keys.request(rec.tenant, rec.request_id)
             self.ops.append(op_put(keys.reservation(rec.id), value, lease))
             self.ops.append(op_put(req_key, rec.id.encode(), lease))
-            self.writes.append((keys.reservation(rec.id), value, lease))
-            self.writes.append((req_key, rec.id.encode(), lease))
+            self.writes.append((keys.reservation(rec.id), value, lease, rec))
+            self.writes.append((req_key, rec.id.encode(), lease, None))

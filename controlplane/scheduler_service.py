@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 
 import grpc
 import structlog
 
 from controlplane import errors, metrics, validation as v
-from controlplane.api import streaming, unary
+from controlplane.api import check_parsed, streaming, unary
+from controlplane.validation import no_unknown_fields
 from controlplane.auth import Auth
 from controlplane.lifecycle import Lifecycle
 from controlplane.lifecycle_states import State
@@ -51,6 +53,58 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         finally:
             metrics.RESERVE_LATENCY.observe(time.perf_counter() - started)
             metrics.RESERVE_RESULTS.labels(code=code).inc()
+
+    @streaming
+    async def ReserveStream(self, request_iterator, context):
+        tenant = self._auth.tenant(context)
+        structlog.contextvars.bind_contextvars(tenant=tenant.name)
+        answers: asyncio.Queue = asyncio.Queue()
+        in_flight = 0
+        reading = True
+
+        def answer(tag: int, started: float, fut: asyncio.Future) -> None:
+            exc = fut.exception() if not fut.cancelled() else errors.unavailable("cancelled")
+            if exc is None:
+                msg = scheduler_pb2.ReserveStreamResponse(tag=tag, reservation=fut.result().to_proto())
+                code = "OK"
+            else:
+                api = exc if isinstance(exc, errors.ApiError) else errors.unavailable(str(exc))
+                msg = scheduler_pb2.ReserveStreamResponse(tag=tag, code=api.code.value[0], message=api.message)
+                code = api.code.name
+            metrics.RESERVE_LATENCY.observe(time.perf_counter() - started)
+            metrics.RESERVE_RESULTS.labels(code=code).inc()
+            answers.put_nowait(msg)
+
+        async def read() -> None:
+            nonlocal in_flight, reading
+            try:
+                async for item in request_iterator:
+                    started = time.perf_counter()
+                    in_flight += 1
+                    try:
+                        check_parsed(item)
+                        no_unknown_fields(item)
+                        ask = self._validate_reserve(item.reserve, tenant)
+                    except errors.ApiError as exc:
+                        fut = asyncio.get_running_loop().create_future()
+                        fut.set_exception(exc)
+                    else:
+                        fut = self._reserver.submit(ask)
+                    fut.add_done_callback(functools.partial(answer, item.tag, started))
+            finally:
+                reading = False
+                answers.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while reading or in_flight:
+                msg = await answers.get()
+                if msg is None:
+                    continue
+                in_flight -= 1
+                yield msg
+        finally:
+            reader.cancel()
 
     def _validate_reserve(self, request, tenant) -> ReserveAsk:
         v.request_id(request.request_id)

@@ -166,6 +166,7 @@ async def serve(cfg: ControlPlaneConfig, ready_file: str | None = None) -> None:
     cp = ControlPlane(cfg)
     await cp.start()
     if ready_file:
+        await cp.view.ready.wait()  # "ready" means serving, not just listening
         with open(ready_file + ".tmp", "w") as f:
             f.write(f"{cp.port}\n")
         os.replace(ready_file + ".tmp", ready_file)

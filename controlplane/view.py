@@ -64,6 +64,8 @@ class View:
         self.tenants: dict[str, Entry] = {}
         self.tenant_by_token: dict[str, str] = {}
         self.allocated: dict[str, np.ndarray] = {}   # engine -> bool per block, live reservations
+        self.free_count: dict[str, int] = {}         # engine -> blocks not in the bitmap
+        self.cursors: dict[str, int] = {}            # engine -> next-fit allocation cursor
         self.tenant_used: dict[str, int] = {}
         self._key_revs: dict[bytes, int] = {}         # newest revision applied per key, deletes too
         self._deleted: list[tuple[int, bytes]] = []   # (revision, key) to prune from _key_revs
@@ -102,8 +104,7 @@ class View:
         return self.tenant(name) if name else None
 
     def free_blocks(self, engine_id: str) -> int:
-        bitmap = self.allocated.get(engine_id)
-        return 0 if bitmap is None else int(bitmap.size - np.count_nonzero(bitmap))
+        return self.free_count.get(engine_id, 0)
 
     def live_reservations(self, engine_id: str | None = None, tenant: str | None = None) -> list[ReservationRecord]:
         out = []
@@ -120,8 +121,9 @@ class View:
         return rec.state.live and engine is not None and engine.incarnation == rec.incarnation
 
     # ----- applying changes ------------------------------------------------
-    def apply(self, kv: KV, deleted: bool, revision: int) -> None:
-        """Apply one put or delete at ``revision`` (idempotent; older ones are ignored)."""
+    def apply(self, kv: KV, deleted: bool, revision: int, record: object = None) -> None:
+        """Apply one put or delete at ``revision`` (idempotent; older ones are ignored).
+        ``record``: the decoded value, when the caller wrote it and has it at hand."""
         if self._key_revs.get(kv.key, 0) >= revision:
             return
         self._key_revs[kv.key] = revision
@@ -129,7 +131,7 @@ class View:
             self._deleted.append((revision, kv.key))
         key = kv.key
         if key.startswith(keys.RESERVATIONS):
-            self._apply_reservation(keys.name_of(key, keys.RESERVATIONS), kv, deleted, revision)
+            self._apply_reservation(keys.name_of(key, keys.RESERVATIONS), kv, deleted, revision, record)
         elif key.startswith(keys.ENGINES):
             self._apply_engine(keys.name_of(key, keys.ENGINES), kv, deleted, revision)
         elif key.startswith(keys.POOLS):
@@ -160,9 +162,10 @@ class View:
         if bitmap is not None:
             for start, count in rec.extents:
                 bitmap[start:start + count] = sign > 0
+            self.free_count[rec.engine_id] -= sign * rec.num_blocks
         self.tenant_used[rec.tenant] = self.tenant_used.get(rec.tenant, 0) + sign * rec.num_blocks
 
-    def _apply_reservation(self, res_id: str, kv: KV, deleted: bool, revision: int) -> None:
+    def _apply_reservation(self, res_id: str, kv: KV, deleted: bool, revision: int, record=None) -> None:
         old_entry = self.reservations.get(res_id)
         old = old_entry.record if old_entry else None
         if old is not None:
@@ -175,7 +178,7 @@ class View:
             if old is not None:
                 self._emit(ReservationChange(old, None, revision, expired=expired))
             return
-        new = ReservationRecord.decode(kv.value)
+        new = record if record is not None else ReservationRecord.decode(kv.value)
         self.reservations[res_id] = Entry(new, revision, kv.lease)
         self._contribute(new, +1)
         # The EXPIRED tombstone written after a lease ran out was announced already.
@@ -192,10 +195,12 @@ class View:
             self._contribute(rec, -1)
         old_entry = self.engines.pop(engine_id, None)
         self.allocated.pop(engine_id, None)
+        self.free_count.pop(engine_id, None)
         new = None if deleted else EngineRecord.decode(kv.value)
         if new is not None:
             self.engines[engine_id] = Entry(new, revision, kv.lease)
             self.allocated[engine_id] = np.zeros(new.num_blocks, dtype=bool)
+            self.free_count[engine_id] = new.num_blocks
         for rec in affected:
             self._contribute(rec, +1)
         self._emit(EngineChange(old_entry.record if old_entry else None, new, revision))
@@ -267,10 +272,10 @@ class View:
 
     def __init_state(self) -> None:
         listeners, waiters, ready = self._listeners, self._revision_waiters, self.ready
-        expired = self._expired_ids
+        expired, cursors = self._expired_ids, self.cursors
         self.__init__()
         self._listeners, self._revision_waiters, self.ready = listeners, waiters, ready
-        self._expired_ids = expired
+        self._expired_ids, self.cursors = expired, cursors
 
 
 async def follow(view: View, etcd: EtcdClient, stop: asyncio.Event) -> None:

@@ -100,8 +100,9 @@ class NixlAgent:
                                 peer_gone=_is_disconnect(exc)) from exc
 
     def post_write(self, local: np.ndarray, remote: np.ndarray, remote_agent: str, *,
-                   local_kind: str = "DRAM", remote_kind: str = "DRAM", notif: bytes = b""):
+                   local_kind: str = "DRAM", remote_kind: str = "DRAM", notif: bytes = b"", op: str = "WRITE"):
         """Create and post one WRITE of paired descriptors; returns ``(handle, done_already)``.
+        (``op="READ"`` reads instead: used only by the pull baseline of the benchmarks.)
 
         ``initialize_xfer`` (descriptor lists built per call) rather than
         prepped lists: our descriptors are merged runs of variable length, and
@@ -110,21 +111,21 @@ class NixlAgent:
         """
         agent = self._agent
         try:
-            handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, local_kind),
+            handle = agent.initialize_xfer(op, agent.get_xfer_descs(local, local_kind),
                                            agent.get_xfer_descs(remote, remote_kind), remote_agent,
                                            notif_msg=notif)
         except Exception as exc:
-            raise TransferError(f"cannot create WRITE to {remote_agent}: {exc}",
+            raise TransferError(f"cannot create {op} with {remote_agent}: {exc}",
                                 peer_gone=_is_disconnect(exc)) from exc
         try:
             state = agent.transfer(handle)
         except Exception as exc:
             self.release(handle)
-            raise TransferError(f"WRITE to {remote_agent} failed to post: {exc}",
+            raise TransferError(f"{op} with {remote_agent} failed to post: {exc}",
                                 peer_gone=_is_disconnect(exc)) from exc
         if state == "ERR":
             self.release(handle)
-            raise TransferError(f"WRITE to {remote_agent} failed to post")
+            raise TransferError(f"{op} with {remote_agent} failed to post")
         return handle, state == "DONE"
 
     def check(self, handle) -> str:

@@ -224,7 +224,7 @@ class Sidecar:
         self.landing.consume(reservation_id)
         return self._state(self.landing.query(reservation_id))
 
-    def on_admin(self, conn: Connection, request: dict) -> dict:
+    def on_admin(self, conn: Connection, request: dict):
         op = request.get("op")
         if op == "stats":
             return self.stats()
@@ -235,6 +235,12 @@ class Sidecar:
             return {"agent": peer.agent_name, "loads": self.peers.loads}
         if op == "cancel":
             return {"cancelled": self.cancel_reservation(request["reservation_id"], request.get("reason", "cancelled"))}
+        if op == "expect":  # poll hot for a while: a peer is about to work with us (benchmarks)
+            self.driver.expect(("admin", request.get("key", "")), float(request.get("seconds", 1.0)))
+            return {}
+        if op == "bench_pull":  # the pull baseline of bench/push.py; not part of kvpush
+            from worker.pull_baseline import pull
+            return pull(self.agent, self.driver, request, self.config.push.transfer_timeout_s)
         raise ValueError(f"unknown admin op {op!r}")
 
     def on_disconnect(self, conn: Connection) -> None:
