@@ -228,3 +228,39 @@ def test_staging_full_is_refused_at_once(sidecars):
         assert stats["refused"] == 1 and stats["staging_allocations"] == 0
     finally:
         prefill.close(), decode.close()
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.01, 0.03, 0.3])
+def test_prefill_killed_at_any_moment_lands_only_complete_data(sidecars, delay_s):
+    """Every layer is pushed and the prefill sidecar is SIGKILLed after ``delay_s``: whatever
+    the moment, the decode side either never reports LANDED or has every byte."""
+    big = "layers=8,block=16,heads=8,dim=128,dtype=float16"
+    dec = sidecars.launch("decode", "D1", big, 160)
+    pre = sidecars.launch("prefill", "P1", big, 160)
+    dec.ready(), pre.ready()
+    decode = DecodeEngine(dec.client())
+    prefill = PrefillEngine(pre.client(), cache_blocks=128)
+    try:
+        decode.fill_sentinel()
+        prefill.client.admin("add_peer", record=dec.record)
+        tokens, block_ids = 2000, list(range(20, 145))
+        ids = prefill.cache_blocks_for(tokens)
+        decode.client.subscribe("res-any")
+        alloc = prefill.begin("a", "res-any", dec.record, block_ids, tokens)
+        for layer in range(prefill.layout.num_layers):
+            prefill.stage(alloc, 16, tokens, ids, layer)
+        for layer in range(prefill.layout.num_layers):
+            prefill.client.push("a", layer)
+        time.sleep(delay_s)
+        pre.kill()
+        time.sleep(0.5)
+        state = decode.client.query("res-any").state
+        if state == "LANDED":
+            expected = decode.expected_image([(block_ids, lambda l: prefill.tokens(ids, l, tokens), tokens)])
+            assert np.array_equal(decode.mem, expected)
+        else:
+            assert state in ("PUSHING", "EXPECTED"), state
+        print(f"\nkilled {delay_s * 1e3:.0f} ms after the last push frame: decode says {state}")
+    finally:
+        prefill.staging.close()
+        decode.close()
