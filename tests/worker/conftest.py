@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -130,9 +131,8 @@ class SidecarLauncher:
 
 
 @pytest.fixture
-def sidecars(tmp_path):
-    # Unix socket paths are limited to ~107 bytes: keep the directory short.
-    import tempfile
+def sidecars():
+    # Unix socket paths are limited to ~107 bytes: pytest's tmp_path can be longer.
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="kvpw-", dir="/tmp"))
     launcher = SidecarLauncher(workdir)
     try:
