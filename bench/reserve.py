@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import ROOT, CpuMeter, pct, update_section  # noqa: E402
 from controlplane.client import ControlPlaneClient  # noqa: E402
-from controlplane.etcd import EtcdClient, op_put  # noqa: E402
+from controlplane.etcd import EtcdClient, op_delete_prefix, op_put  # noqa: E402
 from controlplane.invariants import check  # noqa: E402
 from kvpush.etcd_server import EmbeddedEtcd, free_port  # noqa: E402
 from kvpush.simulated import SimulatedEngine  # noqa: E402
@@ -137,6 +137,46 @@ async def open_loop(client: ControlPlaneClient, rate: float, seconds: float, mod
     return latencies, errors, time.perf_counter() - start
 
 
+async def open_loop_stream(client: ControlPlaneClient, rate: float, seconds: float, model: str):
+    """Open loop over one ReserveStream: requests leave on schedule, whatever is outstanding."""
+    latencies, errors = [], 0
+    scheduled: dict[int, float] = {}
+    total = int(rate * seconds)
+    outbox: asyncio.Queue = asyncio.Queue()
+
+    async def requests():
+        while True:
+            item = await outbox.get()
+            if item is None:
+                return
+            yield item
+
+    async def sender():
+        start = time.perf_counter()
+        for i in range(total):
+            at = start + i / rate
+            delay = at - time.perf_counter()
+            if delay > 0.0005:
+                await asyncio.sleep(delay)
+            scheduled[i] = at
+            outbox.put_nowait(scheduler_pb2.ReserveStreamRequest(tag=i, reserve=scheduler_pb2.ReserveRequest(
+                request_id=f"os{next(_ids)}", num_tokens=16, model=model)))
+
+    started = time.perf_counter()
+    send = asyncio.create_task(sender())
+    received = 0
+    async for msg in client.scheduler.ReserveStream(requests(), metadata=client.metadata):
+        if msg.code == 0:
+            latencies.append(time.perf_counter() - scheduled.pop(msg.tag))
+        else:
+            errors += 1
+        received += 1
+        if received == total:
+            outbox.put_nowait(None)
+    await send
+    return latencies, errors, time.perf_counter() - started
+
+
 async def etcd_txn_limit(endpoint: str, n: int = 2000) -> tuple[float, float]:
     """p50 of one bare etcd put-transaction, and one-at-a-time transactions/s."""
     etcd = EtcdClient(endpoint)
@@ -178,21 +218,33 @@ async def run_mode(etcd: EmbeddedEtcd, group_commit: bool, levels, seconds: floa
                              cpu={k: v / wall for k, v in cpu.items()}))
             print(f"  {mode:22s} closed c={conc:<4d} {rows[-1]['rate']:8.0f}/s  p50 {rows[-1]['p50']:.2f} ms"
                   f"  p99 {rows[-1]['p99']:.2f} ms  errors {errs}", flush=True)
-        if not stream:
+        if True:
             meter.start()
-            lat, errs, wall = await open_loop(client, rate, seconds * 1.5, model)
+            lat, errs, wall = await (open_loop_stream if stream else open_loop)(client, rate, seconds * 1.5, model)
             cpu = meter.stop()
             rows.append(dict(mode=mode, load=f"open, {rate:.0f}/s", ok=len(lat), errors=errs,
                              rate=len(lat) / wall, p50=pct(lat, 50) * 1e3, p99=pct(lat, 99) * 1e3,
                              cpu={k: v / wall for k, v in cpu.items()}))
             print(f"  {mode:22s} open {rate:.0f}/s       {rows[-1]['rate']:8.0f}/s  p50 {rows[-1]['p50']:.2f} ms"
                   f"  p99 {rows[-1]['p99']:.2f} ms  errors {errs}", flush=True)
+        # Leave the shared etcd as we found it: the engines die, the replica's reaper
+        # ends their reservations (batched), then the bench wipes the prefix so the
+        # next mode starts from the same empty registry.
+        t0 = time.perf_counter()
         for engine in engines:
             await engine.crash()
+        live = sum(r["ok"] for r in rows)
+        while (await check(etcd.endpoint, allow_orphans=True)).live:
+            await asyncio.sleep(0.2)
+        print(f"  {mode:22s} engines killed: {live} live reservations ended FAILED in "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
         await client.close()
         await admin.close()
     finally:
         plane.stop()
+    wiper = EtcdClient(etcd.endpoint)
+    await wiper.txn([], [op_delete_prefix(b"/kvpush/v1/")])
+    await wiper.close()
     return rows
 
 
@@ -283,4 +335,5 @@ what one-transaction-per-reservation is bound by.
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    from kvpush import aio
+    aio.run(main())

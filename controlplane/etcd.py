@@ -101,6 +101,10 @@ def op_delete(key: bytes):
     return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key))
 
 
+def op_delete_prefix(prefix: bytes):
+    return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=prefix, range_end=prefix_end(prefix)))
+
+
 def op_txn(compare: Sequence, success: Sequence):
     """A nested transaction: many independent compare-and-swaps in one round trip."""
     return rpc.RequestOp(request_txn=rpc.TxnRequest(compare=list(compare), success=list(success)))

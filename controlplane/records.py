@@ -31,7 +31,7 @@ def from_extents(extents: list[list[int]]) -> list[int]:
     return [start + i for start, count in extents for i in range(count)]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class ReservationRecord:
     id: str
     tenant: str

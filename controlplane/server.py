@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import os
 import secrets
 
@@ -165,8 +166,13 @@ async def serve(cfg: ControlPlaneConfig, ready_file: str | None = None) -> None:
     import signal
     cp = ControlPlane(cfg)
     await cp.start()
+    await cp.view.ready.wait()
+    # Everything alive now (modules, descriptors, the loaded registry) lives for
+    # good: keep it out of every future full collection, which otherwise pauses
+    # the event loop for tens of milliseconds on a large heap.
+    gc.collect()
+    gc.freeze()
     if ready_file:
-        await cp.view.ready.wait()  # "ready" means serving, not just listening
         with open(ready_file + ".tmp", "w") as f:
             f.write(f"{cp.port}\n")
         os.replace(ready_file + ".tmp", ready_file)

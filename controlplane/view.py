@@ -26,7 +26,7 @@ from kvpush import log
 _log = log.get("view")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Entry:
     record: object
     mod_revision: int
@@ -58,7 +58,9 @@ class View:
         self.revision = 0
         self.engines: dict[str, Entry] = {}
         self.pool_fences: dict[str, int] = {}
-        self.reservations: dict[str, Entry] = {}
+        self.reservations: dict[str, Entry] = {}     # live ones only: ended ones are read from etcd
+        self.by_engine: dict[str, set[str]] = {}     # engine -> ids of its live reservations
+        self.ended: dict[str, int] = {}              # terminal state name -> count seen by this replica
         self.requests: dict[tuple[str, str], str] = {}
         self.usage_fences: dict[str, int] = {}
         self.tenants: dict[str, Entry] = {}
@@ -107,18 +109,17 @@ class View:
         return self.free_count.get(engine_id, 0)
 
     def live_reservations(self, engine_id: str | None = None, tenant: str | None = None) -> list[ReservationRecord]:
-        out = []
-        for entry in self.reservations.values():
-            rec: ReservationRecord = entry.record
-            if rec.state.live and (engine_id is None or rec.engine_id == engine_id) \
-                    and (tenant is None or rec.tenant == tenant):
-                out.append(rec)
-        return out
+        if engine_id is not None:
+            ids = self.by_engine.get(engine_id, ())
+            records = [self.reservations[i].record for i in ids]
+        else:
+            records = [e.record for e in self.reservations.values()]
+        return [r for r in records if tenant is None or r.tenant == tenant]
 
     def counts(self, rec: ReservationRecord) -> bool:
         """Does ``rec`` hold blocks of a registered engine (live, same incarnation)?"""
         engine = self.engine(rec.engine_id)
-        return rec.state.live and engine is not None and engine.incarnation == rec.incarnation
+        return engine is not None and engine.incarnation == rec.incarnation
 
     # ----- applying changes ------------------------------------------------
     def apply(self, kv: KV, deleted: bool, revision: int, record: object = None) -> None:
@@ -166,31 +167,40 @@ class View:
         self.tenant_used[rec.tenant] = self.tenant_used.get(rec.tenant, 0) + sign * rec.num_blocks
 
     def _apply_reservation(self, res_id: str, kv: KV, deleted: bool, revision: int, record=None) -> None:
-        old_entry = self.reservations.get(res_id)
+        # Only live reservations are kept: the view (and the heap the garbage
+        # collector walks) stays the size of the work in flight, not of history.
+        old_entry = self.reservations.pop(res_id, None)
         old = old_entry.record if old_entry else None
         if old is not None:
             self._contribute(old, -1)
+            self.by_engine[old.engine_id].discard(res_id)
         if deleted:
-            self.reservations.pop(res_id, None)
-            expired = old is not None and old.state.live
-            if expired:
+            if old is not None:  # a live record vanished: its deadline lease ran out
                 self._expired_ids[res_id] = revision
-            if old is not None:
-                self._emit(ReservationChange(old, None, revision, expired=expired))
+                self._count_ended(State.EXPIRED)
+                self._emit(ReservationChange(old, None, revision, expired=True))
             return
         new = record if record is not None else ReservationRecord.decode(kv.value)
-        self.reservations[res_id] = Entry(new, revision, kv.lease)
-        self._contribute(new, +1)
+        if new.state.live:
+            self.reservations[res_id] = Entry(new, revision, kv.lease)
+            self.by_engine.setdefault(new.engine_id, set()).add(res_id)
+            self._contribute(new, +1)
         # The EXPIRED tombstone written after a lease ran out was announced already.
-        if old is None and new.state == State.EXPIRED and self._expired_ids.pop(res_id, None):
+        elif old is None and new.state == State.EXPIRED and self._expired_ids.pop(res_id, None):
             return
+        else:
+            self._count_ended(new.state)
         if old is None or old.state != new.state:
             self._emit(ReservationChange(old, new, revision))
+
+    def _count_ended(self, state: State) -> None:
+        if not self._loading:
+            self.ended[state.name] = self.ended.get(state.name, 0) + 1
 
     def _apply_engine(self, engine_id: str, kv: KV, deleted: bool, revision: int) -> None:
         # An engine change alters which of its reservations count: take their
         # share out, swap the engine, put back the share of those that still count.
-        affected = [e.record for e in self.reservations.values() if e.record.engine_id == engine_id]
+        affected = self.live_reservations(engine_id=engine_id)
         for rec in affected:
             self._contribute(rec, -1)
         old_entry = self.engines.pop(engine_id, None)
@@ -272,10 +282,10 @@ class View:
 
     def __init_state(self) -> None:
         listeners, waiters, ready = self._listeners, self._revision_waiters, self.ready
-        expired, cursors = self._expired_ids, self.cursors
+        expired, cursors, ended = self._expired_ids, self.cursors, self.ended
         self.__init__()
         self._listeners, self._revision_waiters, self.ready = listeners, waiters, ready
-        self._expired_ids, self.cursors = expired, cursors
+        self._expired_ids, self.cursors, self.ended = expired, cursors, ended
 
 
 async def follow(view: View, etcd: EtcdClient, stop: asyncio.Event) -> None:

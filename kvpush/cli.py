@@ -63,8 +63,9 @@ def cmd_controlplane(args) -> None:
         metrics_port=args.metrics_port, tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca, max_batch=max_batch or 60, group_commit=not args.no_group_commit,
         default_deadline_ms=args.default_deadline_ms, replica_id=args.replica_id)
+    from kvpush import aio
     try:
-        asyncio.run(serve(cfg, args.ready_file))
+        aio.run(serve(cfg, args.ready_file))
     finally:
         if etcd_proc:
             etcd_proc.stop(remove_data=not args.etcd_data_dir)

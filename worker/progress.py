@@ -137,9 +137,12 @@ class Ticker:
 class TrackedTransfer:
     handle: object
     deadline: float  # time.monotonic()
-    on_done: Callable[[bool, str], None]  # (ok, error message)
+    on_done: Callable[[bool, str], None]  # (ok, error message): the outcome, as soon as known
     label: str
     posted_at: float
+    # Called once NIXL has released the handle: only then has the transfer
+    # stopped touching memory (a cancelled write may still read its source).
+    on_released: Callable[[], None] | None = None
 
 
 class ProgressDriver:
@@ -156,7 +159,7 @@ class ProgressDriver:
         self.policy = policy
         self.on_notif = on_notif
         self._inflight: list[TrackedTransfer] = []
-        self._unreleased: list[object] = []  # handles NIXL would not release yet
+        self._unreleased: list[TrackedTransfer] = []  # failed transfers NIXL would not release yet
         self._expecting: dict[object, float] = {}  # key -> monotonic deadline
         self._last_activity = 0.0
         self._ticker: Ticker | None = None
@@ -164,9 +167,10 @@ class ProgressDriver:
         self.polls = 0
 
     # -- registration -------------------------------------------------------------
-    def track(self, handle, timeout_s: float, on_done: Callable[[bool, str], None], label: str = "") -> None:
+    def track(self, handle, timeout_s: float, on_done: Callable[[bool, str], None], label: str = "",
+              on_released: Callable[[], None] | None = None) -> None:
         now = time.monotonic()
-        self._inflight.append(TrackedTransfer(handle, now + timeout_s, on_done, label, now))
+        self._inflight.append(TrackedTransfer(handle, now + timeout_s, on_done, label, now, on_released))
         self.wake()
 
     def expect(self, key, timeout_s: float) -> None:
@@ -203,19 +207,24 @@ class ProgressDriver:
                     still.append(xfer)
                     continue
                 busy = True
+                released = self.agent.release(xfer.handle)  # cancels it if still running
                 if state == "DONE":
-                    self.agent.release(xfer.handle)
-                    ok, error = True, ""
+                    self._complete(xfer, True, "")
                 else:
-                    ok = False
-                    error = ("transfer failed" if state == "ERR" else
-                             f"transfer not done after {now - xfer.posted_at:.3f} s")
-                    if not self.agent.release(xfer.handle):
-                        self._unreleased.append(xfer.handle)
-                self._complete(xfer, ok, error)
+                    self._complete(xfer, False, "transfer failed" if state == "ERR" else
+                                   f"transfer not done after {now - xfer.posted_at:.3f} s")
+                if released:
+                    self._released(xfer)
+                else:
+                    self._unreleased.append(xfer)
             self._inflight = still + self._inflight
         if self._unreleased:
-            self._unreleased = [h for h in self._unreleased if not self.agent.release(h)]
+            stuck, self._unreleased = self._unreleased, []
+            for xfer in stuck:
+                if self.agent.release(xfer.handle):
+                    self._released(xfer)
+                else:
+                    self._unreleased.append(xfer)
         notifs = self.agent.poll_notifs()
         for sender, messages in notifs.items():
             for message in messages:
@@ -238,9 +247,16 @@ class ProgressDriver:
         except Exception:
             log.exception("completion callback of %s failed", xfer.label)
 
+    def _released(self, xfer: TrackedTransfer) -> None:
+        if xfer.on_released is not None:
+            try:
+                xfer.on_released()
+            except Exception:
+                log.exception("release callback of %s failed", xfer.label)
+
     def next_interval(self) -> float:
         p = self.policy
-        if self._inflight or self._expecting:
+        if self._inflight or self._expecting or self._unreleased:
             return p.hot_interval_s
         if time.monotonic() - self._last_activity < p.warm_window_s:
             return p.warm_interval_s
@@ -263,8 +279,11 @@ class ProgressDriver:
         if self._ticker is not None:
             self._ticker.close()
             self._ticker = None
-        for xfer in self._inflight:  # the sidecar is going away: fail what is left
+        for xfer in self._inflight + self._unreleased:  # the sidecar is going away: fail what is left
             self.agent.release(xfer.handle)
-            self._complete(xfer, False, "sidecar stopping")
+            if xfer in self._inflight:
+                self._complete(xfer, False, "sidecar stopping")
+            self._released(xfer)
         self._inflight.clear()
+        self._unreleased.clear()
 

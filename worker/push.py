@@ -308,25 +308,37 @@ class PushEngine:
         def on_done(ok: bool, error: str) -> None:
             self._write_done(ob, ok, error, final)
 
+        def on_released() -> None:
+            self._write_released(ob)
+
         if done:
             self.agent.release(handle)
             on_done(True, "")
+            on_released()
         else:
             self.driver.track(handle, self.config.transfer_timeout_s, on_done,
-                              label=f"{ob.target.reservation_id}{'/final' if final else ''}")
+                              label=f"{ob.target.reservation_id}{'/final' if final else ''}",
+                              on_released=on_released)
 
     def _write_done(self, ob: _Outbound, ok: bool, error: str, final: bool) -> None:
-        ob.inflight -= 1
+        """A write's outcome: failures end the reservation at once."""
         if not ok:
             self._fail(ob, f"write to engine {ob.target.engine_id} failed: {error}")
         elif final and ob.state not in TERMINAL:
             ob.state = PushState.PUSHED
             self.counters["pushed"] += 1
             self._finish(ob, "")
+
+    def _write_released(self, ob: _Outbound) -> None:
+        """NIXL let go of a write: it reads staging no more. Staging is freed only when
+        no write of the request is left (a cancelled write NIXL cannot release yet
+        keeps it, so a later request can never have its bytes sent by a zombie)."""
+        ob.inflight -= 1
+        if ob.state in TERMINAL:
+            if not ob.inflight:
+                self._free_staging(ob)
         else:
             self._maybe_post_final(ob)
-        if ob.state in TERMINAL and not ob.inflight:
-            self._free_staging(ob)
 
     def _fail(self, ob: _Outbound, reason: str, peer_gone: bool = False,
               state: PushState = PushState.FAILED) -> None:
@@ -355,8 +367,6 @@ class PushEngine:
         self._ended[ob.request_id] = ob.state
         while len(self._ended) > self.config.tombstones:
             self._ended.popitem(last=False)
-        if ob.state == PushState.PUSHED:
-            self._free_staging(ob)
         self._emit(PushOutcome(ob.request_id, ob.target.reservation_id, ob.target.engine_id, ob.state, reason,
                                ob.bytes_pushed, ob.transfers, time.monotonic() - ob.started))
 
