@@ -18,13 +18,17 @@ from controlplane.etcd import KV, EtcdClient, EtcdLeaseNotFound, EtcdUnavailable
     cmp_mod, op_delete, op_get, op_put, op_txn
 from controlplane.leases import LeaseBuckets
 from controlplane.lifecycle_states import IllegalTransition, Move, State, decide
-from controlplane.records import ReservationRecord
+from controlplane.records import ReservationRecord, now_ms
 from controlplane.view import View
 from kvpush import log
 
 _log = log.get("lifecycle")
 MAX_ATTEMPTS = 10
 BATCH = 100  # nested compare-and-swaps per transaction (etcd's default op limit is 128)
+
+
+def ending(rec: ReservationRecord, target: State, reason: str) -> ReservationRecord:
+    return dataclasses.replace(rec, state=target, reason=reason or rec.reason, ended_ms=now_ms())
 
 
 class Lifecycle:
@@ -34,9 +38,10 @@ class Lifecycle:
         self._leases = leases
 
     async def transition(self, res_id: str, target: State, reason: str = "",
-                         tenant: str | None = None, engine_id: str | None = None) -> ReservationRecord:
-        """Move ``res_id`` to ``target``. ``tenant``/``engine_id`` scope who may do it
-        (a mismatch looks exactly like a missing id: NOT_FOUND).
+                         tenant: str | None = None, prefill_engine_id: str = "") -> ReservationRecord:
+        """Move ``res_id`` to ``target``. ``tenant`` scopes who may do it (a
+        mismatch looks exactly like a missing id: NOT_FOUND); ``prefill_engine_id``
+        records which engine pushes into it (with PUSHING).
 
         Raises ApiError NOT_FOUND (unknown, foreign, or gone), FAILED_PRECONDITION
         (illegal move), UNAVAILABLE (etcd down)."""
@@ -51,8 +56,7 @@ class Lifecycle:
                 if current is None:
                     raise errors.not_found(f"reservation_id {res_id!r} not found")
                 rec, revision = current
-                if (tenant is not None and rec.tenant != tenant) or \
-                        (engine_id is not None and engine_id not in (rec.engine_id, "")):
+                if tenant is not None and rec.tenant != tenant:
                     raise errors.not_found(f"reservation_id {res_id!r} not found")
                 try:
                     move = decide(rec.state, target)
@@ -60,7 +64,9 @@ class Lifecycle:
                     raise errors.StateConflict(f"reservation_id {res_id!r}: {exc}", exc.current, exc.target) from None
                 if move is Move.STALE:
                     return rec
-                new = dataclasses.replace(rec, state=target, reason=reason or rec.reason)
+                new = ending(rec, target, reason) if target.terminal else dataclasses.replace(
+                    rec, state=target, reason=reason or rec.reason,
+                    prefill_engine_id=prefill_engine_id or rec.prefill_engine_id)
                 value = new.encode()
                 if target.terminal:
                     lease = await self._leases.tombstone()
@@ -112,7 +118,10 @@ class Lifecycle:
                 nested, values = [], []
                 for rec in chunk:
                     key = keys.reservation(rec.id)
-                    value = dataclasses.replace(rec, state=State.EXPIRED, reason="deadline passed").encode()
+                    # It ended when the lease ran out, at or after the deadline: the
+                    # deadline is the earliest end any replica can have quarantined from.
+                    value = dataclasses.replace(rec, state=State.EXPIRED, reason="deadline passed",
+                                                ended_ms=rec.deadline_ms).encode()
                     values.append((key, value))
                     nested.append(op_txn([cmp_create(key, 0)], [op_put(key, value, lease)]))
                 result = await self._etcd.txn([], nested)
@@ -145,7 +154,7 @@ class Lifecycle:
                 nested, writes = [], []
                 for rec, entry in entries:
                     key = keys.reservation(rec.id)
-                    value = dataclasses.replace(entry.record, state=target, reason=reason).encode()
+                    value = ending(entry.record, target, reason).encode()
                     req_key = keys.request(rec.tenant, rec.request_id)
                     nested.append(op_txn([cmp_mod(key, entry.mod_revision)],
                                          [op_put(key, value, lease), op_delete(req_key)]))
@@ -178,7 +187,13 @@ class Lifecycle:
 
     async def fail_engine(self, engine_id: str, reason: str, keep_incarnation: str | None = None) -> int:
         """End FAILED every live reservation on ``engine_id`` (except those of
-        ``keep_incarnation``, the engine's current life). Returns how many ended."""
+        ``keep_incarnation``, the engine's current life), and every reservation
+        ``engine_id`` was pushing into (its writes died with it). Returns how many ended."""
         doomed = [rec for rec in self._view.live_reservations(engine_id=engine_id)
                   if keep_incarnation is None or rec.incarnation != keep_incarnation]
-        return await self.end_many(doomed, State.FAILED, reason)
+        pushed = [rec for rec in self._view.live_reservations()
+                  if rec.prefill_engine_id == engine_id and rec.state == State.PUSHING and rec not in doomed]
+        count = await self.end_many(doomed, State.FAILED, reason)
+        if pushed:
+            count += await self.end_many(pushed, State.FAILED, "prefill engine died or restarted mid-push")
+        return count

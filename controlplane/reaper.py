@@ -74,11 +74,17 @@ class Reaper:
 
     async def sweep(self) -> int:
         """End FAILED each live reservation whose engine (this incarnation) is gone."""
-        orphans = [rec for rec in self._view.live_reservations()
+        live = self._view.live_reservations()
+        orphans = [rec for rec in live
                    if (eng := self._view.engine(rec.engine_id)) is None or eng.incarnation != rec.incarnation]
-        if not orphans:
-            return 0
-        return await self._lifecycle.end_many(orphans, State.FAILED, "decode engine is gone")
+        ended = 0
+        if orphans:
+            ended += await self._lifecycle.end_many(orphans, State.FAILED, "decode engine is gone")
+        abandoned = [rec for rec in live if rec.state == State.PUSHING and rec not in orphans
+                     and self._view.engine(rec.prefill_engine_id) is None]
+        if abandoned:
+            ended += await self._lifecycle.end_many(abandoned, State.FAILED, "prefill engine died mid-push")
+        return ended
 
     async def _sweeper(self) -> None:
         await self._view.ready.wait()

@@ -47,6 +47,8 @@ class ReservationRecord:
     deadline_ms: int
     created_ms: int
     reason: str = ""
+    prefill_engine_id: str = ""   # set by the PUSHING report
+    ended_ms: int = 0             # set when it reaches a terminal state
 
     @property
     def blocks(self) -> list[int]:
@@ -64,7 +66,8 @@ class ReservationRecord:
             "incarnation": self.incarnation, "nixl_agent": self.nixl_agent, "extents": self.extents,
             "block_size": self.block_size, "num_tokens": self.num_tokens, "model": self.model,
             "state": self.state.name, "deadline_ms": self.deadline_ms, "created_ms": self.created_ms,
-            "reason": self.reason}, separators=(",", ":")).encode()
+            "reason": self.reason, "prefill_engine_id": self.prefill_engine_id, "ended_ms": self.ended_ms},
+            separators=(",", ":")).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> "ReservationRecord":
@@ -78,7 +81,8 @@ class ReservationRecord:
             nixl_agent=self.nixl_agent, block_ids=self.blocks, block_size=self.block_size,
             num_tokens=self.num_tokens, model=self.model, state=int(self.state),
             deadline_unix_ms=self.deadline_ms, created_unix_ms=self.created_ms, reason=self.reason,
-            engine_incarnation=self.incarnation)
+            engine_incarnation=self.incarnation, prefill_engine_id=self.prefill_engine_id,
+            ended_unix_ms=self.ended_ms)
 
 
 @dataclasses.dataclass

@@ -15,7 +15,7 @@ from controlplane.etcd import KV, EtcdClient, EtcdUnavailable, op_put
 from controlplane.lifecycle import Lifecycle
 from controlplane.lifecycle_states import State
 from controlplane.records import EngineRecord, layout_from_proto, now_ms
-from controlplane.scheduler_service import engine_proto
+from controlplane.scheduler_service import engine_proto, watch_events
 from controlplane.view import View
 from kvpush import log
 from kvpush.layout import LayoutError
@@ -158,9 +158,35 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         if target not in REPORTABLE:
             raise errors.invalid(f"state {target.name} cannot be reported; use one of "
                                  f"{sorted(s.name for s in REPORTABLE)}")
+        if target == State.PUSHING:
+            if not request.engine_id:
+                raise errors.invalid("engine_id is required with PUSHING: it names the engine pushing")
+            if self.view.engine(request.engine_id) is None:
+                raise errors.not_found(f"engine_id {request.engine_id!r} is not registered")
         structlog.contextvars.bind_contextvars(reservation_id=request.reservation_id, engine_id=request.engine_id)
-        rec = await self._lifecycle.transition(request.reservation_id, target, request.reason)
+        rec = await self._lifecycle.transition(
+            request.reservation_id, target, request.reason,
+            prefill_engine_id=request.engine_id if target == State.PUSHING else "")
         return rec.to_proto()
+
+    @streaming
+    async def WatchEngineReservations(self, request, context):
+        self._auth.engine(context)
+        v.text(request.engine_id, "engine_id", 128, v.ENGINE_ID)
+        engine = self.view.engine(request.engine_id)
+        if engine is None:
+            raise errors.not_found(f"engine_id {request.engine_id!r} is not registered")
+        engine_id = request.engine_id
+        # Decode engines hear about reservations landing on them; prefill engines
+        # about the ones they push into.
+        if engine.is_decode:
+            def concerns(rec) -> bool:
+                return rec.engine_id == engine_id
+        else:
+            def concerns(rec) -> bool:
+                return rec.prefill_engine_id == engine_id
+        async for event in watch_events(self.view, concerns, request.include_snapshot):
+            yield event
 
     @unary
     async def LookupReservation(self, request, context) -> types_pb2.Reservation:

@@ -159,41 +159,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     @streaming
     async def WatchReservations(self, request, context):
         tenant = self._auth.tenant(context)
-        queue: asyncio.Queue = asyncio.Queue(WATCH_QUEUE)
-        overflow = False
-
-        def on_change(change: object) -> None:
-            nonlocal overflow
-            if not isinstance(change, ReservationChange):
-                return
-            rec = change.new
-            if rec is None:
-                if not change.expired:
-                    return
-                rec = dataclasses.replace(change.old, state=State.EXPIRED, reason="deadline passed")
-            if rec.tenant != tenant.name:
-                return
-            try:
-                queue.put_nowait((rec, change.revision))
-            except asyncio.QueueFull:
-                overflow = True
-
-        unsubscribe = self.view.subscribe(on_change)
-        try:
-            if request.include_snapshot:
-                for rec in self.view.live_reservations(tenant=tenant.name):
-                    yield scheduler_pb2.ReservationEvent(kind=scheduler_pb2.ReservationEvent.SNAPSHOT,
-                                                         reservation=rec.to_proto(), revision=self.view.revision)
-                yield scheduler_pb2.ReservationEvent(kind=scheduler_pb2.ReservationEvent.SNAPSHOT_END,
-                                                     revision=self.view.revision)
-            while True:
-                rec, revision = await queue.get()
-                if overflow:
-                    raise errors.exhausted("watcher fell too far behind; reconnect with include_snapshot")
-                yield scheduler_pb2.ReservationEvent(kind=scheduler_pb2.ReservationEvent.CHANGED,
-                                                     reservation=rec.to_proto(), revision=revision)
-        finally:
-            unsubscribe()
+        async for event in watch_events(self.view, lambda rec: rec.tenant == tenant.name, request.include_snapshot):
+            yield event
 
     @unary
     async def ListEngines(self, request, context) -> scheduler_pb2.ListEnginesResponse:
@@ -212,3 +179,47 @@ def engine_proto(view: View, rec) -> types_pb2.Engine:
     msg.reserved_blocks = rec.num_blocks - msg.free_blocks
     msg.live_reservations = len(live)
     return msg
+
+
+async def watch_events(view: View, concerns, include_snapshot: bool):
+    """ReservationEvents for the reservations ``concerns(record)`` selects: the live
+    ones first (if asked), then every change as the view applies it. A watcher
+    that falls WATCH_QUEUE events behind is cut off (RESOURCE_EXHAUSTED) rather
+    than allowed to grow the replica's memory; it reconnects with a snapshot."""
+    queue: asyncio.Queue = asyncio.Queue(WATCH_QUEUE)
+    overflow = False
+
+    def on_change(change: object) -> None:
+        nonlocal overflow
+        if not isinstance(change, ReservationChange):
+            return
+        rec = change.new
+        if rec is None:
+            if not change.expired:
+                return
+            rec = dataclasses.replace(change.old, state=State.EXPIRED, reason="deadline passed",
+                                      ended_ms=change.old.deadline_ms)
+        if not concerns(rec):
+            return
+        try:
+            queue.put_nowait((rec, change.revision))
+        except asyncio.QueueFull:
+            overflow = True
+
+    unsubscribe = view.subscribe(on_change)
+    try:
+        if include_snapshot:
+            for rec in view.live_reservations():
+                if concerns(rec):
+                    yield scheduler_pb2.ReservationEvent(kind=scheduler_pb2.ReservationEvent.SNAPSHOT,
+                                                         reservation=rec.to_proto(), revision=view.revision)
+            yield scheduler_pb2.ReservationEvent(kind=scheduler_pb2.ReservationEvent.SNAPSHOT_END,
+                                                 revision=view.revision)
+        while True:
+            rec, revision = await queue.get()
+            if overflow:
+                raise errors.exhausted("watcher fell too far behind; reconnect with include_snapshot")
+            yield scheduler_pb2.ReservationEvent(kind=scheduler_pb2.ReservationEvent.CHANGED,
+                                                 reservation=rec.to_proto(), revision=revision)
+    finally:
+        unsubscribe()

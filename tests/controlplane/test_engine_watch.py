@@ -1,0 +1,77 @@
+"""What sidecars rely on: the engine-scoped watch, and a prefill engine's death
+ending the reservations it was pushing into."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from kvpush.simulated import SimulatedEngine
+from kvpush.v1 import registry_pb2, scheduler_pb2, types_pb2
+from tests.controlplane.helpers import expect_code, make_tenant, release, reserve, settle
+
+CHANGED = scheduler_pb2.ReservationEvent.CHANGED
+
+
+async def report(client, res_id, state, engine_id=""):
+    return await client.registry.ReportState(registry_pb2.ReportStateRequest(
+        reservation_id=res_id, state=state, engine_id=engine_id), metadata=client.metadata, timeout=5)
+
+
+async def read_until(stream, pred, timeout=10.0):
+    while True:
+        event = await asyncio.wait_for(stream.read(), timeout)
+        if event.kind == CHANGED and pred(event.reservation):
+            return event.reservation
+
+
+async def test_pushing_needs_a_registered_prefill_engine(cp, admin, engine_client):
+    decode = SimulatedEngine(engine_client, "decode-0", num_blocks=16)
+    await decode.register()
+    tenant = await make_tenant(admin, cp.address, "acme")
+    res = await reserve(tenant, "r", 16)
+    details = await expect_code(grpc.StatusCode.INVALID_ARGUMENT, report(engine_client, res.id, types_pb2.PUSHING))
+    assert "engine_id" in details
+    await expect_code(grpc.StatusCode.NOT_FOUND, report(engine_client, res.id, types_pb2.PUSHING, "ghost"))
+    await tenant.close()
+    await decode.stop()
+
+
+async def test_engine_watches_and_prefill_death(cp, admin, engine_client, etcd):
+    decode = SimulatedEngine(engine_client, "decode-0", num_blocks=32)
+    prefill = SimulatedEngine(engine_client, "prefill-0", num_blocks=32, role=types_pb2.PREFILL)
+    await decode.register()
+    await prefill.register()
+    tenant = await make_tenant(admin, cp.address, "acme")
+    old = await reserve(tenant, "before-watch", 16)
+
+    def watch(engine_id):
+        return engine_client.registry.WatchEngineReservations(
+            registry_pb2.WatchEngineReservationsRequest(engine_id=engine_id, include_snapshot=True),
+            metadata=engine_client.metadata)
+    d_watch, p_watch = watch("decode-0"), watch("prefill-0")
+    snap = await asyncio.wait_for(d_watch.read(), 5)
+    assert snap.kind == scheduler_pb2.ReservationEvent.SNAPSHOT and snap.reservation.id == old.id
+    assert (await asyncio.wait_for(d_watch.read(), 5)).kind == scheduler_pb2.ReservationEvent.SNAPSHOT_END
+    assert (await asyncio.wait_for(p_watch.read(), 5)).kind == scheduler_pb2.ReservationEvent.SNAPSHOT_END
+
+    res = await reserve(tenant, "r", 64)
+    seen = await read_until(d_watch, lambda r: r.id == res.id)
+    assert seen.state == types_pb2.RESERVED
+    got = await report(engine_client, res.id, types_pb2.PUSHING, "prefill-0")
+    assert got.prefill_engine_id == "prefill-0"
+    assert (await read_until(p_watch, lambda r: r.id == res.id)).state == types_pb2.PUSHING
+
+    # The prefill engine dies mid-push: the reservation it was filling ends FAILED,
+    # the decode side hears of it, and the blocks come back.
+    await prefill.crash()
+    ended = await read_until(d_watch, lambda r: r.id == res.id and r.state == types_pb2.FAILED)
+    assert "prefill" in ended.reason and ended.ended_unix_ms > 0
+    report_ = await settle(etcd.endpoint, until=lambda r: [x.id for x in r.live] == [old.id])
+    assert len(report_.engines["decode-0"].free) == 31
+    await release(tenant, old.id)
+    for stream in (d_watch, p_watch):
+        stream.cancel()
+    await tenant.close()
+    await decode.stop()
