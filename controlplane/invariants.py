@@ -11,7 +11,9 @@ import dataclasses
 
 from controlplane import keys
 from controlplane.etcd import EtcdClient
+from controlplane.lifecycle_states import State
 from controlplane.records import EngineRecord, ReservationRecord, TenantRecord
+from controlplane.view import QUARANTINE_MS
 
 
 @dataclasses.dataclass
@@ -43,10 +45,13 @@ class InvariantReport:
         return "\n".join(lines)
 
 
-async def check(etcd: EtcdClient | str, quiet: bool = False, allow_orphans: bool = False) -> InvariantReport:
+async def check(etcd: EtcdClient | str, quiet: bool = False, allow_orphans: bool = False,
+                quarantine_ms: int = QUARANTINE_MS) -> InvariantReport:
     """``quiet``: the system has settled, so nothing may be reserved at all.
     ``allow_orphans``: tolerate live reservations of a dead engine (the reaper
-    has not run yet); otherwise they are violations."""
+    has not run yet); otherwise they are violations. ``quarantine_ms``: the
+    control plane's setting; a block of a reservation that ended unconsumed must
+    not be in a reservation created within that long after the end."""
     client = EtcdClient(etcd) if isinstance(etcd, str) else etcd
     try:
         kvs, revision = await client.get_prefix(keys.ROOT)
@@ -81,6 +86,7 @@ async def check(etcd: EtcdClient | str, quiet: bool = False, allow_orphans: bool
         violations += [f"reservation {r.id} is {r.state.name} but engine {r.engine_id} "
                        f"(incarnation {r.incarnation}) is gone" for r in orphans]
 
+    live_by_id = {r.id: r for r in live}
     report_engines: dict[str, EngineBlocks] = {}
     for engine_id, eng in engines.items():
         if engine_id not in pools:
@@ -98,6 +104,19 @@ async def check(etcd: EtcdClient | str, quiet: bool = False, allow_orphans: bool
                                       f"{owner[b]} and {r.id}")
                 else:
                     owner[b] = r.id
+        for ended in terminal:
+            if ended.engine_id != engine_id or ended.incarnation != eng.incarnation or \
+                    ended.state == State.CONSUMED or not ended.ended_ms:
+                continue
+            for b in ended.blocks:
+                holder = owner.get(b)
+                if holder is None:
+                    continue
+                rec = live_by_id[holder]
+                if rec.created_ms < ended.ended_ms + quarantine_ms:
+                    violations.append(f"block {b} of engine {engine_id} reused by {holder} "
+                                      f"{ended.ended_ms + quarantine_ms - rec.created_ms} ms before the "
+                                      f"quarantine of {ended.id} ({ended.state.name}) ended")
         reserved = set(owner)
         free = set(range(eng.num_blocks)) - reserved
         if free & reserved or len(free) + len(reserved) != eng.num_blocks:

@@ -148,6 +148,7 @@ class Reserver:
 
     def _plan(self, asks: list[ReserveAsk]) -> "_Plan":
         view = self._view
+        view.release_quarantine()
         plan = _Plan()
         batch = _BatchState()
         seen_requests: set[tuple[str, str]] = set()

@@ -24,7 +24,7 @@ from controlplane.reaper import Reaper
 from controlplane.registry_service import RegistryService
 from controlplane.reserver import Reserver
 from controlplane.scheduler_service import DEFAULT_DEADLINE_MS, SchedulerService
-from controlplane.view import View, follow
+from controlplane.view import QUARANTINE_MS, View, follow
 from kvpush import log
 from kvpush.v1 import admin_pb2, admin_pb2_grpc, registry_pb2, registry_pb2_grpc, scheduler_pb2, \
     scheduler_pb2_grpc
@@ -49,6 +49,7 @@ class ControlPlaneConfig:
     default_deadline_ms: int = DEFAULT_DEADLINE_MS
     replica_id: str = ""
     sweep_interval_s: float = 2.0
+    quarantine_ms: int = QUARANTINE_MS    # blocks of unconsumed endings stay unused this long
 
 
 class _ViewCollector:
@@ -91,7 +92,7 @@ class ControlPlane:
         self.cfg = cfg
         self.replica_id = cfg.replica_id or f"cp-{os.getpid()}-{secrets.token_hex(3)}"
         self.etcd = EtcdClient(cfg.etcd)
-        self.view = View()
+        self.view = View(cfg.quarantine_ms)
         self.leases = LeaseBuckets(self.etcd)
         self.lifecycle = Lifecycle(self.etcd, self.view, self.leases)
         self.reserver = Reserver(self.etcd, self.view, self.leases, max_batch=cfg.max_batch)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import heapq
 from typing import Callable
 
 import numpy as np
@@ -20,10 +21,15 @@ import numpy as np
 from controlplane import keys
 from controlplane.etcd import KV, EtcdClient, EtcdUnavailable, WatchCompacted
 from controlplane.lifecycle_states import State
-from controlplane.records import EngineRecord, ReservationRecord, TenantRecord
+from controlplane.records import EngineRecord, ReservationRecord, TenantRecord, now_ms
 from kvpush import log
 
 _log = log.get("view")
+
+# Blocks of a reservation that ended any way but CONSUMED stay out of use this
+# long: a prefill sidecar may still have a write in flight into them (its
+# transfer timeout is 2 s), and a late write must never land in someone else's KV.
+QUARANTINE_MS = 5_000
 
 
 @dataclasses.dataclass(slots=True)
@@ -54,7 +60,9 @@ def token_hash(token: str) -> str:
 
 
 class View:
-    def __init__(self) -> None:
+    def __init__(self, quarantine_ms: int = QUARANTINE_MS) -> None:
+        self.quarantine_ms = quarantine_ms
+        self.quarantined: list[tuple[int, str, str, str, tuple]] = []  # heap: (release ms, id, engine, incarnation, extents)
         self.revision = 0
         self.engines: dict[str, Entry] = {}
         self.pool_fences: dict[str, int] = {}
@@ -106,6 +114,7 @@ class View:
         return self.tenant(name) if name else None
 
     def free_blocks(self, engine_id: str) -> int:
+        self.release_quarantine()
         return self.free_count.get(engine_id, 0)
 
     def live_reservations(self, engine_id: str | None = None, tenant: str | None = None) -> list[ReservationRecord]:
@@ -156,31 +165,63 @@ class View:
         elif key.startswith(keys.TENANTS):
             self._apply_tenant(keys.name_of(key, keys.TENANTS), kv, deleted, revision)
 
-    def _contribute(self, rec: ReservationRecord, sign: int) -> None:
+    def _mark(self, engine_id: str, incarnation: str, extents, taken: bool) -> None:
+        engine = self.engine(engine_id)
+        bitmap = self.allocated.get(engine_id)
+        if engine is None or bitmap is None or engine.incarnation != incarnation:
+            return
+        for start, count in extents:
+            bitmap[start:start + count] = taken
+            self.free_count[engine_id] -= count if taken else -count
+
+    def _contribute(self, rec: ReservationRecord, sign: int, blocks: bool = True) -> None:
         if not self.counts(rec):
             return
-        bitmap = self.allocated.get(rec.engine_id)
-        if bitmap is not None:
-            for start, count in rec.extents:
-                bitmap[start:start + count] = sign > 0
-            self.free_count[rec.engine_id] -= sign * rec.num_blocks
+        if blocks:
+            self._mark(rec.engine_id, rec.incarnation, rec.extents, sign > 0)
         self.tenant_used[rec.tenant] = self.tenant_used.get(rec.tenant, 0) + sign * rec.num_blocks
+
+    def _quarantine(self, rec: ReservationRecord, ended_ms: int, already_marked: bool) -> None:
+        """Keep ``rec``'s blocks taken until ``ended_ms`` + quarantine (see QUARANTINE_MS)."""
+        release = ended_ms + self.quarantine_ms
+        if release <= now_ms() or not self.counts(rec):
+            if already_marked:
+                self._mark(rec.engine_id, rec.incarnation, rec.extents, False)
+            return
+        if not already_marked:
+            self._mark(rec.engine_id, rec.incarnation, rec.extents, True)
+        heapq.heappush(self.quarantined, (release, rec.id, rec.engine_id, rec.incarnation,
+                                          tuple(map(tuple, rec.extents))))
+
+    def release_quarantine(self, now: int | None = None) -> None:
+        now = now_ms() if now is None else now
+        while self.quarantined and self.quarantined[0][0] <= now:
+            _, _, engine_id, incarnation, extents = heapq.heappop(self.quarantined)
+            self._mark(engine_id, incarnation, extents, False)
 
     def _apply_reservation(self, res_id: str, kv: KV, deleted: bool, revision: int, record=None) -> None:
         # Only live reservations are kept: the view (and the heap the garbage
         # collector walks) stays the size of the work in flight, not of history.
         old_entry = self.reservations.pop(res_id, None)
         old = old_entry.record if old_entry else None
+        new = None if deleted else (record if record is not None else ReservationRecord.decode(kv.value))
         if old is not None:
-            self._contribute(old, -1)
             self.by_engine[old.engine_id].discard(res_id)
+            if new is None or (new.state.terminal and new.state != State.CONSUMED):
+                # Ended without being consumed: the tenant gets its quota back now,
+                # the blocks only after the quarantine.
+                self._contribute(old, -1, blocks=False)
+                self._quarantine(old, new.ended_ms if new is not None and new.ended_ms else now_ms(), True)
+            else:
+                self._contribute(old, -1)
+        elif new is not None and new.state.terminal and new.state != State.CONSUMED and new.ended_ms:
+            self._quarantine(new, new.ended_ms, False)  # e.g. a tombstone loaded after a restart
         if deleted:
             if old is not None:  # a live record vanished: its deadline lease ran out
                 self._expired_ids[res_id] = revision
                 self._count_ended(State.EXPIRED)
                 self._emit(ReservationChange(old, None, revision, expired=True))
             return
-        new = record if record is not None else ReservationRecord.decode(kv.value)
         if new.state.live:
             self.reservations[res_id] = Entry(new, revision, kv.lease)
             self.by_engine.setdefault(new.engine_id, set()).add(res_id)
@@ -213,6 +254,9 @@ class View:
             self.free_count[engine_id] = new.num_blocks
         for rec in affected:
             self._contribute(rec, +1)
+        for _, _, q_engine, incarnation, extents in self.quarantined:
+            if q_engine == engine_id:
+                self._mark(engine_id, incarnation, extents, True)
         self._emit(EngineChange(old_entry.record if old_entry else None, new, revision))
 
     def _apply_tenant(self, name: str, kv: KV, deleted: bool, revision: int) -> None:
@@ -283,7 +327,7 @@ class View:
     def __init_state(self) -> None:
         listeners, waiters, ready = self._listeners, self._revision_waiters, self.ready
         expired, cursors, ended = self._expired_ids, self.cursors, self.ended
-        self.__init__()
+        self.__init__(self.quarantine_ms)
         self._listeners, self._revision_waiters, self.ready = listeners, waiters, ready
         self._expired_ids, self.cursors, self.ended = expired, cursors, ended
 

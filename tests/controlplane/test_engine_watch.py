@@ -75,3 +75,53 @@ async def test_engine_watches_and_prefill_death(cp, admin, engine_client, etcd):
         stream.cancel()
     await tenant.close()
     await decode.stop()
+
+
+async def test_unconsumed_blocks_are_quarantined(etcd):
+    """A late write from a prefill that has not yet heard of the end must not land
+    in someone else's KV: blocks of a reservation that ended unconsumed stay out
+    of use for the quarantine; consumed ones come back at once."""
+    from controlplane.client import ControlPlaneClient
+    from controlplane.invariants import check
+    from controlplane.server import ControlPlane, ControlPlaneConfig
+    from tests.conftest import ADMIN_TOKEN
+    plane = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd.endpoint, admin_token=ADMIN_TOKEN,
+                                            quarantine_ms=1500))
+    await plane.start()
+    await plane.view.ready.wait()
+    address = f"127.0.0.1:{plane.port}"
+    admin = ControlPlaneClient(address, ADMIN_TOKEN)
+    try:
+        decode = SimulatedEngine(admin, "decode-0", num_blocks=2)
+        await decode.register()
+        tenant = await make_tenant(admin, address, "acme", quota_blocks=2)
+        a = await reserve(tenant, "a", 16)
+        b = await reserve(tenant, "b", 16)
+        await release(tenant, a.id)                          # aborted: quarantined
+        await report(admin, b.id, types_pb2.LANDED)
+        await report(admin, b.id, types_pb2.CONSUMED)        # consumed: free at once
+        c = await reserve(tenant, "c", 16)
+        assert list(c.block_ids) == list(b.block_ids)
+        # Quota is back (a's end returned it) but a's block is still quarantined.
+        details = await expect_code(grpc.StatusCode.RESOURCE_EXHAUSTED, reserve(tenant, "d", 16))
+        assert "room" in details
+        # A replica that starts now learns the quarantine from the tombstone in etcd.
+        late = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd.endpoint, admin_token=ADMIN_TOKEN,
+                                               quarantine_ms=1500))
+        await late.start()
+        await late.view.ready.wait()
+        assert late.view.free_blocks("decode-0") == 0
+        await late.stop(0.1)
+        await asyncio.sleep(1.6)
+        d = await reserve(tenant, "d", 16)
+        assert list(d.block_ids) == list(a.block_ids)
+        report_ = await check(etcd.endpoint, quarantine_ms=1500)
+        assert report_.ok, report_.summary()
+        # The checker does catch a reuse inside the quarantine.
+        strict = await check(etcd.endpoint, quarantine_ms=60_000)
+        assert any("quarantine" in v for v in strict.violations)
+        await tenant.close()
+        await decode.stop()
+    finally:
+        await admin.close()
+        await plane.stop(0.1)
