@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # Set up kvpush in ./.venv: pinned dependencies, NIXL (without its torch/CUDA
-# dependencies), the generated gRPC stubs and the `kvpush` command. Idempotent.
+# dependencies), vLLM's CPU build, the generated gRPC stubs and the `kvpush`
+# command. Idempotent: a second run only regenerates the stubs.
 #
-#   scripts/setup.sh                 # control plane, sidecar, router, tests
+#   scripts/setup.sh
 #   PYTHON=python3.11 scripts/setup.sh
+#   KVPUSH_TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu scripts/setup.sh
+#       where pip cannot find torch==2.13.0+cpu by itself (it is not on PyPI;
+#       the default here relies on pip's configured find-links)
+#   KVPUSH_SKIP_VLLM=1 scripts/setup.sh   # control plane and sidecars only
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -22,6 +27,16 @@ if [ ! -f "$stamp" ]; then
   $PIP install -q --no-deps -r requirements/nixl.txt
   rm -f "$VENV"/.kvpush-deps-*
   touch "$stamp"
+fi
+if [ -z "${KVPUSH_SKIP_VLLM:-}" ] && [ ! -f "$VENV/.kvpush-vllm" ]; then
+  echo "==> installing torch (CPU) and vLLM (CPU build); this takes a few minutes the first time"
+  extra=()
+  if [ -n "${KVPUSH_TORCH_INDEX_URL:-}" ]; then extra=(--extra-index-url "$KVPUSH_TORCH_INDEX_URL"); fi
+  $PIP install -q "${extra[@]}" torch==2.13.0
+  $PIP install -q "${extra[@]}" -r requirements/vllm.txt
+  # PyPI's torchvision breaks every import of vLLM's config modules on the CPU torch.
+  $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  touch "$VENV/.kvpush-vllm"
 fi
 echo "==> generating gRPC stubs from proto/"
 "$VENV/bin/python" -m kvpush.protogen

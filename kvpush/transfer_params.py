@@ -1,0 +1,89 @@
+"""The contract between the router and the connectors: what a request carries in
+vLLM's ``kv_transfer_params`` under the key ``"kvpush"``.
+
+The router reserves decode blocks, then sends the same prompt to both engines:
+the prefill engine gets ``role="prefill"`` (and ``max_tokens=1``): its connector
+pushes the prompt's KV into the reservation; the decode engine gets
+``role="decode"``: its connector waits for the reservation to land and loads it
+instead of recomputing the prompt. Without these params a request is served
+normally (aggregated).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+KEY = "kvpush"
+ROLES = ("prefill", "decode")
+
+
+class TransferParamsError(ValueError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class PushParams:
+    role: str                      # "prefill" or "decode"
+    reservation_id: str
+    engine_id: str                 # the decode engine holding the blocks
+    engine_incarnation: str
+    nixl_agent: str                # the decode sidecar's NIXL agent
+    block_ids: tuple[int, ...]     # landing block ids, in token order
+    block_size: int                # tokens per landing block
+    num_tokens: int                # prompt tokens reserved for
+    deadline_unix_ms: int = 0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise TransferParamsError(f"kvpush.role must be one of {ROLES}, got {self.role!r}")
+        if not self.reservation_id or not self.engine_id:
+            raise TransferParamsError("kvpush.reservation_id and kvpush.engine_id are required")
+        if self.block_size <= 0 or self.num_tokens <= 0:
+            raise TransferParamsError("kvpush.block_size and kvpush.num_tokens must be positive")
+        if len(self.block_ids) * self.block_size < self.num_tokens:
+            raise TransferParamsError(f"kvpush.block_ids: {len(self.block_ids)} blocks of {self.block_size} "
+                                      f"cannot hold {self.num_tokens} tokens")
+
+    def to_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        data["block_ids"] = list(self.block_ids)
+        return data
+
+    def as_kv_transfer_params(self) -> dict:
+        return {KEY: self.to_dict()}
+
+    def for_role(self, role: str) -> "PushParams":
+        return dataclasses.replace(self, role=role)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "PushParams":
+        if not isinstance(data, dict):
+            raise TransferParamsError("kvpush transfer params must be an object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise TransferParamsError(f"kvpush transfer params have unknown fields {sorted(unknown)}")
+        try:
+            values = dict(data)
+            values["block_ids"] = tuple(int(b) for b in data.get("block_ids", ()))
+            for name in ("block_size", "num_tokens", "deadline_unix_ms"):
+                if name in values:
+                    values[name] = int(values[name])
+            return cls(**values)
+        except TypeError as exc:
+            raise TransferParamsError(f"kvpush transfer params: {exc}") from None
+
+    @classmethod
+    def from_request(cls, kv_transfer_params: dict | None) -> "PushParams | None":
+        """The params of a request, or None when it carries none (serve it normally)."""
+        if not kv_transfer_params or KEY not in kv_transfer_params:
+            return None
+        return cls.from_dict(kv_transfer_params[KEY])
+
+    @classmethod
+    def from_reservation(cls, res, role: str) -> "PushParams":
+        """From a kvpush.v1.Reservation message."""
+        return cls(role=role, reservation_id=res.id, engine_id=res.engine_id,
+                   engine_incarnation=res.engine_incarnation, nixl_agent=res.nixl_agent,
+                   block_ids=tuple(res.block_ids), block_size=res.block_size, num_tokens=res.num_tokens,
+                   deadline_unix_ms=res.deadline_unix_ms)
