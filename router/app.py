@@ -1,0 +1,115 @@
+"""The router's HTTP surface: OpenAI-compatible endpoints, health, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import generate_latest
+
+from controlplane.client import ControlPlaneClient
+from kvpush import log
+from router import metrics
+from router.config import RouterConfig
+from router.dispatch import BadRequest, Dispatcher, json_error
+from router.tokens import HFTokenCounter, TokenCounter
+
+_log = log.get("router")
+MAX_BODY = 8 << 20
+CFG = web.AppKey("cfg", RouterConfig)
+COUNTER = web.AppKey("counter", object)
+CP = web.AppKey("cp", ControlPlaneClient)
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+DISPATCHER = web.AppKey("dispatcher", Dispatcher)
+
+
+def build_app(cfg: RouterConfig, counter: TokenCounter | None = None) -> web.Application:
+    app = web.Application(client_max_size=MAX_BODY)
+    app[CFG] = cfg
+    app[COUNTER] = counter or HFTokenCounter(cfg.tokenizer_dir)
+
+    async def on_startup(app: web.Application) -> None:
+        app[CP] = ControlPlaneClient(cfg.controlplane, cfg.token)
+        app[SESSION] = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0),
+            timeout=aiohttp.ClientTimeout(total=cfg.upstream_timeout_s, sock_connect=5))
+        app[DISPATCHER] = Dispatcher(cfg, app[COUNTER], app[CP], app[SESSION])
+
+    async def on_cleanup(app: web.Application) -> None:
+        await app[SESSION].close()
+        await app[CP].close()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+
+    def openai(endpoint: str):
+        async def handler(request: web.Request) -> web.StreamResponse:
+            metrics.IN_FLIGHT.inc()
+            outcome = "ok"
+            try:
+                try:
+                    body = await request.json()
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    raise BadRequest("body is not JSON")
+                if not isinstance(body, dict):
+                    raise BadRequest("body must be a JSON object")
+                if "kv_transfer_params" in body:
+                    raise BadRequest("kv_transfer_params is set by the router, not by clients")
+                return await request.app[DISPATCHER].handle(endpoint, body, request)
+            except BadRequest as exc:
+                outcome = "bad_request"
+                return json_error(str(exc), exc.status)
+            except asyncio.CancelledError:
+                outcome = "client_gone"
+                raise
+            except aiohttp.ClientError as exc:
+                outcome = "upstream_error"
+                return json_error(f"engine unreachable: {exc}", 502)
+            finally:
+                metrics.IN_FLIGHT.dec()
+                metrics.REQUESTS.labels(endpoint=endpoint, outcome=outcome).inc()
+        return handler
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": cfg.model, "object": "model", "created": int(time.time()), "owned_by": "kvpush"}]})
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "prefill": list(cfg.prefill_urls),
+                                  "decode": {d.engine_id: d.url for d in cfg.decode}})
+
+    async def prom(request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(metrics.REGISTRY), content_type="text/plain")
+
+    app.router.add_post("/v1/completions", openai("completions"))
+    app.router.add_post("/v1/chat/completions", openai("chat"))
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", prom)
+    return app
+
+
+async def serve(cfg: RouterConfig, ready_file: str | None = None) -> None:
+    import os
+    import signal
+    app = build_app(cfg)
+    # handler_cancellation: a client that disconnects cancels its handler, which
+    # aborts both engine requests and releases the reservation.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.listen_host, cfg.listen_port)
+    await site.start()
+    _log.info("router listening", host=cfg.listen_host, port=cfg.listen_port, model=cfg.model)
+    if ready_file:
+        with open(ready_file + ".tmp", "w") as f:
+            f.write(f"{cfg.listen_port}\n")
+        os.replace(ready_file + ".tmp", ready_file)
+    done = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, done.set)
+    await done.wait()
+    await runner.cleanup()

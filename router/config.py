@@ -1,0 +1,43 @@
+"""Router configuration: where the control plane and the engines are."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeEngine:
+    engine_id: str      # as registered by its sidecar: the id Reserve answers with
+    url: str            # its OpenAI server, e.g. http://127.0.0.1:8200
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    controlplane: str
+    token: str                              # the tenant's bearer token
+    model: str                              # served model name (what clients ask for)
+    prefill_urls: tuple[str, ...]
+    decode: tuple[DecodeEngine, ...]
+    tokenizer_dir: str = ""                 # local model dir for counting prompt tokens
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 8000
+    reserve_timeout_s: float = 0.5          # past this, serve without push rather than wait
+    deadline_ms: int = 30_000               # reservation lifetime
+    upstream_timeout_s: float = 600.0
+
+    def decode_url(self, engine_id: str) -> str | None:
+        for engine in self.decode:
+            if engine.engine_id == engine_id:
+                return engine.url
+        return None
+
+
+def parse_decode(specs: list[str]) -> tuple[DecodeEngine, ...]:
+    """``ENGINE_ID=URL`` items, as the CLI takes them."""
+    out = []
+    for spec in specs:
+        engine_id, sep, url = spec.partition("=")
+        if not sep or not engine_id or not url.startswith("http"):
+            raise ValueError(f"--decode expects ENGINE_ID=http://host:port, got {spec!r}")
+        out.append(DecodeEngine(engine_id, url.rstrip("/")))
+    return tuple(out)

@@ -1,0 +1,18 @@
+"""Prometheus metrics of the router (served at /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+REGISTRY = CollectorRegistry()
+_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+REQUESTS = Counter("kvpush_router_requests_total", "Requests by endpoint and outcome", ["endpoint", "outcome"],
+                   registry=REGISTRY)
+FALLBACKS = Counter("kvpush_router_fallbacks_total", "Requests served without push (decode prefilled itself)",
+                    ["reason"], registry=REGISTRY)
+TTFT = Histogram("kvpush_router_ttft_seconds", "Time to first token as the router sees it", ["path"],
+                 buckets=_BUCKETS, registry=REGISTRY)
+RESERVE_LATENCY = Histogram("kvpush_router_reserve_seconds", "Reserve round trip", buckets=_BUCKETS,
+                            registry=REGISTRY)
+IN_FLIGHT = Gauge("kvpush_router_in_flight", "Requests being served", registry=REGISTRY)

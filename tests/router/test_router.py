@@ -1,0 +1,189 @@
+"""The router against a real control plane and etcd, with stand-in engines that
+record what they receive (the real engines are exercised in the end-to-end tests)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from kvpush.simulated import SimulatedEngine
+from kvpush.v1 import scheduler_pb2, types_pb2
+from router.app import build_app
+from router.config import DecodeEngine, RouterConfig
+from router.tokens import WhitespaceCounter
+from tests.controlplane.helpers import make_tenant, settle
+
+
+class FakeEngine:
+    """An OpenAI-ish server: records bodies; streams three chunks; can fail or stall."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.bodies: list[dict] = []
+        self.fail = False
+        self.stall = asyncio.Event()
+        self.stall.set()
+        self.cancelled = 0
+
+    def app(self) -> web.Application:
+        async def handle(request: web.Request):
+            body = await request.json()
+            self.bodies.append(body)
+            if self.fail:
+                return web.json_response({"error": "boom"}, status=500)
+            try:
+                await self.stall.wait()
+                if not body.get("stream"):
+                    return web.json_response({"object": "text_completion", "engine": self.name,
+                                              "choices": [{"text": " hi", "index": 0}]})
+                resp = web.StreamResponse()
+                resp.content_type = "text/event-stream"
+                await resp.prepare(request)
+                for i in range(3):
+                    await resp.write(f"data: {json.dumps({'choices': [{'text': f't{i}'}]})}\n\n".encode())
+                    await asyncio.sleep(0.01)
+                await resp.write(b"data: [DONE]\n\n")
+                return resp
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+        app = web.Application()
+        app.router.add_post("/v1/completions", handle)
+        app.router.add_post("/v1/chat/completions", handle)
+        return app
+
+
+@pytest_asyncio.fixture
+async def stack(cp, admin, engine_client, etcd):
+    prefill, decode = FakeEngine("P"), FakeEngine("D")
+    servers = [TestServer(prefill.app(), handler_cancellation=True),
+               TestServer(decode.app(), handler_cancellation=True)]
+    for s in servers:
+        await s.start_server()
+    sim = SimulatedEngine(engine_client, "decode-0", num_blocks=8, model="tiny")
+    await sim.register()
+    tenant = await make_tenant(admin, cp.address, "router")
+    token = tenant.metadata[0][1].split()[1]
+    cfg = RouterConfig(controlplane=cp.address, token=token, model="tiny",
+                       prefill_urls=(str(servers[0].make_url("")).rstrip("/"),),
+                       decode=(DecodeEngine("decode-0", str(servers[1].make_url("")).rstrip("/")),))
+    router = TestServer(build_app(cfg, WhitespaceCounter()), handler_cancellation=True)
+    await router.start_server()
+    session = aiohttp.ClientSession()
+    yield dict(prefill=prefill, decode=decode, url=str(router.make_url("")).rstrip("/"), session=session,
+               tenant=tenant, etcd=etcd, cp=cp)
+    await session.close()
+    await router.close()
+    for s in servers:
+        await s.close()
+    await tenant.close()
+    await sim.stop()
+
+
+async def test_dispatch_to_prefill_and_decode(stack):
+    s = stack
+    async with s["session"].post(s["url"] + "/v1/completions",
+                                 json={"model": "tiny", "prompt": "one two three", "max_tokens": 5}) as resp:
+        assert resp.status == 200
+        assert (await resp.json())["engine"] == "D"
+    await asyncio.sleep(0.05)
+    p, d = s["prefill"].bodies[0], s["decode"].bodies[0]
+    assert p["max_tokens"] == 1 and p["stream"] is False
+    pk, dk = p["kv_transfer_params"]["kvpush"], d["kv_transfer_params"]["kvpush"]
+    assert pk["role"] == "prefill" and dk["role"] == "decode"
+    assert pk["reservation_id"] == dk["reservation_id"] and pk["engine_id"] == "decode-0"
+    assert pk["num_tokens"] == 4 and d["max_tokens"] == 5
+    res = await s["tenant"].scheduler.GetReservation(
+        scheduler_pb2.GetReservationRequest(reservation_id=pk["reservation_id"]), metadata=s["tenant"].metadata)
+    assert res.state == types_pb2.RESERVED  # nothing consumed it: the engines are stand-ins
+
+
+async def test_streaming_passthrough(stack):
+    s = stack
+    async with s["session"].post(s["url"] + "/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hello there"}], "stream": True}) as resp:
+        assert resp.status == 200 and resp.content_type == "text/event-stream"
+        text = (await resp.read()).decode()
+    assert text.count("data: ") == 4 and text.strip().endswith("[DONE]")
+    assert s["prefill"].bodies[0]["stream"] is False
+
+
+async def fallbacks(s) -> float:
+    import re
+    async with s["session"].get(s["url"] + "/metrics") as r:
+        m = re.search(r'kvpush_router_fallbacks_total\{reason="resource_exhausted"\} (\S+)', await r.text())
+    return float(m.group(1)) if m else 0.0
+
+
+async def test_fallback_without_capacity(stack):
+    s = stack
+    before = await fallbacks(s)
+    long_prompt = " ".join(["w"] * 400)   # 8 blocks of 16 cannot hold 400 tokens
+    async with s["session"].post(s["url"] + "/v1/completions", json={"model": "tiny", "prompt": long_prompt}) as r:
+        assert r.status == 200
+    assert s["prefill"].bodies == []                      # no prefill engine involved
+    assert "kv_transfer_params" not in s["decode"].bodies[0]
+    assert await fallbacks(s) == before + 1
+
+
+async def test_prefill_failure_releases_reservation(stack):
+    s = stack
+    s["prefill"].fail = True
+    async with s["session"].post(s["url"] + "/v1/completions", json={"model": "tiny", "prompt": "a b"}) as r:
+        assert r.status == 200     # decode still answers (it recomputes when the KV never lands)
+    res_id = s["decode"].bodies[0]["kv_transfer_params"]["kvpush"]["reservation_id"]
+    for _ in range(50):
+        res = await s["tenant"].scheduler.GetReservation(
+            scheduler_pb2.GetReservationRequest(reservation_id=res_id), metadata=s["tenant"].metadata)
+        if res.state == types_pb2.RELEASED:
+            break
+        await asyncio.sleep(0.05)
+    assert res.state == types_pb2.RELEASED and "prefill failed" in res.reason
+
+
+async def test_client_disconnect_aborts_everything(stack):
+    s = stack
+    s["decode"].stall.clear()
+    s["prefill"].stall.clear()
+    task = asyncio.create_task(s["session"].post(s["url"] + "/v1/completions",
+                                                 json={"model": "tiny", "prompt": "x y", "stream": True}))
+    for _ in range(100):
+        if s["decode"].bodies and s["prefill"].bodies:
+            break
+        await asyncio.sleep(0.02)
+    res_id = s["decode"].bodies[0]["kv_transfer_params"]["kvpush"]["reservation_id"]
+    task.cancel()                      # the client goes away mid-request
+    await asyncio.gather(task, return_exceptions=True)
+    await settle(s["etcd"].endpoint, quiet=True)      # the reservation was released
+    res = await s["tenant"].scheduler.GetReservation(
+        scheduler_pb2.GetReservationRequest(reservation_id=res_id), metadata=s["tenant"].metadata)
+    assert res.state == types_pb2.RELEASED
+    for _ in range(100):
+        if s["decode"].cancelled and s["prefill"].cancelled:
+            break
+        await asyncio.sleep(0.02)
+    assert s["decode"].cancelled == 1 and s["prefill"].cancelled == 1
+
+
+async def test_bad_requests(stack):
+    s = stack
+    cases = [({"model": "other", "prompt": "x"}, 404), ({"model": "tiny"}, 400),
+             ({"model": "tiny", "messages": []}, 400, "/v1/chat/completions"),
+             ({"model": "tiny", "prompt": "x", "kv_transfer_params": {}}, 400)]
+    for case in cases:
+        body, status = case[0], case[1]
+        path = case[2] if len(case) > 2 else "/v1/completions"
+        async with s["session"].post(s["url"] + path, json=body) as r:
+            assert r.status == status, (body, await r.text())
+    async with s["session"].post(s["url"] + "/v1/completions", data=b"{not json") as r:
+        assert r.status == 400
+    async with s["session"].get(s["url"] + "/v1/models") as r:
+        assert (await r.json())["data"][0]["id"] == "tiny"
+    async with s["session"].get(s["url"] + "/health") as r:
+        assert r.status == 200
