@@ -189,3 +189,25 @@ async def test_expired_engine_lease_is_refused_on_heartbeat(cp, engine_client):
         async for _ in engine_client.registry.Heartbeat(pings(), metadata=engine_client.metadata):
             pass
     await expect_code(grpc.StatusCode.NOT_FOUND, beat())
+
+
+async def test_engine_with_many_reservations_dies(cp, admin, engine_client, etcd):
+    """Ending a dead engine's reservations is batched: 600 end within seconds."""
+    engine = SimulatedEngine(engine_client, "decode-busy", num_blocks=1000)
+    await engine.register()
+    tenant = await make_tenant(admin, cp.address, "acme")
+    stream_reqs = [scheduler_pb2.ReserveStreamRequest(tag=i, reserve=scheduler_pb2.ReserveRequest(
+        request_id=f"m{i}", num_tokens=16, model="sim-model")) for i in range(600)]
+
+    async def requests():
+        for r in stream_reqs:
+            yield r
+    answers = [m async for m in tenant.scheduler.ReserveStream(requests(), metadata=tenant.metadata)]
+    assert sum(m.code == 0 for m in answers) == 600
+    started = time.monotonic()
+    await engine.crash()
+    report = await settle(etcd.endpoint, until=lambda r: not r.live, timeout=30)
+    assert len(report.terminal) >= 600
+    assert all(r.state.name == "FAILED" for r in report.terminal)
+    assert time.monotonic() - started < 10
+    await tenant.close()
