@@ -4,6 +4,7 @@ without a log line, and bind a fresh structlog context per call."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import grpc
@@ -57,42 +58,39 @@ def check_parsed(request) -> None:
         raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, request.message)
 
 
+@contextlib.asynccontextmanager
+async def _guard(view, context, name: str):
+    structlog.contextvars.clear_contextvars()
+    try:
+        if not view.ready.is_set():
+            raise ApiError(grpc.StatusCode.UNAVAILABLE, "control plane is still loading the registry")
+        yield
+    except ApiError as exc:
+        await context.abort(exc.code, exc.message)
+    except grpc.aio.AbortError:
+        raise
+    except Exception:
+        _log.exception("handler crashed", method=name)
+        await context.abort(grpc.StatusCode.INTERNAL, "internal error (logged)")
+
+
 def unary(method):
     @functools.wraps(method)
     async def handler(self, request, context):
-        structlog.contextvars.clear_contextvars()
-        try:
-            if not self.view.ready.is_set():
-                raise ApiError(grpc.StatusCode.UNAVAILABLE, "control plane is still loading the registry")
+        async with _guard(self.view, context, method.__name__):
             check_parsed(request)
             no_unknown_fields(request)
             return await method(self, request, context)
-        except ApiError as exc:
-            await context.abort(exc.code, exc.message)
-        except grpc.aio.AbortError:
-            raise
-        except Exception:
-            _log.exception("handler crashed", method=method.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, "internal error (logged)")
     return handler
 
 
 def streaming(method):
+    """For server-streaming and bidi handlers (``request`` may be an iterator)."""
     @functools.wraps(method)
     async def handler(self, request, context):
-        structlog.contextvars.clear_contextvars()
-        try:
-            if not self.view.ready.is_set():
-                raise ApiError(grpc.StatusCode.UNAVAILABLE, "control plane is still loading the registry")
+        async with _guard(self.view, context, method.__name__):
             if hasattr(request, "DESCRIPTOR"):
                 no_unknown_fields(request)
             async for item in method(self, request, context):
                 yield item
-        except ApiError as exc:
-            await context.abort(exc.code, exc.message)
-        except grpc.aio.AbortError:
-            raise
-        except Exception:
-            _log.exception("stream handler crashed", method=method.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, "internal error (logged)")
     return handler

@@ -26,6 +26,7 @@ from controlplane.reserver import Reserver
 from controlplane.scheduler_service import DEFAULT_DEADLINE_MS, SchedulerService
 from controlplane.view import QUARANTINE_MS, View, follow
 from kvpush import log
+from kvpush.aio import until_signalled, write_ready_file
 from kvpush.v1 import admin_pb2, admin_pb2_grpc, registry_pb2, registry_pb2_grpc, scheduler_pb2, \
     scheduler_pb2_grpc
 
@@ -164,7 +165,6 @@ class ControlPlane:
 
 
 async def serve(cfg: ControlPlaneConfig, ready_file: str | None = None) -> None:
-    import signal
     cp = ControlPlane(cfg)
     await cp.start()
     await cp.view.ready.wait()
@@ -173,14 +173,7 @@ async def serve(cfg: ControlPlaneConfig, ready_file: str | None = None) -> None:
     # the event loop for tens of milliseconds on a large heap.
     gc.collect()
     gc.freeze()
-    if ready_file:
-        with open(ready_file + ".tmp", "w") as f:
-            f.write(f"{cp.port}\n")
-        os.replace(ready_file + ".tmp", ready_file)
-    loop = asyncio.get_running_loop()
-    done = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, done.set)
-    await done.wait()
+    write_ready_file(ready_file, f"{cp.port}\n")
+    await until_signalled()
     _log.info("shutting down")
     await cp.stop()

@@ -4,6 +4,8 @@ per core in bench/reserve.py), the standard loop otherwise."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 
 def run(coro):
@@ -12,3 +14,21 @@ def run(coro):
     except ImportError:
         return asyncio.run(coro)
     return uvloop.run(coro)
+
+
+def write_ready_file(path: str | None, content: str) -> None:
+    """Atomically tell a supervisor we are serving (it polls for the file)."""
+    if not path:
+        return
+    with open(path + ".tmp", "w") as f:
+        f.write(content)
+    os.replace(path + ".tmp", path)
+
+
+async def until_signalled() -> None:
+    """Return on SIGTERM or SIGINT: the services' shutdown trigger."""
+    done = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, done.set)
+    await done.wait()

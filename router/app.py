@@ -12,6 +12,7 @@ from prometheus_client import generate_latest
 
 from controlplane.client import ControlPlaneClient
 from kvpush import log
+from kvpush.aio import until_signalled, write_ready_file
 from router import metrics
 from router.config import RouterConfig
 from router.dispatch import BadRequest, Dispatcher, json_error
@@ -93,8 +94,6 @@ def build_app(cfg: RouterConfig, counter: TokenCounter | None = None) -> web.App
 
 
 async def serve(cfg: RouterConfig, ready_file: str | None = None) -> None:
-    import os
-    import signal
     app = build_app(cfg)
     # handler_cancellation: a client that disconnects cancels its handler, which
     # aborts both engine requests and releases the reservation.
@@ -103,13 +102,6 @@ async def serve(cfg: RouterConfig, ready_file: str | None = None) -> None:
     site = web.TCPSite(runner, cfg.listen_host, cfg.listen_port)
     await site.start()
     _log.info("router listening", host=cfg.listen_host, port=cfg.listen_port, model=cfg.model)
-    if ready_file:
-        with open(ready_file + ".tmp", "w") as f:
-            f.write(f"{cfg.listen_port}\n")
-        os.replace(ready_file + ".tmp", ready_file)
-    done = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, done.set)
-    await done.wait()
+    write_ready_file(ready_file, f"{cfg.listen_port}\n")
+    await until_signalled()
     await runner.cleanup()
