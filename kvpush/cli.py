@@ -124,6 +124,11 @@ def cmd_tenant(args) -> None:
         sys.exit(f"kvpush tenant {args.action}: {exc.code().name}: {exc.details()}")
 
 
+def cmd_sidecar(args) -> None:
+    from worker.service import run
+    sys.exit(run(args))
+
+
 def cmd_demo(args) -> None:
     from kvpush.demo import main as demo_main
     sys.exit(demo_main(args))
@@ -173,6 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tenant-token", default="", help="with create: use this token instead of a generated one")
     _add_client_args(p, "KVPUSH_ADMIN_TOKEN")
     p.set_defaults(fn=cmd_tenant)
+
+    p = sub.add_parser("sidecar", help="run the sidecar of one vLLM engine (NIXL agent, pools, registration)")
+    from worker.service import add_arguments as add_sidecar_arguments
+    add_sidecar_arguments(p)
+    p.set_defaults(fn=cmd_sidecar)
 
     p = sub.add_parser("demo", help="bring everything up, send requests, print a summary, shut down")
     p.add_argument("--requests", type=int, default=8)

@@ -5,7 +5,8 @@ landing pool and notify it. This table turns their notifications into states:
 
     (unknown) --BEGIN--> PUSHING --LANDED notice, checks pass--> LANDED --consume--> CONSUMED
          any live state --ABORT notice / bad LANDED--> FAILED
-         any live state --cancel (control plane: deadline, release)--> CANCELLED
+         any live state, or LANDED --cancel (control plane: deadline, release)--> CANCELLED
+         EXPECTED/PUSHING for longer than ``landing_timeout_s`` (when set) --> FAILED
 
 LANDED is set only from the LANDED notification, which the pusher sends with
 its final write after every other write of the reservation is DONE, so
@@ -62,6 +63,9 @@ class LandingEvent:
 class LandingConfig:
     hot_timeout_s: float = 10.0  # poll hot at most this long after a BEGIN or an expect()
     keep_ended_s: float = 60.0  # answer queries about ended reservations this long
+    # FAILED when nothing LANDED this long after the engine expected it or a pusher
+    # began (0: off). A safety net for when the control plane cannot tell us.
+    landing_timeout_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -73,6 +77,7 @@ class _Entry:
     num_tokens: int = 0
     source: str = ""
     subscribers: list = dataclasses.field(default_factory=list)
+    created: float = 0.0
 
     def event(self, rid: str) -> LandingEvent:
         return LandingEvent(rid, self.state, self.reason, self.block_ids, self.num_tokens, self.source)
@@ -89,6 +94,7 @@ class LandingTable:
         self.on_event = on_event
         self._entries: dict[str, _Entry] = {}
         self._next_gc = 0.0
+        self._timer: asyncio.TimerHandle | None = None
         self.counters: dict[str, int] = {"landed": 0, "failed": 0, "ignored": 0}
 
     # -- notifications ----------------------------------------------------------------
@@ -113,6 +119,7 @@ class LandingTable:
         if notice.kind == notify.BEGIN:
             self._set(rid, entry, LandingState.PUSHING)
             self.driver.expect(rid, self.config.hot_timeout_s)
+            self._arm_timeout()
         elif notice.kind == notify.ABORT:
             self._set(rid, entry, LandingState.FAILED, f"pusher aborted: {notice.reason}")
         elif notice.kind == notify.LANDED:
@@ -162,6 +169,7 @@ class LandingTable:
             entry.state = LandingState.EXPECTED
         if entry.state not in TERMINAL:
             self.driver.expect(reservation_id, self.config.hot_timeout_s)
+            self._arm_timeout()
         return entry.event(reservation_id)
 
     def subscribe(self, reservation_id: str, callback: Callable[[LandingEvent], None]) -> LandingEvent:
@@ -178,9 +186,11 @@ class LandingTable:
             entry.subscribers.remove(callback)
 
     def cancel(self, reservation_id: str, reason: str = "cancelled") -> bool:
-        """The control plane ended the reservation (deadline, release): a late LANDED is ignored."""
+        """The control plane ended the reservation (deadline, release): a late LANDED is
+        ignored, and a LANDED one not yet consumed can no longer be (its blocks are
+        free again and may be reserved for someone else)."""
         entry = self._entry(reservation_id)
-        if entry.state in TERMINAL:
+        if entry.state in TERMINAL and entry.state != LandingState.LANDED:
             return False
         self._set(reservation_id, entry, LandingState.CANCELLED, reason)
         return True
@@ -193,13 +203,42 @@ class LandingTable:
         self._set(reservation_id, entry, LandingState.CONSUMED)
         return True
 
+    def live_reservations(self) -> list[str]:
+        """Reservations still expected here, or landed and not yet consumed."""
+        return [rid for rid, e in self._entries.items()
+                if e.state not in TERMINAL or e.state == LandingState.LANDED]
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
     # -- internals --------------------------------------------------------------------------
     def _entry(self, rid: str) -> _Entry:
         entry = self._entries.get(rid)
         if entry is None:
             self._gc()
-            entry = self._entries[rid] = _Entry(LandingState.UNKNOWN, time.monotonic())
+            now = time.monotonic()
+            entry = self._entries[rid] = _Entry(LandingState.UNKNOWN, now, created=now)
         return entry
+
+    def _arm_timeout(self) -> None:
+        timeout = self.config.landing_timeout_s
+        if timeout > 0 and self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(min(1.0, timeout / 2), self._fail_overdue)
+
+    def _fail_overdue(self) -> None:
+        """Once a second while anything is awaited: FAILED for what waited too long."""
+        self._timer = None
+        timeout, now, waiting = self.config.landing_timeout_s, time.monotonic(), False
+        for rid, entry in list(self._entries.items()):
+            if entry.state in (LandingState.EXPECTED, LandingState.PUSHING):
+                if now - entry.created >= timeout:
+                    self._set(rid, entry, LandingState.FAILED, f"nothing landed within {timeout:g} s")
+                else:
+                    waiting = True
+        if waiting:
+            self._arm_timeout()
 
     def _set(self, rid: str, entry: _Entry, state: LandingState, reason: str = "") -> None:
         entry.state, entry.reason, entry.updated = state, reason, time.monotonic()

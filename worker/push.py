@@ -127,7 +127,8 @@ class _Outbound:
 class PushEngine:
     def __init__(self, agent, driver: ProgressDriver, staging: StagingPool, layout: KvLayout,
                  peers: PeerRegistry, config: PushConfig = PushConfig(),
-                 on_outcome: Callable[[PushOutcome], None] | None = None):
+                 on_outcome: Callable[[PushOutcome], None] | None = None,
+                 on_start: Callable[[str, str], None] | None = None):
         self.agent = agent
         self.driver = driver
         self.staging = staging
@@ -135,6 +136,7 @@ class PushEngine:
         self.peers = peers
         self.config = config
         self.on_outcome = on_outcome
+        self.on_start = on_start  # (reservation_id, request_id) when its first write is posted
         self._requests: dict[str, _Outbound] = {}
         self._ended: collections.OrderedDict[str, PushState] = collections.OrderedDict()
         self.counters = collections.Counter()
@@ -229,6 +231,10 @@ class PushEngine:
     def active(self) -> int:
         return len(self._requests)
 
+    def live_reservations(self) -> list[str]:
+        """Reservations with a push under way here (not yet ended)."""
+        return [ob.target.reservation_id for ob in self._requests.values() if ob.state not in TERMINAL]
+
     # -- internals -------------------------------------------------------------------------
     def _check_peer(self, peer: RemotePeer, target: PushTarget, geom: DestGeometry) -> None:
         why = self.layout.compatibility_error(peer.layout)
@@ -272,6 +278,8 @@ class PushEngine:
                     notify.BEGIN, ob.target.reservation_id, ob.target.incarnation)))
             except TransferError as exc:
                 return self._fail(ob, f"engine {ob.target.engine_id}: {exc}", peer_gone=exc.peer_gone)
+            if self.on_start is not None:  # reported later, off this path
+                self._later(self.on_start, ob.target.reservation_id, ob.request_id)
         if not final:
             return self._post(ob, loc, rem, b"", final=False)
         ob.final = (loc, rem)
@@ -376,10 +384,13 @@ class PushEngine:
             self.staging.free(ob.alloc.alloc_id)
 
     def _emit(self, outcome: PushOutcome) -> None:
-        if self.on_outcome is None:
-            return
-        # Off the critical path: the caller reports to the control plane later.
+        if self.on_outcome is not None:
+            # Off the critical path: the caller reports to the control plane later.
+            self._later(self.on_outcome, outcome)
+
+    @staticmethod
+    def _later(fn, *args) -> None:
         try:
-            asyncio.get_running_loop().call_soon(self.on_outcome, outcome)
+            asyncio.get_running_loop().call_soon(fn, *args)
         except RuntimeError:  # no loop (synchronous use in tests)
-            self.on_outcome(outcome)
+            fn(*args)

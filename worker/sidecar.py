@@ -13,7 +13,8 @@ control plane (and reports outcomes to it) is written against this class:
 
 ``python -m worker.sidecar`` runs one for local use and tests: it writes its
 ``EngineRecord`` as JSON to ``--record-out`` once serving, and peers are
-added through the channel's ADMIN ``add_peer`` (until the control plane does it).
+added through the channel's ADMIN ``add_peer``. ``kvpush sidecar``
+(``worker/service.py``) is the same sidecar wired to the control plane.
 """
 
 from __future__ import annotations
@@ -72,8 +73,11 @@ class Sidecar:
     def __init__(self, config: SidecarConfig,
                  on_push_outcome: Callable[[PushOutcome], None] | None = None,
                  on_landing_event: Callable[[LandingEvent], None] | None = None,
-                 resolver: Resolver | None = None):
+                 resolver: Resolver | None = None,
+                 on_push_start: Callable[[str, str], None] | None = None):
         self.config = config
+        self.on_push_start = on_push_start  # (reservation_id, request_id): first write posted
+        self.accepting = True  # False while shutting down: new pushes are refused
         self.on_push_outcome = on_push_outcome
         self.on_landing_event = on_landing_event
         self.resolver = resolver
@@ -108,7 +112,7 @@ class Sidecar:
             else:
                 self.peers = PeerRegistry(self.agent, self.resolver)
                 self.pusher = PushEngine(self.agent, self.driver, self.pool, c.layout, self.peers, c.push,
-                                         self._push_outcome)
+                                         self._push_outcome, self.on_push_start)
                 self.driver.on_notif = self._prefill_notif
             self.driver.start()
             self.server = ChannelServer(c.socket_path, self)
@@ -123,6 +127,8 @@ class Sidecar:
         if self.server is not None:
             await self.server.close()
             self.server = None
+        if self.landing is not None:
+            self.landing.close()
         if self.driver is not None:
             await self.driver.stop()
         if self.agent is not None:
@@ -149,6 +155,12 @@ class Sidecar:
         if self.pusher is not None:
             return self.pusher.cancel_reservation(reservation_id, reason)
         return self.landing.cancel(reservation_id, reason)
+
+    def live_reservations(self) -> list[str]:
+        """Reservations this sidecar is still working on (pushing, or awaiting/holding a landing)."""
+        if self.pusher is not None:
+            return self.pusher.live_reservations()
+        return self.landing.live_reservations() if self.landing is not None else []
 
     def stats(self) -> dict:
         out = {"role": self.config.role, "engine_id": self.config.engine_id,
@@ -186,6 +198,8 @@ class Sidecar:
 
     def on_begin(self, conn: Connection, req: F.BeginRequest) -> StagingAllocation:
         self._need(self.pusher, "BEGIN")
+        if not self.accepting:
+            raise ValueError(f"sidecar {self.config.engine_id} is shutting down; not accepting pushes")
         target = PushTarget(req.reservation_id, req.engine_id, req.incarnation, req.block_ids, req.block_size,
                             req.num_tokens)
         self._request_owner[req.request_id] = conn
