@@ -62,7 +62,8 @@ def cmd_controlplane(args) -> None:
         engine_token=args.engine_token or os.environ.get("KVPUSH_ENGINE_TOKEN", ""),
         metrics_port=args.metrics_port, tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca, max_batch=max_batch or 60, group_commit=not args.no_group_commit,
-        default_deadline_ms=args.default_deadline_ms, replica_id=args.replica_id)
+        default_deadline_ms=args.default_deadline_ms, replica_id=args.replica_id,
+        quarantine_ms=args.quarantine_ms)
     from kvpush import aio
     try:
         aio.run(serve(cfg, args.ready_file))
@@ -129,6 +130,21 @@ def cmd_sidecar(args) -> None:
     sys.exit(run(args))
 
 
+def cmd_router(args) -> None:
+    from kvpush import aio, log
+    from router.app import serve
+    from router.config import RouterConfig, parse_decode
+    log.configure("router", args.log_level)
+    token = args.token or os.environ.get("KVPUSH_TENANT_TOKEN", "")
+    if not token:
+        sys.exit("kvpush router: --token (or $KVPUSH_TENANT_TOKEN) is required")
+    cfg = RouterConfig(controlplane=args.controlplane, token=token, model=args.model,
+                       prefill_urls=tuple(u.rstrip("/") for u in args.prefill), decode=parse_decode(args.decode),
+                       tokenizer_dir=args.tokenizer or args.model_dir, listen_host=args.host,
+                       listen_port=args.port, deadline_ms=args.deadline_ms)
+    aio.run(serve(cfg, args.ready_file))
+
+
 def cmd_demo(args) -> None:
     from kvpush.demo import main as demo_main
     sys.exit(demo_main(args))
@@ -160,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reservations per group-commit transaction (default 60; 500 with --embedded-etcd)")
     p.add_argument("--no-group-commit", action="store_true", help="one transaction per reservation (baseline)")
     p.add_argument("--default-deadline-ms", type=int, default=30_000)
+    p.add_argument("--quarantine-ms", type=int, default=5000,
+                   help="blocks of reservations that ended unconsumed stay unused this long (late writes)")
     p.add_argument("--replica-id", default="")
     p.add_argument("--ready-file", default=None, help="write the bound port here once serving")
     p.add_argument("--log-level", default=None)
@@ -183,6 +201,22 @@ def build_parser() -> argparse.ArgumentParser:
     from worker.service import add_arguments as add_sidecar_arguments
     add_sidecar_arguments(p)
     p.set_defaults(fn=cmd_sidecar)
+
+    p = sub.add_parser("router", help="run the OpenAI-compatible P/D router")
+    p.add_argument("--controlplane", default=os.environ.get("KVPUSH_CONTROLPLANE", "127.0.0.1:50051"))
+    p.add_argument("--token", default="", help="tenant token (default: $KVPUSH_TENANT_TOKEN)")
+    p.add_argument("--model", required=True, help="the served model name")
+    p.add_argument("--model-dir", default="", help="local model directory (its tokenizer counts prompt tokens)")
+    p.add_argument("--tokenizer", default="", help="tokenizer directory, if not --model-dir")
+    p.add_argument("--prefill", action="append", default=[], required=True, help="prefill engine URL (repeatable)")
+    p.add_argument("--decode", action="append", default=[], required=True,
+                   help="ENGINE_ID=URL of a decode engine (repeatable); ENGINE_ID as its sidecar registered it")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--deadline-ms", type=int, default=30_000)
+    p.add_argument("--ready-file", default=None)
+    p.add_argument("--log-level", default=None)
+    p.set_defaults(fn=cmd_router)
 
     p = sub.add_parser("demo", help="bring everything up, send requests, print a summary, shut down")
     p.add_argument("--requests", type=int, default=8)
