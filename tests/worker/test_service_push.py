@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from controlplane.lifecycle_states import State
-from tests.worker.engines import SENTINEL, DecodeEngine, PrefillEngine, wait_state
+from tests.worker.engines import DecodeEngine, PrefillEngine, wait_state
 from tests.worker.service_helpers import Etcd, Scheduler, layout_pb, record_of, settle
 
 pytestmark = pytest.mark.timeout(60)
