@@ -1,0 +1,76 @@
+"""What the scheduler side tells the worker side each engine step.
+
+Plain dataclasses (picklable: with a multi-process executor the metadata
+crosses a process boundary inside ``SchedulerOutput``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """The reservation a prefill request pushes into (from its ``PushParams``)."""
+
+    reservation_id: str
+    engine_id: str
+    incarnation: str
+    block_ids: tuple[int, ...]  # landing blocks, token order
+    block_size: int  # tokens per landing block
+    num_tokens: int  # tokens reserved (and pushed)
+
+
+@dataclasses.dataclass(frozen=True)
+class PushSpec:
+    """Prefill: push tokens ``[start, end)`` of every layer computed in this step."""
+
+    req_id: str
+    block_ids: tuple[int, ...]  # the request's vLLM blocks, token order
+    start: int
+    end: int
+    final: bool  # ``end`` is the last token of the reservation: END after the last layer
+    begin: Target | None = None  # set on the request's first piece: BEGIN before staging
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadSpec:
+    """Decode: tokens ``[start, end)`` of the request arrive in a reservation's landing
+    blocks; once LANDED copy them into ``block_ids`` (the request's vLLM blocks)."""
+
+    req_id: str
+    reservation_id: str
+    engine_id: str
+    incarnation: str
+    landing_block_ids: tuple[int, ...]
+    landing_block_size: int
+    num_tokens: int  # tokens the reservation holds
+    block_ids: tuple[int, ...]
+    start: int
+    end: int
+    deadline_unix_ms: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Release:
+    """Decode: a reservation this engine will not load (local prefix hit, request
+    ended first): consume it if it lands, so its blocks go back before the deadline."""
+
+    reservation_id: str
+    deadline_unix_ms: int = 0
+
+
+@dataclasses.dataclass
+class KVPushConnectorMetadata(KVConnectorMetadata):
+    pushes: list[PushSpec] = dataclasses.field(default_factory=list)
+    push_aborts: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (req_id, reason)
+    loads: list[LoadSpec] = dataclasses.field(default_factory=list)
+    load_aborts: list[str] = dataclasses.field(default_factory=list)  # req ids: stop waiting, load nothing
+    releases: list[Release] = dataclasses.field(default_factory=list)
+    counts: dict[str, int] = dataclasses.field(default_factory=dict)  # scheduler-side counter increments
+
+    def empty(self) -> bool:
+        return not (self.pushes or self.push_aborts or self.loads or self.load_aborts or self.releases
+                    or self.counts)
