@@ -33,6 +33,7 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         self._etcd = etcd
         self._lifecycle = lifecycle
         self._background: set[asyncio.Task] = set()
+        self.shutting_down = False
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -114,9 +115,11 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
                 yield registry_pb2.HeartbeatPong(ttl_seconds=remaining)
         finally:
             # The stream is the engine's liveness: when it ends, so does the engine,
-            # unless the engine has registered again on a newer lease meanwhile.
+            # unless the engine has registered again on a newer lease meanwhile, or
+            # the stream ended because this replica is shutting down: then the
+            # sidecar moves to another replica and the lease's TTL decides.
             entry = self.view.engines.get(engine_id) if engine_id else None
-            if entry is not None and entry.lease == lease_id:
+            if entry is not None and entry.lease == lease_id and not self.shutting_down:
                 _log.info("heartbeat stream ended; deregistering", engine_id=engine_id)
                 self._spawn(self._etcd.revoke_lease(lease_id))
 

@@ -118,8 +118,8 @@ class ControlPlane:
         add_service(self.server, scheduler_pb2_grpc.add_SchedulerServicer_to_server,
                     SchedulerService(self.view, self.auth, self.reserver, self.lifecycle, self.etcd,
                                      self.cfg.default_deadline_ms))
-        add_service(self.server, registry_pb2_grpc.add_RegistryServicer_to_server,
-                    RegistryService(self.view, self.auth, self.etcd, self.lifecycle))
+        self.registry = RegistryService(self.view, self.auth, self.etcd, self.lifecycle)
+        add_service(self.server, registry_pb2_grpc.add_RegistryServicer_to_server, self.registry)
         add_service(self.server, admin_pb2_grpc.add_AdminServicer_to_server,
                     AdminService(self.view, self.auth, self.etcd, self.lifecycle, self.replica_id))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
@@ -151,6 +151,8 @@ class ControlPlane:
 
     async def stop(self, grace: float = 2.0) -> None:
         self._stop.set()
+        if self.server is not None:
+            self.registry.shutting_down = True  # a rolling restart must not kill the engines
         if self.server is not None:
             await self.server.stop(grace)
         await self.reserver.stop()

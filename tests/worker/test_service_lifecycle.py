@@ -48,19 +48,10 @@ def push_and_land(prefill: PrefillEngine, decode: DecodeEngine, res, request_id:
     return ids
 
 
-GRACEFUL_RESTART_FAILS_RESERVATIONS = (
-    "control plane: a replica shutting down (SIGTERM) ends its Heartbeat streams, and the stream's "
-    "`finally` revokes each engine's lease, so every reservation of those engines ends FAILED "
-    "('decode engine is gone') although the sidecars register again within a second")
-
-
-@pytest.mark.parametrize("how", [
-    "crash",
-    pytest.param("sigterm", marks=pytest.mark.xfail(strict=False, reason=GRACEFUL_RESTART_FAILS_RESERVATIONS)),
-    "sigterm-new-work"])
+@pytest.mark.parametrize("how", ["crash", "sigterm", "sigterm-new-work"])
 async def test_control_plane_restart_sidecars_register_again_and_keep_working(stack, how):
     """crash: SIGKILL, the leases outlive it; sigterm: the same through a graceful stop
-    (expected to fail until the control plane stops revoking leases on shutdown);
+    (a replica shutting down leaves the leases to their TTL, so nothing is lost);
     sigterm-new-work: after a graceful stop, only the work that starts afterwards is checked."""
     dec = stack.sidecar("decode", "D1", LAYOUT, 64)
     pre = stack.sidecar("prefill", "P1", LAYOUT, 256)
@@ -80,7 +71,7 @@ async def test_control_plane_restart_sidecars_register_again_and_keep_working(st
         up = time.monotonic()
         for sp in (dec, pre):
             wait_for(lambda sp=sp: (s := service_stats(sp))["registrations"] >= 2 and s["connected"]
-                     and s["watch_subscribed"], 15, f"{sp.engine_id} registered again")
+                     and s["watch_subscribed"], 30, f"{sp.engine_id} registered again")
         again = time.monotonic()
         print(f"\ncontrol plane {how.split('-')[0]}: down+restart {up - t0:.2f} s; both sidecars registered and "
               f"subscribed again {again - up:.2f} s after it was serving")
@@ -102,7 +93,7 @@ async def test_control_plane_restart_sidecars_register_again_and_keep_working(st
         await etcd.wait_state(third.id, State.CONSUMED)
         stats = service_stats(pre)
         assert stats["resolves"] == 1 and stats["peer_loads"] == 1, stats
-        if how == "sigterm-new-work":  # whether they survived is a race in the control plane (see above)
+        if how == "sigterm-new-work":  # the old work is not checked here: end it
             for rid in (first.id, waiting.id):
                 try:
                     await release(sched.tenant, rid)
