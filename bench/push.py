@@ -29,7 +29,6 @@ sample is compared after each configuration.
 from __future__ import annotations
 
 import argparse
-import base64
 import os
 import pathlib
 import shutil

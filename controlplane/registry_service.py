@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 import structlog
 
 from controlplane import errors, keys, validation as v

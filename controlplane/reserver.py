@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import secrets
-import time
 
 import grpc
 import numpy as np

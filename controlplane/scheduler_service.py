@@ -7,7 +7,6 @@ import dataclasses
 import functools
 import time
 
-import grpc
 import structlog
 
 from controlplane import errors, metrics, validation as v
