@@ -55,14 +55,14 @@ class BlockCodec:
     # -- construction ---------------------------------------------------------------------
     @classmethod
     def identity(cls, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype=np.float32) -> "BlockCodec":
+                 dtype=np.float32) -> BlockCodec:
         """A block stored exactly in the canonical layout (tests, plain backends)."""
         n = 2 * block_size * num_kv_heads * head_dim
         perm = np.arange(n, dtype=np.int64).reshape(2, block_size, num_kv_heads, head_dim)
         return cls(block_size, num_kv_heads, head_dim, perm, np.dtype(dtype))
 
     @classmethod
-    def from_writer(cls, block_size: int, num_kv_heads: int, head_dim: int, write_block) -> "BlockCodec":
+    def from_writer(cls, block_size: int, num_kv_heads: int, head_dim: int, write_block) -> BlockCodec:
         """Probe a block layout through ``write_block(key, value, scratch)``.
 
         ``key``/``value`` are float32 tensors ``(block_size, heads, head_dim)`` for the
@@ -92,7 +92,7 @@ class BlockCodec:
         return cls(block_size, num_kv_heads, head_dim, perm.reshape(2, block_size, num_kv_heads, head_dim))
 
     @classmethod
-    def probe_cpu_attn(cls, block_size: int, num_kv_heads: int, head_dim: int, isa: str) -> "BlockCodec":
+    def probe_cpu_attn(cls, block_size: int, num_kv_heads: int, head_dim: int, isa: str) -> BlockCodec:
         """The codec of vLLM's CPU attention backend for ``isa`` (float32 cache)."""
         import torch
         from vllm import _custom_ops as ops

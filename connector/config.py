@@ -41,7 +41,7 @@ class ConnectorConfig:
             raise ConfigError("kv_connector_extra_config.deadline_grace_s must not be negative")
 
     @classmethod
-    def from_extra(cls, extra: dict | None) -> "ConnectorConfig":
+    def from_extra(cls, extra: dict | None) -> ConnectorConfig:
         extra = dict(extra or {})
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(extra) - known)

@@ -20,7 +20,6 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
-
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -51,7 +50,7 @@ log = logging.getLogger(f"vllm.{__name__}")  # under "vllm": logged with the eng
 class KVPushConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.P2P
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         self.config = ConnectorConfig.from_extra(ktc.kv_connector_extra_config)
@@ -68,7 +67,7 @@ class KVPushConnector(KVConnectorBase_V1):
             info = hello_once(self.config.sidecar_socket, self.config.connect_timeout_s,
                               self.config.channel_timeout_s, name="vllm-scheduler")
             self._sched = KVPushScheduler(info, self.block_size, ktc.is_kv_producer, ktc.is_kv_consumer,
-                                          self._block_ids_of)
+                                          self._block_ids_of, refresh=self._hello)
             log.info("KVPushConnector scheduler: sidecar %s (%s)", info.engine_id, info.role)
         else:
             self._worker = KVPushWorker(self.config, self.block_size)
@@ -108,7 +107,7 @@ class KVPushConnector(KVConnectorBase_V1):
         if self._worker is not None and isinstance(connector_metadata, KVPushConnectorMetadata):
             self._worker.bind(connector_metadata)  # BEGINs before the forward pass
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._connector_metadata
         if self._worker is not None and isinstance(meta, KVPushConnectorMetadata):
             self._worker.start_loads(meta)
@@ -143,26 +142,29 @@ class KVPushConnector(KVConnectorBase_V1):
     # ==============================================================================================
     # Scheduler side
     # ==============================================================================================
+    def _hello(self):
+        return hello_once(self.config.sidecar_socket, 0.5, self.config.channel_timeout_s, name="vllm-scheduler")
+
     def _block_ids_of(self, request_id: str) -> list[int]:
         return self._kv_cache_manager.get_block_ids(request_id)[0]
 
-    def on_new_request(self, request: "Request") -> None:
+    def on_new_request(self, request: Request) -> None:
         self._sched.on_new_request(request)
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._sched.build_connector_meta(scheduler_output)
 
-    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._sched.update_connector_output(connector_output.finished_recving)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched.request_finished(request)
 
-    def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         return self._kv_cache_config.transfer_group_ids  # the request's own blocks, every group

@@ -31,9 +31,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable
+import time
+from collections.abc import Callable
 
-from connector.metadata import KVPushConnectorMetadata, LoadSpec, PushSpec, Release, Target
+from connector.metadata import (
+    KVPushConnectorMetadata,
+    LoadSpec,
+    PushSpec,
+    Release,
+    Target,
+)
 from connector.sidecar_link import DECODE, PREFILL, SidecarInfo
 from kvpush.transfer_params import PushParams, TransferParamsError
 
@@ -60,8 +67,10 @@ class _Decode:
 
 class KVPushScheduler:
     def __init__(self, sidecar: SidecarInfo, block_size: int, produce: bool, consume: bool,
-                 block_ids_of: Callable[[str], list[int]]):
+                 block_ids_of: Callable[[str], list[int]], refresh: Callable[[], SidecarInfo] | None = None):
         self.sidecar = sidecar
+        self.refresh = refresh  # HELLO again: the sidecar may have restarted (new incarnation)
+        self._next_refresh = 0.0
         self.block_size = block_size
         self.produce = produce and sidecar.role == PREFILL
         self.consume = consume and sidecar.role == DECODE
@@ -96,6 +105,8 @@ class KVPushScheduler:
             self._prefill[rid] = _Prefill(request, params, params.num_tokens)
         elif params.role == DECODE and self.consume:
             why = self._decode_refusal(params, prompt)
+            if why == "wrong_engine" and self._refreshed(params):
+                why = self._decode_refusal(params, prompt)
             if why:
                 log.warning("request %s: reservation %s not loaded (%s); computing the prompt locally",
                             rid, params.reservation_id, why)
@@ -106,6 +117,27 @@ class KVPushScheduler:
             log.warning("request %s: kvpush role %r is not served by this engine (sidecar role %s)",
                         rid, params.role, self.sidecar.role)
             self._count("role_ignored")
+
+    def _refreshed(self, params: PushParams) -> bool:
+        """A reservation for this engine but another incarnation: has our sidecar restarted?
+        (Asked at most once a second; a stale reservation must not cost a HELLO each.)"""
+        if self.refresh is None or params.engine_id != self.sidecar.engine_id:
+            return False
+        now = time.monotonic()
+        if now < self._next_refresh:
+            return False
+        self._next_refresh = now + 1.0
+        try:
+            info = self.refresh()
+        except Exception as exc:
+            log.warning("kvpush sidecar HELLO failed: %s", exc)
+            return False
+        changed = info.incarnation != self.sidecar.incarnation
+        if changed:
+            log.warning("kvpush sidecar %s is now incarnation %s (was %s)", info.engine_id, info.incarnation,
+                        self.sidecar.incarnation)
+            self.sidecar = info
+        return changed
 
     def _decode_refusal(self, params: PushParams, prompt: int) -> str:
         if params.engine_id != self.sidecar.engine_id or params.engine_incarnation != self.sidecar.incarnation:
@@ -176,8 +208,8 @@ class KVPushScheduler:
         rid = request.request_id
         st = self._prefill.pop(rid, None)
         if st is not None and st.begun and st.pushed < st.target:
-            self._meta.push_aborts.append((rid, f"request ended ({request.status}) after {st.pushed} of "
-                                                f"{st.target} tokens"))
+            reason = f"request ended ({request.status}) after {st.pushed} of {st.target} tokens"
+            self._meta.push_aborts.append((rid, reason))
         dst = self._decode.pop(rid, None)
         if dst is not None:
             if dst.loading:

@@ -36,7 +36,7 @@ class SidecarInfo:
         return self.pool.layout
 
     @classmethod
-    def from_hello(cls, hello: dict) -> "SidecarInfo":
+    def from_hello(cls, hello: dict) -> SidecarInfo:
         return cls(hello["role"], hello["engine_id"], hello["incarnation"], hello.get("agent", ""),
                    PoolInfo.from_dict(hello["pool"]))
 

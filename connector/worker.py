@@ -34,7 +34,7 @@ import numpy as np
 
 from connector.cache_codec import BlockCodec, CodecError, flat_layer
 from connector.config import ConnectorConfig
-from connector.metadata import KVPushConnectorMetadata, LoadSpec, PushSpec, Release
+from connector.metadata import KVPushConnectorMetadata, LoadSpec, PushSpec
 from connector.sidecar_link import DECODE, PREFILL, SidecarInfo, connect
 from connector.stats import Counters
 from worker import frames as F
@@ -113,6 +113,8 @@ class KVPushWorker:
         self._releases: dict[str, float] = {}  # reservation -> give-up time
         self._done: set[str] = set()
         self._failed: set[str] = set()
+        self._next_reconnect = 0.0
+        self._next_health = 0.0
         self.counters.flush(force=True)
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -135,16 +137,66 @@ class KVPushWorker:
         first = kv_caches[indexed[0][1]]
         num_blocks = first.shape[0]
         self.flat = [flat_layer(kv_caches[name], num_blocks, codec) for _, name in indexed]
+        self._map_landing()
+        log.info("kvpush connector: %s engine %s (incarnation %s), %d layers, %d blocks of %d tokens",
+                 self.role, self.info.engine_id, self.info.incarnation, len(self.flat), num_blocks,
+                 codec.block_size)
+
+    def _map_landing(self) -> None:
+        self._landing = []
         if self.role == DECODE:
-            lo, units = layout, self.info.pool.num_units
+            lo, units = self.info.layout, self.info.pool.num_units
             stride = units * lo.block_layer_bytes
             mem = self.pool.host_view()
             self._landing = [mem[i * stride:(i + 1) * stride].reshape(
                 units, lo.kv_parts, lo.block_size, lo.num_kv_heads, lo.head_dim * lo.itemsize)
                 for i in range(lo.num_layers)]
-        log.info("kvpush connector: %s engine %s (incarnation %s), %d layers, %d blocks of %d tokens",
-                 self.role, self.info.engine_id, self.info.incarnation, len(self.flat), num_blocks,
-                 codec.block_size)
+
+    # -- the channel: a sidecar that restarted is reconnected ------------------------------------
+    def _reconnect(self, why: Exception) -> bool:
+        """The channel failed: connect again (at most once a second). A restarted sidecar is
+        a new incarnation with a new pool: whatever was under way with the old one is over
+        (pushes stop, loads fail and are recomputed). True when a new channel is up."""
+        now = time.monotonic()
+        if now < self._next_reconnect:
+            return False
+        self._next_reconnect = now + 1.0
+        try:
+            client, info = connect(self.config.sidecar_socket, 0.5, self.config.channel_timeout_s,
+                                   name=f"vllm-worker-{os.getpid()}")
+        except ChannelError as exc:
+            log.warning("kvpush sidecar channel down (%s); reconnecting failed: %s", why, exc)
+            return False
+        if info.role != self.role or info.layout != self.info.layout:
+            log.error("the kvpush sidecar at %s came back as %s with layout %s (was %s, %s); not using it",
+                      self.config.sidecar_socket, info.role, info.layout, self.role, self.info.layout)
+            client.close()
+            return False
+        old_client, old_pool = self.client, self.pool
+        try:
+            self.pool = ShmMemory.attach(info.pool.shm_name, info.pool.size_bytes)
+        except OSError as exc:
+            log.warning("kvpush sidecar pool %s not mappable: %s", info.pool.shm_name, exc)
+            client.close()
+            return False
+        self.client, self.info = client, info
+        client.on_event = self._on_event
+        self._map_landing()
+        for rid in list(self._outbound):
+            del self._outbound[rid]  # its staging went with the old sidecar
+        self._step = [sp for sp in self._step if sp.spec.req_id in self._outbound]
+        for rid, p in list(self._pending.items()):
+            if p.spec.incarnation != info.incarnation:
+                self._fail(rid, "channel", "the sidecar restarted")
+        self._releases.clear()
+        self.counters.inc("sidecar_reconnects")
+        self.counters.identity.update(incarnation=info.incarnation)
+        log.warning("kvpush: reconnected to sidecar %s, incarnation %s", info.engine_id, info.incarnation)
+        try:
+            old_client.close()
+        finally:
+            old_pool.close()
+        return True
 
     # -- every step: before the forward ----------------------------------------------------------
     def bind(self, meta: KVPushConnectorMetadata) -> None:
@@ -164,9 +216,15 @@ class KVPushWorker:
 
     def _begin(self, spec: PushSpec) -> _Outbound | None:
         t = spec.begin
+        begin = F.BeginRequest(spec.req_id, t.reservation_id, t.engine_id, t.incarnation, t.block_size,
+                               t.num_tokens, tuple(t.block_ids))
         try:
-            alloc = self.client.begin_push(F.BeginRequest(spec.req_id, t.reservation_id, t.engine_id, t.incarnation,
-                                                          t.block_size, t.num_tokens, tuple(t.block_ids)))
+            try:
+                alloc = self.client.begin_push(begin)
+            except ChannelError as exc:
+                if not self._channel_broken() or not self._reconnect(exc):
+                    raise
+                alloc = self.client.begin_push(begin)
         except ChannelError as exc:
             log.warning("push of %s to reservation %s refused: %s; the decode engine will recompute",
                         spec.req_id, t.reservation_id, exc)
@@ -249,6 +307,9 @@ class KVPushWorker:
             pending = self._pending[spec.req_id] = _Pending(
                 spec, _deadline(now, self.config.load_timeout_s, spec.deadline_unix_ms, self.config.deadline_grace_s),
                 now)
+            if (spec.engine_id == self.info.engine_id and spec.incarnation != self.info.incarnation
+                    and self._channel_broken()):
+                self._reconnect(ChannelError("channel closed"))  # the sidecar restarted: a new incarnation
             if spec.engine_id != self.info.engine_id or spec.incarnation != self.info.incarnation:
                 self._fail(spec.req_id, "wrong_engine", f"reservation is for {spec.engine_id}/{spec.incarnation}")
                 continue
@@ -256,7 +317,14 @@ class KVPushWorker:
 
     def _subscribe(self, reservation_id: str, pending: _Pending | None = None) -> None:
         try:
-            event = self.client.subscribe(reservation_id)
+            try:
+                event = self.client.subscribe(reservation_id)
+            except ChannelError as exc:
+                if not self._channel_broken() or not self._reconnect(exc):
+                    raise
+                if pending is not None and pending.spec.incarnation != self.info.incarnation:
+                    raise ChannelError("the sidecar restarted: the reservation is gone") from exc
+                event = self.client.subscribe(reservation_id)
         except ChannelError as exc:
             if pending is not None:
                 self._fail(pending.spec.req_id, "channel", str(exc))
@@ -287,9 +355,21 @@ class KVPushWorker:
         if subscribe:
             self._subscribe(reservation_id)
 
+    def _channel_broken(self) -> bool:
+        try:
+            self.client.ping()
+            return False
+        except ChannelError:
+            return True
+
     def transfer_results(self) -> tuple[set[str], set[str]]:
         """(finished_recving, failed_recving) since the last call; also drains events."""
         self.client.events()  # handled by _on_event as they came; drop the client's copies
+        if self._pending and time.monotonic() >= self._next_health:
+            # Loads wait for events that a dead sidecar will never send: check once a second.
+            self._next_health = time.monotonic() + 1.0
+            if self._channel_broken():
+                self._reconnect(ChannelError("channel closed"))
         if self.role == DECODE:
             self._poll_loads()
             if len(self._states) > 4096:

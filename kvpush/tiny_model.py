@@ -119,7 +119,14 @@ def is_complete(path: str, spec: TinySpec | None = None) -> bool:
 
 def build_tokenizer(spec: TinySpec):
     """A byte-level BPE tokenizer trained on ``CORPUS`` (deterministic)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))

@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from worker.channel import SidecarClient  # noqa: E402
+from worker.channel import SidecarClient
 
 VENV_BIN = pathlib.Path(sys.executable).parent
 
@@ -100,13 +100,26 @@ class SidecarProc:
         cmd = [*prefix, sys.executable, "-m", "worker.sidecar", "--role", role, "--engine-id", engine_id,
                "--layout", layout, "--blocks", str(blocks), "--socket", self.socket,
                "--record-out", self.record_path, "--log-level", "INFO", *extra]
-        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, cwd=str(ROOT), env=env, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        self.cmd = cmd
         self.record: dict | None = None
+        self._spawn()
 
-    def ready(self, timeout_s: float = 30.0) -> "SidecarProc":
+    def _spawn(self) -> None:
+        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+        with open(self.log_path, "a") as log:
+            self.proc = subprocess.Popen(self.cmd, cwd=str(ROOT), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def restart(self, timeout_s: float = 30.0) -> SidecarProc:
+        """Stop and start again: same engine id, socket and pool size; a new incarnation."""
+        self.stop()
+        if os.path.exists(self.record_path):
+            os.unlink(self.record_path)
+        self.record = None
+        self._spawn()
+        return self.ready(timeout_s)
+
+    def ready(self, timeout_s: float = 30.0) -> SidecarProc:
         deadline = time.monotonic() + timeout_s
         while not os.path.exists(self.record_path):
             if self.proc.poll() is not None:
@@ -133,9 +146,9 @@ class SidecarProc:
 
 
 def sidecar_pair(workdir: pathlib.Path, layout: str, d_blocks: int = 256, p_units: int = 256,
-                 prefix: tuple[str, ...] = ()) -> tuple[SidecarProc, SidecarProc]:
+                 prefix: tuple[str, ...] = (), d_layout: str = "") -> tuple[SidecarProc, SidecarProc]:
     """A decode and a prefill sidecar, the prefill one knowing the decode one."""
-    dec = SidecarProc("D1", "decode", workdir, layout, d_blocks, prefix=prefix)
+    dec = SidecarProc("D1", "decode", workdir, d_layout or layout, d_blocks, prefix=prefix)
     pre = SidecarProc("P1", "prefill", workdir, layout, p_units, prefix=prefix)
     try:
         dec.ready(), pre.ready()
@@ -158,8 +171,8 @@ def workdir():
 def sidecars(workdir):
     procs: list[SidecarProc] = []
 
-    def start(layout: str, d_blocks: int = 256, p_units: int = 256):
-        dec, pre = sidecar_pair(workdir, layout, d_blocks, p_units)
+    def start(layout: str, d_blocks: int = 256, p_units: int = 256, d_layout: str = ""):
+        dec, pre = sidecar_pair(workdir, layout, d_blocks, p_units, d_layout=d_layout)
         procs.extend([dec, pre])
         return dec, pre
 
@@ -212,7 +225,7 @@ class VllmEngine:
             self.proc = subprocess.Popen(cmd, cwd=str(ROOT), env=env, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
 
-    def wait_ready(self, timeout_s: float = 240.0) -> "VllmEngine":
+    def wait_ready(self, timeout_s: float = 240.0) -> VllmEngine:
         deadline = self.started + timeout_s
         while True:
             if self.proc.poll() is not None:

@@ -15,17 +15,24 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import os
 import pathlib
 import shutil
 import tempfile
 import time
+import urllib.error
 
 import numpy as np
 import pytest
 
 from connector.stats import read_counters
 from kvpush.transfer_params import PushParams
-from tests.connector.conftest import PrivateShm, VllmEngine, kvpush_transfer_config, sidecar_pair
+from tests.connector.conftest import (
+    PrivateShm,
+    VllmEngine,
+    kvpush_transfer_config,
+    sidecar_pair,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -46,7 +53,7 @@ class Stack:
         self._blocks = itertools.count(0)
         self._ids = itertools.count(1)
 
-    def start(self) -> "Stack":
+    def start(self) -> Stack:
         model = self.model
         self.dec, self.pre = sidecar_pair(self.workdir, LAYOUT, d_blocks=512, p_units=512, prefix=self.shm.prefix)
         self.agg = self._engine("AGG", model, None, ("--disable-log-stats",))
@@ -100,6 +107,9 @@ def stack(tiny_model):
         raise
     finally:
         st.stop()
+        keep = os.environ.get("KVPUSH_KEEP_TEST_LOGS")  # a directory to copy the logs and counters to
+        if keep:
+            shutil.copytree(workdir, keep, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.sock"))
         shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -152,7 +162,7 @@ def test_pd_greedy_output_equals_aggregated(stack, n):
     assert tokens_of(got) == want, f"{n}-token prompt: P/D {tokens_of(got)} != aggregated {want}"
     after_d = stack.counters("D")
     after_p = wait_counter(stack, "P", "push_PUSHED", before_p.get("push_PUSHED", 0) + 1)
-    delta = lambda a, b, k: a.get(k, 0) - b.get(k, 0)  # noqa: E731
+    delta = lambda a, b, k: a.get(k, 0) - b.get(k, 0)
     # The KV arrived by push: the whole prompt was loaded, nothing failed, nothing recomputed.
     assert delta(after_d, before_d, "loads_landed") == 1
     assert delta(after_d, before_d, "tokens_loaded") == n
@@ -171,7 +181,7 @@ def test_pd_greedy_output_equals_aggregated(stack, n):
 def test_prefix_cache_hits_on_either_side(stack):
     """P already holds the first blocks (prefix cache): they are pushed from its cache.
     D already holds the first blocks: it loads only the rest of the prompt."""
-    delta = lambda a, b, k: a.get(k, 0) - b.get(k, 0)  # noqa: E731
+    delta = lambda a, b, k: a.get(k, 0) - b.get(k, 0)
     for side, seed in (("P", 21), ("D", 23)):
         ids = prompt(100, seed)
         engine = stack.p if side == "P" else stack.d
@@ -207,7 +217,7 @@ def test_client_gone_while_decode_waits(stack):
     ids = prompt(n, seed=29)
     before = stack.counters("D")
     params = stack.reservation(n, deadline_s=30).for_role("decode").as_kv_transfer_params()
-    with pytest.raises(Exception):
+    with pytest.raises((TimeoutError, urllib.error.URLError)):
         stack.d.complete(ids, MAX_TOKENS, params, timeout_s=1.5)  # the client gives up
     deadline = time.monotonic() + 20
     while stack.counters("D").get("loads_abandoned", 0) == before.get("loads_abandoned", 0):
@@ -285,3 +295,21 @@ def test_ttft_pd_vs_aggregated(stack):
             pd.append(elapsed)
         print(f"\nTTFT, {n}-token prompt (median of 3): aggregated {np.median(agg) * 1e3:.0f} ms, "
               f"P/D push {np.median(pd) * 1e3:.0f} ms")
+
+
+def test_sidecars_restarted_under_running_engines(stack):
+    """Both sidecars restart (new incarnations, new pools): the engines reconnect on their
+    next request and push again; nothing needs the engines restarted. (Last in the module:
+    the stack's sidecars are new afterwards.)"""
+    stack.dec.restart()
+    stack.pre.restart()
+    stack.pre.admin("add_peer", record=stack.dec.record)
+    ids = prompt(90, seed=37)
+    want = tokens_of(stack.agg.complete(ids, MAX_TOKENS))
+    before_d, before_p = stack.counters("D"), stack.counters("P")
+    got, _ = push_and_decode(stack, ids, stack.reservation(90))
+    assert tokens_of(got) == want
+    after_d, after_p = stack.counters("D"), stack.counters("P")
+    assert after_d["loads_landed"] - before_d.get("loads_landed", 0) == 1
+    assert after_d["sidecar_reconnects"] - before_d.get("sidecar_reconnects", 0) == 1
+    assert after_p["sidecar_reconnects"] - before_p.get("sidecar_reconnects", 0) == 1

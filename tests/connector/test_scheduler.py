@@ -259,3 +259,23 @@ def test_counts_are_shipped_once():
     sched.on_new_request(Req("x", 5))
     assert sched.build_connector_meta(Out({})).counts == {"requests_plain": 1}
     assert sched.build_connector_meta(Out({})).empty()
+
+
+def test_decode_asks_its_sidecar_again_when_a_reservation_names_a_newer_incarnation():
+    calls = []
+
+    def refresh():
+        calls.append(1)
+        return info("decode", incarnation="inc2")
+
+    sched = KVPushScheduler(info("decode"), BS, produce=False, consume=True, block_ids_of=BlockTable(),
+                            refresh=refresh)
+    sched.on_new_request(Req("other", 64, params("decode", 64, engine_id="D9", incarnation="inc2")))
+    assert not calls  # another engine's reservation: no reason to ask
+    r = Req("new", 64, params("decode", 64, incarnation="inc2"))
+    sched.on_new_request(r)  # the sidecar restarted: asked once, then accepted
+    assert calls == [1] and sched.get_num_new_matched_tokens(r, 0) == (64, True)
+    for i in range(3):  # reservations of the old incarnation: refused, without asking each time
+        sched.on_new_request(Req(f"old{i}", 64, params("decode", 64, incarnation="inc1")))
+    assert calls == [1]  # at most one HELLO a second
+    assert sched.build_connector_meta(Out({})).counts == {"refused_wrong_engine": 4}

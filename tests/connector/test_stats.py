@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from connector.config import ConfigError, ConnectorConfig
 from connector.stats import Counters, read_counters
-
-import pytest
 
 
 def test_concurrent_flushes_never_leave_an_older_snapshot(tmp_path):

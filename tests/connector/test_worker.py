@@ -13,7 +13,13 @@ import torch
 
 from connector.cache_codec import BlockCodec
 from connector.config import ConnectorConfig
-from connector.metadata import KVPushConnectorMetadata, LoadSpec, PushSpec, Release, Target
+from connector.metadata import (
+    KVPushConnectorMetadata,
+    LoadSpec,
+    PushSpec,
+    Release,
+    Target,
+)
 from connector.stats import read_counters
 from connector.worker import KVPushWorker
 
@@ -63,12 +69,14 @@ def make_worker(sidecar, workdir, codec, name, **cfg):
 
 
 def target(dec, res, landing, n):
-    return Target(res, dec.record["engine_id"], dec.record["incarnation"], tuple(landing), BS, n)
+    return Target(res, dec.record["engine_id"], dec.record["incarnation"], tuple(landing),
+                  dec.record["kv_layout"]["block_size"], n)
 
 
 def load_spec(dec, rid, res, landing, block_ids, n, deadline_ms=0, **over):
     fields = dict(req_id=rid, reservation_id=res, engine_id=dec.record["engine_id"],
-                  incarnation=dec.record["incarnation"], landing_block_ids=tuple(landing), landing_block_size=BS,
+                  incarnation=dec.record["incarnation"], landing_block_ids=tuple(landing),
+                  landing_block_size=dec.record["kv_layout"]["block_size"],
                   num_tokens=n, block_ids=tuple(block_ids), start=0, end=n, deadline_unix_ms=deadline_ms)
     fields.update(over)
     return LoadSpec(**fields)
@@ -92,12 +100,16 @@ def wait_loaded(w, rid, timeout_s=10.0):
     raise TimeoutError(f"{rid} neither loaded nor failed in {timeout_s} s")
 
 
-def test_layerwise_chunked_push_lands_in_the_decode_cache_token_for_token(sidecars, workdir, codec):
-    dec, pre = sidecars(LAYOUT)
+@pytest.mark.parametrize("landing_bs", [BS, 16])
+def test_layerwise_chunked_push_lands_in_the_decode_cache_token_for_token(sidecars, workdir, codec, landing_bs):
+    """``landing_bs`` != 32: the decode sidecar's landing blocks are smaller than vLLM's, so
+    the prefill side re-blocks while staging and the decode side while loading."""
+    dec, pre = sidecars(LAYOUT, d_layout=LAYOUT.replace(f"block={BS}", f"block={landing_bs}"))
     pw, pcache = make_worker(pre, workdir, codec, "P")
     dw, dcache = make_worker(dec, workdir, codec, "D")
     try:
-        n, p_blocks, d_blocks, landing = 75, [5, 2, 9], [3, 7, 1], [40, 41, 42]
+        n, p_blocks, d_blocks = 75, [5, 2, 9], [3, 7, 1]
+        landing = list(range(40, 40 + -(-n // landing_bs)))
         kv = write_request(pcache, p_blocks, n)
         # The decode side waits first (the router sends both at once).
         dw.start_loads(KVPushConnectorMetadata(loads=[load_spec(dec, "d1", "res-1", landing, d_blocks, n)]))
@@ -208,5 +220,32 @@ def test_abandoned_and_released_reservations_are_consumed_when_they_land(sidecar
         assert not any(t.any() for t in dcache.values())  # nothing was copied for them
         with dec.client() as c:
             assert c.query("res-a").state == c.query("res-b").state == "CONSUMED"
+    finally:
+        pw.close(), dw.close()
+
+
+def test_a_restarted_sidecar_is_reconnected(sidecars, workdir, codec):
+    dec, pre = sidecars(LAYOUT)
+    pw, pcache = make_worker(pre, workdir, codec, "P")
+    dw, dcache = make_worker(dec, workdir, codec, "D")
+    try:
+        kv = write_request(pcache, [0, 1], 40)
+        dw.start_loads(KVPushConnectorMetadata(loads=[load_spec(dec, "before", "res-0", [0, 1], [0, 1], 40)]))
+        old_incarnation = dec.record["incarnation"]
+        dec2 = dec.restart()
+        pre2 = pre.restart()
+        assert dec2.record["incarnation"] != old_incarnation
+        pre2.admin("add_peer", record=dec2.record)
+        # The load that waited on the old incarnation fails (and is recomputed) within ~1 s, not at its deadline.
+        t0 = time.monotonic()
+        assert not wait_loaded(dw, "before", 5)
+        assert time.monotonic() - t0 < 3
+        # New work goes through the new sidecars: the worker reconnected.
+        dw.start_loads(KVPushConnectorMetadata(loads=[load_spec(dec2, "after", "res-1", [2, 3], [4, 5], 40)]))
+        step_prefill(pw, [PushSpec("p", (0, 1), 0, 40, True, target(dec2, "res-1", [2, 3], 40))])
+        assert wait_loaded(dw, "after")
+        got = codec.read(dcache[NAMES[0]].view(-1).numpy(), [4, 5], 0, 40)
+        assert np.array_equal(got[1], kv[NAMES[0]][1])
+        assert pw.counters.get("sidecar_reconnects") == dw.counters.get("sidecar_reconnects") == 1
     finally:
         pw.close(), dw.close()
