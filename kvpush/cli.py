@@ -145,6 +145,11 @@ def cmd_router(args) -> None:
     aio.run(serve(cfg, args.ready_file))
 
 
+def cmd_model(args) -> None:
+    from kvpush.tiny_model import run
+    run(args)
+
+
 def cmd_demo(args) -> None:
     from kvpush.demo import main as demo_main
     sys.exit(demo_main(args))
@@ -217,6 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-file", default=None)
     p.add_argument("--log-level", default=None)
     p.set_defaults(fn=cmd_router)
+
+    p = sub.add_parser("model", help="generate the tiny random-weight Llama + tokenizer (offline, idempotent)")
+    from kvpush.tiny_model import add_arguments as add_model_arguments
+    add_model_arguments(p)
+    p.set_defaults(fn=cmd_model)
 
     p = sub.add_parser("demo", help="bring everything up, send requests, print a summary, shut down")
     p.add_argument("--requests", type=int, default=8)
