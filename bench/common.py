@@ -59,3 +59,18 @@ def update_section(name: str, text: str, path: pathlib.Path = BENCHMARKS_MD) -> 
         current = current.rstrip() + "\n\n" + block + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(current)
+
+
+def wait_idle(proc: psutil.Process, threshold: float = 0.05, window_s: float = 1.0, timeout_s: float = 120.0) -> float:
+    """Wait until ``proc`` uses under ``threshold`` of a core over ``window_s`` (say,
+    etcd finishing a compaction) so one measurement does not pay for the last one's
+    cleanup. Returns the seconds waited."""
+    import time
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        before = proc.cpu_times()
+        time.sleep(window_s)
+        after = proc.cpu_times()
+        if (after.user + after.system - before.user - before.system) / window_s < threshold:
+            break
+    return time.monotonic() - started
