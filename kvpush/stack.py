@@ -31,6 +31,7 @@ class StackSpec:
     prefill_env: dict = dataclasses.field(default_factory=dict)
     decode_env: dict = dataclasses.field(default_factory=dict)
     max_num_seqs: int = 8
+    prefill_args: tuple[str, ...] = ()   # extra vLLM flags for the prefill engine
     deadline_ms: int = 30_000
     quarantine_ms: int = 5_000
 
@@ -110,7 +111,8 @@ class Stack:
             urls[role] = f"http://127.0.0.1:{port}"
             cfg = engines.kvpush_transfer_config(kv_role, sockets[role], self.stats_dir, f"{role}-0")
             engine_procs.append(self._start(f"vllm-{role}", engines.vllm_command(
-                spec.model_dir, port, spec.served_model, cfg, max_num_seqs=spec.max_num_seqs),
+                spec.model_dir, port, spec.served_model, cfg, max_num_seqs=spec.max_num_seqs,
+                extra=spec.prefill_args if role == "prefill" else ()),
                 env=engines.engine_env({**spec.engine_env, **env})))
         self.say("starting the prefill and decode vLLM engines (about a minute on 2 cores) ...")
         for proc, role in zip(engine_procs, ("prefill", "decode")):
