@@ -22,11 +22,12 @@ BLOCK_SIZE = 32        # the CPU backend wants a multiple of 32
 
 
 def vllm_command(model_dir: str, port: int, served_name: str, kv_transfer_config: dict | None = None,
-                 max_model_len: int = 2048, max_num_seqs: int = 8, extra: tuple[str, ...] = ()) -> list[str]:
+                 max_model_len: int = 2048, max_num_seqs: int = 8, extra: tuple[str, ...] = (),
+                 eager: bool = True) -> list[str]:
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
            "--served-model-name", served_name, "--dtype", "float32", "--block-size", str(BLOCK_SIZE),
-           "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs), "--enforce-eager",
-           "--seed", "0", "--host", "127.0.0.1", "--port", str(port), "--disable-log-stats",
+           "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
+           *(["--enforce-eager"] if eager else []), "--seed", "0", "--host", "127.0.0.1", "--port", str(port), "--disable-log-stats",
            "--uvicorn-log-level", "warning", *extra]
     if kv_transfer_config is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]

@@ -19,6 +19,9 @@ import urllib.request
 
 import pytest
 
+from kvpush.engines import engine_env, kvpush_transfer_config, vllm_command  # noqa: F401 (re-exported)
+from kvpush.etcd_server import free_port
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -184,22 +187,6 @@ def sidecars(workdir):
 
 
 # -- vLLM engines ----------------------------------------------------------------------------
-ENGINE_ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core and worker in one process: faster start
-    "VLLM_NO_USAGE_STATS": "1",
-    "VLLM_LOGGING_LEVEL": "INFO",
-    "PYTHONUNBUFFERED": "1",
-}
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class VllmEngine:
@@ -212,13 +199,10 @@ class VllmEngine:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = str(workdir / f"{name}.vllm.log")
-        cmd = [*prefix, sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-               "--dtype", "float32", "--block-size", "32", "--max-model-len", "2048", "--max-num-seqs", "4",
-               *(["--enforce-eager"] if eager else []), "--seed", "0", "--host", "127.0.0.1", "--port", str(self.port),
-               "--disable-log-stats", "--uvicorn-log-level", "warning", *extra_args]
-        if kv_transfer_config is not None:
-            cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
-        env = dict(os.environ, PYTHONPATH=str(ROOT), **ENGINE_ENV)
+        # The served name is the model path: requests name the model by its path.
+        cmd = [*prefix, *vllm_command(model, self.port, model, kv_transfer_config, max_num_seqs=4,
+                                      extra=tuple(extra_args), eager=eager)]
+        env = dict(os.environ, **engine_env())
         self.started = time.monotonic()
         self.ready_after_s: float | None = None
         with open(self.log_path, "w") as log:
@@ -260,16 +244,6 @@ class VllmEngine:
 
     def stop(self) -> None:
         _stop(self.proc, timeout_s=20.0)
-
-
-def kvpush_transfer_config(role: str, socket: str, stats_dir: str, name: str, **extra) -> dict:
-    cfg = {"kv_connector": "KVPushConnector", "kv_connector_module_path": "connector.kvpush_connector",
-           "kv_role": role,
-           "kv_connector_extra_config": {"sidecar_socket": socket, "stats_dir": stats_dir, "engine_name": name,
-                                         **extra}}
-    if role == "kv_consumer":
-        cfg["kv_load_failure_policy"] = "recompute"
-    return cfg
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,6 @@ import time
 
 import grpc
 
-from controlplane.client import ControlPlaneClient
 from kvpush.simulated import SimulatedEngine
 from kvpush.v1 import registry_pb2, scheduler_pb2, types_pb2
 from tests.conftest import ENGINE_TOKEN, ROOT
@@ -100,7 +99,7 @@ async def test_killed_engine_process_reservations_end_failed(cp, admin, etcd):
         assert res.engine_id == "decode-proc"
         os.kill(proc.pid, signal.SIGKILL)
         # Nothing tells the control plane but the cut stream (or, failing that, the 3 s lease).
-        report = await settle(etcd.endpoint, until=lambda r: not r.live and "decode-proc" not in r.engines)
+        await settle(etcd.endpoint, until=lambda r: not r.live and "decode-proc" not in r.engines)
         assert (await cp.lifecycle.find(res.id)).state.name == "FAILED"
         await tenant.close()
     finally:

@@ -7,7 +7,6 @@ import asyncio
 import json
 
 import aiohttp
-import pytest
 import pytest_asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestServer
