@@ -96,7 +96,7 @@ class SidecarProc:
 
     def log(self) -> str:
         try:
-            return pathlib.Path(self.log_path).read_text()[-4000:]
+            return pathlib.Path(self.log_path).read_text()[-6000:]
         except OSError:
             return ""
 
@@ -206,57 +206,23 @@ class ControlPlaneProc:
 
     def log(self) -> str:
         try:
-            return pathlib.Path(self.log_path).read_text()[-4000:]
+            return pathlib.Path(self.log_path).read_text()[-6000:]
         except OSError:
             return ""
 
 
 @dataclasses.dataclass
-class ServiceProc:
-    """A ``kvpush sidecar`` process."""
-
-    role: str
-    engine_id: str
-    socket: str
-    ready_path: str
-    proc: subprocess.Popen
-    log_path: str
-    record: dict | None = None
-
-    def ready(self, timeout_s: float = 20.0) -> "ServiceProc":
-        deadline = time.monotonic() + timeout_s
-        while not os.path.exists(self.ready_path):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"sidecar {self.engine_id} exited with {self.proc.returncode}:\n{self.log()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"sidecar {self.engine_id} not registered in {timeout_s} s:\n{self.log()}")
-            time.sleep(0.02)
-        with open(self.ready_path) as f:
-            self.record = json.load(f)
-        return self
-
-    def client(self, timeout_s: float = 5.0) -> SidecarClient:
-        return SidecarClient(self.socket, timeout_s=timeout_s)
+class ServiceProc(SidecarProc):
+    """A ``kvpush sidecar`` process: its ready file is written once it is registered."""
 
     @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(timeout=10)
+    def ready_path(self) -> str:
+        return self.record_path
 
     def terminate(self, timeout_s: float = 10.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=timeout_s)
-
-    def log(self) -> str:
-        try:
-            return pathlib.Path(self.log_path).read_text()[-6000:]
-        except OSError:
-            return ""
 
 
 class Stack:
@@ -282,7 +248,7 @@ class Stack:
             proc = subprocess.Popen(cmd, cwd=str(ROOT), env=environ, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL)
         OUR_PIDS.add(proc.pid)
-        sp = ServiceProc(role, engine_id, sock, ready, proc, log_path)
+        sp = ServiceProc(role, engine_id, layout, sock, ready, proc, log_path)
         self.procs.append(sp)
         return sp
 
