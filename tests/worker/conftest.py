@@ -69,7 +69,7 @@ class SidecarProc:
     log_path: str
     record: dict | None = None
 
-    def ready(self, timeout_s: float = 20.0) -> "SidecarProc":
+    def ready(self, timeout_s: float = 90.0) -> "SidecarProc":
         deadline = time.monotonic() + timeout_s
         while not os.path.exists(self.record_path):
             if self.proc.poll() is not None:
@@ -175,7 +175,7 @@ class ControlPlaneProc:
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
-    def start(self, timeout_s: float = 20.0) -> "ControlPlaneProc":
+    def start(self, timeout_s: float = 90.0) -> "ControlPlaneProc":
         if os.path.exists(self.ready_file):
             os.unlink(self.ready_file)
         cmd = [*kvpush_command(), "controlplane", "--listen", self.address, "--etcd", self.etcd_endpoint,

@@ -116,6 +116,6 @@ class DecodeEngine:
         self.landing.close()
 
 
-def wait_state(client: SidecarClient, reservation_id: str, timeout_s: float = 10.0) -> F.StateEvent:
+def wait_state(client: SidecarClient, reservation_id: str, timeout_s: float = 30.0) -> F.StateEvent:
     """The terminal event of ``reservation_id`` (subscribe first, or poll the event queue)."""
     return client.wait_event(lambda e: e.reservation_id == reservation_id, timeout_s)

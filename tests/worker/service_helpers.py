@@ -54,7 +54,7 @@ class Etcd:
                 raise AssertionError(f"reservation {rid} did not reach the condition in {timeout_s} s: {rec}")
             await asyncio.sleep(interval_s)
 
-    async def wait_state(self, rid: str, state: State, timeout_s: float = 10.0, **kw) -> ReservationRecord:
+    async def wait_state(self, rid: str, state: State, timeout_s: float = 30.0, **kw) -> ReservationRecord:
         return await self.wait_reservation(rid, lambda r: r.state == state, timeout_s, **kw)
 
     async def wait_engine(self, engine_id: str, present: bool, timeout_s: float = 10.0,
