@@ -92,7 +92,7 @@ def write_report(results: dict, rates: list[float], ref_texts: dict, counts: dic
              "the push connector matches on it). kvpush's router reserves decode blocks, then sends prefill and "
              "decode at once. TPOT = (total - TTFT) / (tokens - 1). \"prefill alone\" is the kvpush stack's "
              "prefill engine answering max_tokens=1 directly (no transfer): the floor for P/D TTFT. "
-             "Another engineer's test runs shared this 2-core machine during the run: expect noise.", "",
+             "The load-average column below shows how busy the 2 cores were around each configuration.", "",
              *rows, ""]
     # Targets
     def s(name, key):
@@ -169,10 +169,10 @@ def write_report(results: dict, rates: list[float], ref_texts: dict, counts: dic
               "inflates the baselines' TTFT and TPOT far beyond the cost of the transfer itself; on a GPU host "
               "with cores to spare most of that penalty goes away, so the ratios to pull here overstate what "
               "the push design alone buys. kvpush's sidecars drive NIXL progress themselves and idle at ~0%. "
-              "The machine was shared with another engineer's test runs (load average column; 2 cores): "
-              "single runs of a few requests move by 2x between runs (a first run the same day measured kvpush "
-              "sequential TTFT p50 154 / 359 ms at 128 / 1024 tokens and prefill alone 14 / 254 ms), so read "
-              "differences under ~2x as noise.", "",
+              "With a few requests per phase, single runs move by up to 2x on this machine (a run the same "
+              "day with other test runs sharing the cores measured kvpush sequential TTFT p50 199 / 253 ms "
+              "and prefill alone 104 / 183 ms at 128 / 1024 tokens), so read differences under ~2x as noise.",
+              "",
               "![TTFT CDF per configuration](e2e.png)", ""]
     update_section("e2e", "\n".join(lines))
     plot(results, rates, ROOT / "docs" / "e2e.png")
