@@ -101,6 +101,21 @@ class SidecarProc:
             return ""
 
 
+def stop_sidecars(procs, timeout_s: float) -> None:
+    """SIGTERM them all, then wait (SIGKILL past ``timeout_s``) and remove what a
+    SIGKILLed sidecar could not remove itself."""
+    for sp in procs:
+        if sp.proc.poll() is None:
+            sp.proc.send_signal(signal.SIGTERM)
+    for sp in procs:
+        try:
+            sp.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            sp.proc.kill()
+            sp.proc.wait(timeout=5)
+        remove_segments_of(sp.pid)
+
+
 class SidecarLauncher:
     def __init__(self, workdir: pathlib.Path):
         self.workdir = workdir
@@ -123,16 +138,7 @@ class SidecarLauncher:
         return sp
 
     def stop_all(self) -> None:
-        for sp in self.procs:
-            if sp.proc.poll() is None:
-                sp.proc.send_signal(signal.SIGTERM)
-        for sp in self.procs:
-            try:
-                sp.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                sp.proc.kill()
-                sp.proc.wait(timeout=5)
-            remove_segments_of(sp.pid)  # what a SIGKILLed sidecar could not remove itself
+        stop_sidecars(self.procs, timeout_s=5)
 
 
 @pytest.fixture
@@ -256,16 +262,7 @@ class Stack:
         return "\n".join(f"--- {sp.engine_id}\n{sp.log()}" for sp in self.procs) + f"\n--- cp\n{self.cp.log()}"
 
     def stop_all(self) -> None:
-        for sp in self.procs:
-            if sp.proc.poll() is None:
-                sp.proc.send_signal(signal.SIGTERM)
-        for sp in self.procs:
-            try:
-                sp.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                sp.proc.kill()
-                sp.proc.wait(timeout=5)
-            remove_segments_of(sp.pid)
+        stop_sidecars(self.procs, timeout_s=10)
         self.cp.stop()
 
 
