@@ -93,6 +93,7 @@ class Dispatcher:
     async def handle(self, endpoint: str, body: dict, request: web.Request) -> web.StreamResponse:
         if body.get("model") not in (None, self.cfg.model):
             raise BadRequest(f"model {body.get('model')!r} is not served here; try {self.cfg.model!r}", 404)
+        started = time.perf_counter()
         num_tokens = self.count_tokens(endpoint, body)
         request_id = f"rt-{uuid.uuid4().hex}"
         res, why = await self.reserve(request_id, num_tokens)
@@ -110,20 +111,29 @@ class Dispatcher:
         prefill_url = self._least_loaded(self.cfg.prefill_urls)
         p_body = prefill_body(body, params)
         d_body = dict(body, kv_transfer_params=params.for_role("decode").as_kv_transfer_params())
-        prefill = asyncio.create_task(self._prefill(prefill_url, endpoint, p_body, res.id))
+        timings = {"reserved": time.perf_counter()}
+        prefill = asyncio.create_task(self._prefill(prefill_url, endpoint, p_body, res.id, timings))
         try:
-            return await self._proxy(decode_url, endpoint, d_body, request, "push")
+            response = await self._proxy(decode_url, endpoint, d_body, request, "push", timings)
+            # One line per request with where its time went: the first place to look
+            # when TTFT is above the prefill's own time.
+            _log.info("served", request_id=request_id, reservation_id=res.id, num_tokens=num_tokens,
+                      **{f"{k}_ms": round((v - started) * 1e3, 2) for k, v in timings.items()})
+            return response
         except BaseException:
             # Client gone or decode failed: stop the prefill and give the blocks back.
             prefill.cancel()
             await asyncio.shield(self.release(res.id, "client disconnected or decode failed"))
             raise
 
-    async def _prefill(self, url: str, endpoint: str, body: dict, res_id: str) -> None:
+    async def _prefill(self, url: str, endpoint: str, body: dict, res_id: str, timings: dict) -> None:
         self.outstanding[url] = self.outstanding.get(url, 0) + 1
+        sent = time.perf_counter()
         try:
             async with self.session.post(f"{url}/v1/{path_of(endpoint)}", json=body) as resp:
                 text = await resp.text()
+                timings["prefill_done"] = time.perf_counter()
+                metrics.PREFILL_LATENCY.observe(timings["prefill_done"] - sent)
                 if resp.status != 200:
                     raise RuntimeError(f"prefill answered {resp.status}: {text[:200]}")
         except asyncio.CancelledError:
@@ -135,14 +145,17 @@ class Dispatcher:
         finally:
             self.outstanding[url] -= 1
 
-    async def _proxy(self, url: str, endpoint: str, body: dict, request: web.Request, path: str):
+    async def _proxy(self, url: str, endpoint: str, body: dict, request: web.Request, path: str,
+                     timings: dict | None = None):
+        timings = {} if timings is None else timings
         started = time.perf_counter()
         self.outstanding[url] = self.outstanding.get(url, 0) + 1
         try:
             async with self.session.post(f"{url}/v1/{path_of(endpoint)}", json=body) as upstream:
                 if not body.get("stream"):
                     payload = await upstream.read()
-                    metrics.TTFT.labels(path=path).observe(time.perf_counter() - started)
+                    timings["decode_done"] = time.perf_counter()
+                    metrics.TTFT.labels(path=path).observe(timings["decode_done"] - started)
                     return web.Response(body=payload, status=upstream.status,
                                         content_type=upstream.content_type or "application/json")
                 out = web.StreamResponse(status=upstream.status)
@@ -151,7 +164,8 @@ class Dispatcher:
                 first = True
                 async for chunk in upstream.content.iter_any():
                     if first:
-                        metrics.TTFT.labels(path=path).observe(time.perf_counter() - started)
+                        timings["first_chunk"] = time.perf_counter()
+                        metrics.TTFT.labels(path=path).observe(timings["first_chunk"] - started)
                         first = False
                     await out.write(chunk)
                 await out.write_eof()

@@ -15,4 +15,6 @@ TTFT = Histogram("kvpush_router_ttft_seconds", "Time to first token as the route
                  buckets=_BUCKETS, registry=REGISTRY)
 RESERVE_LATENCY = Histogram("kvpush_router_reserve_seconds", "Reserve round trip", buckets=_BUCKETS,
                             registry=REGISTRY)
+PREFILL_LATENCY = Histogram("kvpush_router_prefill_seconds", "Prefill engine's answer (max_tokens=1) as the router "
+                            "sees it", buckets=_BUCKETS, registry=REGISTRY)
 IN_FLIGHT = Gauge("kvpush_router_in_flight", "Requests being served", registry=REGISTRY)

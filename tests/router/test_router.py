@@ -101,6 +101,9 @@ async def test_dispatch_to_prefill_and_decode(stack):
     res = await s["tenant"].scheduler.GetReservation(
         scheduler_pb2.GetReservationRequest(reservation_id=pk["reservation_id"]), metadata=s["tenant"].metadata)
     assert res.state == types_pb2.RESERVED  # nothing consumed it: the engines are stand-ins
+    async with s["session"].get(s["url"] + "/metrics") as r:
+        text = await r.text()
+    assert "kvpush_router_prefill_seconds_count" in text and "kvpush_router_reserve_seconds_count" in text
 
 
 async def test_streaming_passthrough(stack):
