@@ -93,7 +93,6 @@ async def closed_loop_stream(client: ControlPlaneClient, concurrency: int, secon
     sent: dict[int, float] = {}
     tags = itertools.count()
     window = asyncio.Semaphore(concurrency)
-    done_sending = asyncio.Event()
 
     async def requests():
         while time.perf_counter() < stop_at:
@@ -102,7 +101,6 @@ async def closed_loop_stream(client: ControlPlaneClient, concurrency: int, secon
             sent[tag] = time.perf_counter()
             yield scheduler_pb2.ReserveStreamRequest(tag=tag, reserve=scheduler_pb2.ReserveRequest(
                 request_id=f"s{next(_ids)}", num_tokens=16, model=model))
-        done_sending.set()
 
     started = time.perf_counter()
     async for msg in client.scheduler.ReserveStream(requests(), metadata=client.metadata):
@@ -113,6 +111,18 @@ async def closed_loop_stream(client: ControlPlaneClient, concurrency: int, secon
             errors += 1
         window.release()
     return latencies, errors, time.perf_counter() - started
+
+
+async def paced(rate: float, total: int):
+    """Yield (i, scheduled time) for ``total`` sends at ``rate``/s, sleeping until each
+    is due (sends that are late go at once: an open loop never slows down)."""
+    start = time.perf_counter()
+    for i in range(total):
+        scheduled = start + i / rate
+        delay = scheduled - time.perf_counter()
+        if delay > 0.0005:
+            await asyncio.sleep(delay)
+        yield i, scheduled
 
 
 async def open_loop(client: ControlPlaneClient, rate: float, seconds: float, model: str):
@@ -128,12 +138,7 @@ async def open_loop(client: ControlPlaneClient, rate: float, seconds: float, mod
         except grpc.aio.AioRpcError:
             errors += 1
     start = time.perf_counter()
-    total = int(rate * seconds)
-    for i in range(total):
-        scheduled = start + i / rate
-        delay = scheduled - time.perf_counter()
-        if delay > 0.0005:
-            await asyncio.sleep(delay)
+    async for _, scheduled in paced(rate, int(rate * seconds)):
         tasks.append(asyncio.create_task(one(scheduled)))
     await asyncio.gather(*tasks)
     return latencies, errors, time.perf_counter() - start
@@ -154,12 +159,7 @@ async def open_loop_stream(client: ControlPlaneClient, rate: float, seconds: flo
             yield item
 
     async def sender():
-        start = time.perf_counter()
-        for i in range(total):
-            at = start + i / rate
-            delay = at - time.perf_counter()
-            if delay > 0.0005:
-                await asyncio.sleep(delay)
+        async for i, at in paced(rate, total):
             scheduled[i] = at
             outbox.put_nowait(scheduler_pb2.ReserveStreamRequest(tag=i, reserve=scheduler_pb2.ReserveRequest(
                 request_id=f"os{next(_ids)}", num_tokens=16, model=model)))
@@ -211,24 +211,20 @@ async def run_mode(etcd: EmbeddedEtcd, group_commit: bool, levels, seconds: floa
         await closed_loop(client, 8, 0.5, model)  # warm up
         meter = CpuMeter({"controlplane": psutil.Process(plane.proc.pid), "etcd": psutil.Process(etcd.proc.pid),
                           "client": psutil.Process()})
+        async def measure(load: str, run) -> None:
+            meter.start()
+            lat, errs, wall = await run
+            cpu = meter.stop()
+            rows.append(dict(mode=mode, load=load, ok=len(lat), errors=errs, rate=len(lat) / wall,
+                             p50=pct(lat, 50) * 1e3, p99=pct(lat, 99) * 1e3,
+                             cpu={k: v / wall for k, v in cpu.items()}))
+            print(f"  {mode:22s} {load:24s} {rows[-1]['rate']:8.0f}/s  p50 {rows[-1]['p50']:.2f} ms"
+                  f"  p99 {rows[-1]['p99']:.2f} ms  errors {errs}", flush=True)
+
         for conc in levels:
-            meter.start()
-            lat, errs, wall = await loop_fn(client, conc, seconds, model)
-            cpu = meter.stop()
-            rows.append(dict(mode=mode, load=f"closed, {conc} concurrent", ok=len(lat), errors=errs,
-                             rate=len(lat) / wall, p50=pct(lat, 50) * 1e3, p99=pct(lat, 99) * 1e3,
-                             cpu={k: v / wall for k, v in cpu.items()}))
-            print(f"  {mode:22s} closed c={conc:<4d} {rows[-1]['rate']:8.0f}/s  p50 {rows[-1]['p50']:.2f} ms"
-                  f"  p99 {rows[-1]['p99']:.2f} ms  errors {errs}", flush=True)
-        if True:
-            meter.start()
-            lat, errs, wall = await (open_loop_stream if stream else open_loop)(client, rate, seconds * 1.5, model)
-            cpu = meter.stop()
-            rows.append(dict(mode=mode, load=f"open, {rate:.0f}/s", ok=len(lat), errors=errs,
-                             rate=len(lat) / wall, p50=pct(lat, 50) * 1e3, p99=pct(lat, 99) * 1e3,
-                             cpu={k: v / wall for k, v in cpu.items()}))
-            print(f"  {mode:22s} open {rate:.0f}/s       {rows[-1]['rate']:8.0f}/s  p50 {rows[-1]['p50']:.2f} ms"
-                  f"  p99 {rows[-1]['p99']:.2f} ms  errors {errs}", flush=True)
+            await measure(f"closed, {conc} concurrent", loop_fn(client, conc, seconds, model))
+        open_fn = open_loop_stream if stream else open_loop
+        await measure(f"open, {rate:.0f}/s", open_fn(client, rate, seconds * 1.5, model))
         # Leave the shared etcd as we found it: the engines die, the replica's reaper
         # ends their reservations (batched), then the bench wipes the prefix so the
         # next mode starts from the same empty registry.
