@@ -178,8 +178,8 @@ class Lifecycle:
             try:
                 await self.transition(rec.id, target, reason)
                 ended += 1
-            except (errors.StateConflict, errors.ApiError) as exc:
-                if getattr(exc, "code", None) == grpc.StatusCode.UNAVAILABLE:
+            except errors.ApiError as exc:
+                if exc.code == grpc.StatusCode.UNAVAILABLE:
                     raise
         if ended:
             _log.info("reservations ended", count=ended, to=target.name, reason=reason)

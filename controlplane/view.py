@@ -11,6 +11,7 @@ is kept incrementally so a Reserve costs O(blocks it takes).
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import hashlib
 import heapq
@@ -78,7 +79,7 @@ class View:
         self.cursors: dict[str, int] = {}            # engine -> next-fit allocation cursor
         self.tenant_used: dict[str, int] = {}
         self._key_revs: dict[bytes, int] = {}         # newest revision applied per key, deletes too
-        self._deleted: list[tuple[int, bytes]] = []   # (revision, key) to prune from _key_revs
+        self._deleted: collections.deque = collections.deque()  # (revision, key) to prune from _key_revs
         self._expired_ids: dict[str, int] = {}        # ids whose EXPIRED we already announced
         self._listeners: list[Callable[[object], None]] = []
         self._revision_waiters: list[tuple[int, asyncio.Future]] = []
@@ -274,12 +275,16 @@ class View:
             return
         self.revision = revision
         while self._deleted and self._deleted[0][0] <= revision:
-            rev, key = self._deleted.pop(0)
+            rev, key = self._deleted.popleft()
             if self._key_revs.get(key) == rev:
                 del self._key_revs[key]
-        for res_id, rev in list(self._expired_ids.items()):
-            if rev < revision - 100_000:
-                del self._expired_ids[res_id]
+        # Both are in revision order: prune from the front, not by scanning them all
+        # (this runs on every watch response).
+        while self._expired_ids:
+            res_id, rev = next(iter(self._expired_ids.items()))
+            if rev >= revision - 100_000:
+                break
+            del self._expired_ids[res_id]
         still = []
         for want, fut in self._revision_waiters:
             if want <= revision:
@@ -321,8 +326,6 @@ class View:
             old = old_res.get(rid)
             if old is None or old.state != entry.record.state:
                 self._emit(ReservationChange(old, entry.record, revision))
-        for engine_id, entry in self.engines.items():
-            self._emit(EngineChange(None, entry.record, revision))
 
     def __init_state(self) -> None:
         listeners, waiters, ready = self._listeners, self._revision_waiters, self.ready
