@@ -40,6 +40,24 @@ class FatalError(Exception):
     """The control plane refused this sidecar for good (bad token, bad record)."""
 
 
+class ChannelReplaced(Exception):
+    """A call ended because its channel was closed under it (a reconnect elsewhere)."""
+
+
+async def guarded(call):
+    """Await a gRPC call or stream read. grpc.aio raises ``CancelledError`` from every
+    call on a channel that is closed, which a long-lived loop must not mistake for
+    its own cancellation: that would end the loop silently (a watch that never
+    subscribes again). Only a cancel of this task itself propagates as one."""
+    try:
+        return await call
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is None or task.cancelling():
+            raise
+        raise ChannelReplaced("the call's channel was closed (reconnected)") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class ServiceConfig:
     controlplane: str
@@ -156,8 +174,8 @@ class Membership:
             request = registry_pb2.RegisterEngineRequest(engine=self.engine(),
                                                           lease_ttl_seconds=self.config.lease_ttl_s)
             try:
-                resp = await client.registry.RegisterEngine(request, metadata=client.metadata,
-                                                            timeout=self.config.rpc_timeout_s)
+                resp = await guarded(client.registry.RegisterEngine(request, metadata=client.metadata,
+                                                                    timeout=self.config.rpc_timeout_s))
             except Exception as exc:
                 self._drop_stale_call()
                 if not self.registrations and status_code(exc) in FATAL_AT_START:
@@ -214,14 +232,16 @@ class Membership:
         try:
             call = client.registry.Heartbeat(pings(), metadata=client.metadata)
             while True:
-                read = asyncio.ensure_future(call.read())
+                read = asyncio.ensure_future(guarded(call.read()))
+                # Outlives us when the stream is left open (hung) or we are cancelled:
+                # its outcome is retrieved here so it is never logged as lost.
+                read.add_done_callback(lambda f: f.cancelled() or f.exception())
                 try:
                     pong = await asyncio.wait_for(asyncio.shield(read), patience)
                 except asyncio.TimeoutError:
                     # Hung, not closed: cancelling (the call, or even its read) would make a
                     # replica that is merely slow revoke our lease. Keep the stream open
                     # until we are registered again.
-                    read.add_done_callback(lambda f: f.cancelled() or f.exception())
                     self._stale_call, call = call, None
                     return f"no heartbeat answer within {patience:.1f} s", answered
                 if pong is grpc.aio.EOF:

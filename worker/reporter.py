@@ -17,7 +17,8 @@ import grpc
 
 from kvpush.v1 import registry_pb2
 
-from worker.cp_link import (Backoff, ControlPlaneLink, RETRYABLE, S, ServiceConfig, printable, rpc_error_text, status_code)
+from worker.cp_link import (Backoff, ControlPlaneLink, RETRYABLE, S, ServiceConfig, guarded, printable, rpc_error_text,
+                            status_code)
 
 log = logging.getLogger("kvpush.sidecar")
 
@@ -125,8 +126,8 @@ class Reporter:
         while True:
             client = self.link.client
             try:
-                await client.registry.ReportState(request, metadata=client.metadata,
-                                                  timeout=self.config.rpc_timeout_s)
+                await guarded(client.registry.ReportState(request, metadata=client.metadata,
+                                                          timeout=self.config.rpc_timeout_s))
                 self.counters["sent"] += 1
                 log.debug("reported %s %s", rid, name)
                 return True
@@ -159,8 +160,9 @@ class Reporter:
         """Why ``rid`` is over ("" while it is live; None if we cannot tell)."""
         client = self.link.client
         try:
-            res = await client.registry.LookupReservation(registry_pb2.LookupReservationRequest(reservation_id=rid),
-                                                          metadata=client.metadata, timeout=self.config.rpc_timeout_s)
+            res = await guarded(client.registry.LookupReservation(
+                registry_pb2.LookupReservationRequest(reservation_id=rid), metadata=client.metadata,
+                timeout=self.config.rpc_timeout_s))
         except Exception as exc:
             return "it no longer exists" if status_code(exc) == grpc.StatusCode.NOT_FOUND else None
         if res.state in (S.RESERVED, S.PUSHING, S.LANDED):

@@ -14,11 +14,10 @@ import grpc
 
 from kvpush.v1 import registry_pb2, scheduler_pb2, types_pb2
 
-from worker.cp_link import (ENDED_BY_CONTROL_PLANE, Backoff, ControlPlaneLink, Membership, S, ServiceConfig, rpc_error_text, status_code)
+from worker.cp_link import (ENDED_BY_CONTROL_PLANE, Backoff, ControlPlaneLink, Membership, S, ServiceConfig,
+                            guarded, rpc_error_text, status_code)
 
 log = logging.getLogger("kvpush.sidecar")
-
-
 
 
 # -- the reservation watch -------------------------------------------------------------------------
@@ -51,7 +50,7 @@ class ReservationWatch:
                 self._call = call = client.registry.WatchEngineReservations(
                     registry_pb2.WatchEngineReservationsRequest(engine_id=self.engine_id, include_snapshot=True),
                     metadata=client.metadata)
-                async for event in call:
+                while (event := await guarded(call.read())) is not grpc.aio.EOF:
                     self.events += 1
                     if event.kind == scheduler_pb2.ReservationEvent.SNAPSHOT:
                         snapshot.add(event.reservation.id)
@@ -101,9 +100,9 @@ class ReservationWatch:
         client = self.link.client
         for rid in [r for r in self.live_reservations() if r not in snapshot]:
             try:
-                res = await client.registry.LookupReservation(
+                res = await guarded(client.registry.LookupReservation(
                     registry_pb2.LookupReservationRequest(reservation_id=rid), metadata=client.metadata,
-                    timeout=self.config.rpc_timeout_s)
+                    timeout=self.config.rpc_timeout_s))
             except Exception as exc:
                 if status_code(exc) == grpc.StatusCode.NOT_FOUND:
                     self.on_ended(rid, "reservation no longer exists")

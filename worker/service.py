@@ -52,7 +52,8 @@ from worker.progress import PollPolicy
 from worker.push import PushConfig, PushOutcome, PushState
 from worker.sidecar import DECODE, PREFILL, Sidecar, SidecarConfig
 
-from worker.cp_link import (ControlPlaneLink, FatalError, Membership, S, ServiceConfig, rpc_error_text, status_code)
+from worker.cp_link import (ControlPlaneLink, FatalError, Membership, S, ServiceConfig, guarded, rpc_error_text,
+                            status_code)
 from worker.reporter import Reporter
 from worker.reservation_watch import ReservationWatch
 
@@ -123,8 +124,9 @@ class SidecarService:
         client = self.link.client
         self.resolves += 1
         try:
-            engine = await client.registry.GetEngine(registry_pb2.GetEngineRequest(engine_id=engine_id),
-                                                     metadata=client.metadata, timeout=self.config.rpc_timeout_s)
+            engine = await guarded(client.registry.GetEngine(registry_pb2.GetEngineRequest(engine_id=engine_id),
+                                                             metadata=client.metadata,
+                                                             timeout=self.config.rpc_timeout_s))
         except Exception as exc:
             if status_code(exc) == grpc.StatusCode.NOT_FOUND:
                 raise PeerUnavailable(f"engine {engine_id} is not registered") from None
@@ -186,12 +188,19 @@ class SidecarService:
             member = loop.create_task(self.membership.run(), name="membership")
             self._tasks = [member, loop.create_task(self.watch.run(), name="watch")]
             stopper = loop.create_task(stop.wait())
-            await asyncio.wait([member, stopper], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([*self._tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
             stopper.cancel()
-            if member.done() and not member.cancelled() and member.exception() is not None:
-                exc = member.exception()
-                log.error("%s", exc)
-                code = 1 if isinstance(exc, FatalError) else 2
+            # Membership and the watch run until we stop them: one that ends by itself
+            # would leave an engine that looks alive but is not, so exit for a restart.
+            for task in (t for t in self._tasks if t.done()):
+                exc = None if task.cancelled() else task.exception()
+                if isinstance(exc, FatalError):
+                    log.error("%s", exc)
+                    code = 1
+                else:
+                    log.error("%s ended unexpectedly (%r); exiting", task.get_name(), exc or "cancelled")
+                    code = 2
+                break
         finally:
             await self.shutdown()
         return code
@@ -208,10 +217,10 @@ class SidecarService:
         if self.membership is not None and self.membership.connected.is_set():
             client = self.link.client
             try:
-                resp = await client.registry.DeregisterEngine(
+                resp = await guarded(client.registry.DeregisterEngine(
                     registry_pb2.DeregisterEngineRequest(engine_id=self.engine_id,
                                                          incarnation=self.sidecar_config.incarnation),
-                    metadata=client.metadata, timeout=2.0)
+                    metadata=client.metadata, timeout=2.0))
                 log.info("deregistered; %d reservations ended FAILED", resp.reservations_failed)
             except Exception as exc:
                 log.warning("DeregisterEngine failed (%s); the lease ends it", rpc_error_text(exc))

@@ -70,8 +70,11 @@ async def test_control_plane_restart_sidecars_register_again_and_keep_working(st
         stack.cp.start()
         up = time.monotonic()
         for sp in (dec, pre):
-            wait_for(lambda sp=sp: (s := service_stats(sp))["registrations"] >= 2 and s["connected"]
-                     and s["watch_subscribed"], 60, f"{sp.engine_id} registered again")
+            try:
+                wait_for(lambda sp=sp: (s := service_stats(sp))["registrations"] >= 2 and s["connected"]
+                         and s["watch_subscribed"], 30, f"{sp.engine_id} registered again")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}: {service_stats(sp)}\n{sp.log()}") from None
         again = time.monotonic()
         print(f"\ncontrol plane {how.split('-')[0]}: down+restart {up - t0:.2f} s; both sidecars registered and "
               f"subscribed again {again - up:.2f} s after it was serving")
