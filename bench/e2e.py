@@ -122,7 +122,7 @@ def start_nixl(dep: Deployment, model_dir: str, connector: str) -> None:
         port = quiet_port()
         urls[role] = f"http://127.0.0.1:{port}"
         env = engines.engine_env({"VLLM_NIXL_SIDE_CHANNEL_PORT": str(quiet_port()),
-                                  "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"})
+                                  "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}, pair=True)
         procs[role] = dep._start(f"vllm-{role}", engines.vllm_command(
             model_dir, port, MODEL, nixl_config(connector, role)), env=env)
     say(f"starting prefill + decode engines with vLLM's {connector} (about a minute on 2 cores) ...")

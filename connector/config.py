@@ -6,7 +6,8 @@
      "load_timeout_s": 30,                       # decode: longest wait for a landing
      "deadline_grace_s": 0.5,                    # decode: wait this long past the reservation's deadline
      "connect_timeout_s": 60,                    # wait this long for the sidecar at engine start
-     "channel_timeout_s": 5}                     # replies on the channel (hello, begin, subscribe, consumed)
+     "channel_timeout_s": 5,                     # replies on the channel (hello, begin, subscribe, consumed)
+     "idle_wait_s": 0.005}                       # decode: an idle step waits this long for a landing
 
 Unknown keys are refused, so a typo is an error at start-up rather than a
 silently ignored setting.
@@ -30,6 +31,10 @@ class ConnectorConfig:
     deadline_grace_s: float = 0.5
     connect_timeout_s: float = 60.0
     channel_timeout_s: float = 5.0
+    # Decode, a step with nothing to run but loads in flight: block this long for a
+    # landing instead of letting the engine spin through empty steps. It bounds how
+    # late a request that arrives meanwhile is scheduled.
+    idle_wait_s: float = 0.005
 
     def __post_init__(self) -> None:
         if not self.sidecar_socket:
@@ -37,8 +42,11 @@ class ConnectorConfig:
         for name in ("load_timeout_s", "connect_timeout_s", "channel_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"kv_connector_extra_config.{name} must be positive")
-        if self.deadline_grace_s < 0:
-            raise ConfigError("kv_connector_extra_config.deadline_grace_s must not be negative")
+        for name in ("deadline_grace_s", "idle_wait_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"kv_connector_extra_config.{name} must not be negative")
+        if self.idle_wait_s > 0.1:
+            raise ConfigError("kv_connector_extra_config.idle_wait_s must be at most 0.1 (it delays new requests)")
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> ConnectorConfig:

@@ -70,6 +70,12 @@ class KVPushConnectorMetadata(KVConnectorMetadata):
     load_aborts: list[str] = dataclasses.field(default_factory=list)  # req ids: stop waiting, load nothing
     releases: list[Release] = dataclasses.field(default_factory=list)
     counts: dict[str, int] = dataclasses.field(default_factory=dict)  # scheduler-side counter increments
+    scheduled_tokens: int = -1  # tokens the step runs (-1: not known)
+
+    @property
+    def idle(self) -> bool:
+        """The step runs no tokens: the decode worker may wait for a landing."""
+        return self.scheduled_tokens == 0
 
     def empty(self) -> bool:
         return not (self.pushes or self.push_aborts or self.loads or self.load_aborts or self.releases

@@ -201,6 +201,7 @@ class KVPushScheduler:
                                                   end == st.target, begin))
                 st.pushed = end
         meta, self._meta = self._meta, KVPushConnectorMetadata()
+        meta.scheduled_tokens = scheduler_output.total_num_scheduled_tokens
         return meta
 
     # -- the end of a request -----------------------------------------------------------------

@@ -35,6 +35,7 @@ import numpy as np
 from connector.cache_codec import BlockCodec, CodecError, flat_layer
 from connector.config import ConnectorConfig
 from connector.metadata import KVPushConnectorMetadata, LoadSpec, PushSpec
+from connector.trace import Trace
 from connector.sidecar_link import DECODE, PREFILL, SidecarInfo, connect
 from connector.stats import Counters
 from worker import frames as F
@@ -54,6 +55,7 @@ ENDED = (FAILED, CANCELLED, CONSUMED)
 class _Outbound:
     alloc: StagingAllocation
     geom: DestGeometry
+    reservation_id: str = ""
 
 
 @dataclasses.dataclass
@@ -102,6 +104,7 @@ class KVPushWorker:
             counters = Counters(path, {"engine_id": info.engine_id, "incarnation": info.incarnation,
                                        "role": info.role, "pid": os.getpid()})
         self.counters = counters
+        self.trace = Trace(config.engine_name or info.engine_id)
         self.codec: BlockCodec | None = None
         self.layers: dict[str, int] = {}  # layer name -> index
         self.flat: list[np.ndarray] = []  # per layer index: flat view of vLLM's cache
@@ -115,6 +118,9 @@ class KVPushWorker:
         self._failed: set[str] = set()
         self._next_reconnect = 0.0
         self._next_health = 0.0
+        self._idle = False  # this step runs no tokens (the scheduler says)
+        self._traced_step = False
+        self._arrived = threading.Event()  # a reservation landed or ended: set by the reader thread
         self.counters.flush(force=True)
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -202,6 +208,10 @@ class KVPushWorker:
     def bind(self, meta: KVPushConnectorMetadata) -> None:
         self.counters.merge(meta.counts)
         self._step = []
+        self._idle = meta.idle
+        self._traced_step = self.trace.on and meta.scheduled_tokens > 0
+        if self._traced_step:
+            self.trace("step", "-", meta.scheduled_tokens)
         if self.role != PREFILL:
             return
         for rid, reason in meta.push_aborts:
@@ -231,7 +241,8 @@ class KVPushWorker:
             self.counters.inc("push_refused")
             return None
         geom = DestGeometry.for_layout(self.info.layout, t.block_size, t.num_tokens)
-        out = self._outbound[spec.req_id] = _Outbound(alloc, geom)
+        out = self._outbound[spec.req_id] = _Outbound(alloc, geom, t.reservation_id)
+        self.trace("push_begin", t.reservation_id, spec.req_id)
         self.counters.inc("requests_begun")
         return out
 
@@ -263,10 +274,13 @@ class KVPushWorker:
                 continue
             sp.layers += 1
             self.counters.inc("layers_pushed")
+            self.trace("layer_staged", sp.out.reservation_id, layer)
             self.counters.inc("bytes_staged", (spec.end - spec.start) * self.codec.token_layer_bytes)
 
     # -- after the forward --------------------------------------------------------------------------
     def wait_for_save(self) -> None:
+        if self._traced_step:
+            self.trace("forward_done")
         for sp in self._step:
             rid = sp.spec.req_id
             if sp.failed or rid not in self._outbound:
@@ -275,6 +289,7 @@ class KVPushWorker:
                 self._outbound.pop(rid, None)
                 self._end(rid, aborted=True, reason=f"only {sp.layers} of {len(self.flat)} layers staged")
             elif sp.spec.final:
+                self.trace("push_end", sp.out.reservation_id, rid)
                 self._outbound.pop(rid, None)
                 self._end(rid)
                 self.counters.inc("requests_pushed")
@@ -313,6 +328,7 @@ class KVPushWorker:
             if spec.engine_id != self.info.engine_id or spec.incarnation != self.info.incarnation:
                 self._fail(spec.req_id, "wrong_engine", f"reservation is for {spec.engine_id}/{spec.incarnation}")
                 continue
+            self.trace("load_planned", spec.reservation_id, spec.req_id)
             self._subscribe(spec.reservation_id, pending)
 
     def _subscribe(self, reservation_id: str, pending: _Pending | None = None) -> None:
@@ -336,6 +352,9 @@ class KVPushWorker:
             current = self._states.get(event.reservation_id)
             if current is None or current[0] not in (LANDED, *ENDED) or event.state in ENDED:
                 self._states[event.reservation_id] = (event.state, event.num_tokens)
+        if event.state == LANDED or event.state in ENDED:
+            self.trace(event.state.lower(), event.reservation_id)
+            self._arrived.set()
 
     def _on_event(self, event) -> None:
         """Channel events, as they arrive: push outcomes (prefill), reservation ends (decode).
@@ -371,6 +390,7 @@ class KVPushWorker:
             if self._channel_broken():
                 self._reconnect(ChannelError("channel closed"))
         if self.role == DECODE:
+            self._wait_if_idle()
             self._poll_loads()
             if len(self._states) > 4096:
                 live = {p.spec.reservation_id for p in self._pending.values()} | set(self._releases)
@@ -380,6 +400,21 @@ class KVPushWorker:
         self._done, self._failed = set(), set()
         self.counters.flush()
         return done, failed
+
+    def _wait_if_idle(self) -> None:
+        """A step with nothing to run while loads are in flight: sleep until one lands
+        or ends (or idle_wait_s passes). Without it the engine spins through empty
+        steps (vLLM sleeps 1 ms between them), taking CPU a co-located prefill needs,
+        and notices a landing only at its next step."""
+        self._arrived.clear()
+        if not (self._idle and self._pending and self.config.idle_wait_s > 0):
+            return
+        if any(self._state(p.spec.reservation_id)[0] in (LANDED, *ENDED) for p in self._pending.values()):
+            return  # arrived before the clear: nothing to wait for
+        t0 = time.monotonic()
+        self._arrived.wait(self.config.idle_wait_s)
+        self.counters.inc("idle_waits")
+        self.counters.inc("idle_wait_us_total", round((time.monotonic() - t0) * 1e6))
 
     def _poll_loads(self) -> None:
         now = time.monotonic()
@@ -433,6 +468,7 @@ class KVPushWorker:
         self.counters.maximum("load_wait_ms_max", round(wait_ms))
         n = spec.end - spec.start
         self.counters.inc("loads_landed")
+        self.trace("loaded", spec.reservation_id, rid)
         self.counters.inc("tokens_loaded", n)
         self.counters.inc("bytes_loaded", n * self.codec.token_layer_bytes * len(self.flat))
         self._done.add(rid)
@@ -456,6 +492,7 @@ class KVPushWorker:
 
     def close(self) -> None:
         self.counters.flush(force=True)
+        self.trace.close()
         try:
             self.client.close()
         finally:

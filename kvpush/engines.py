@@ -18,6 +18,15 @@ ENGINE_ENV = {
     "PYTHONUNBUFFERED": "1",
 }
 
+# For the two engines of a prefill/decode pair on one host. vLLM's CPU default is
+# one OpenMP thread per core, bound, spin-waiting between parallel regions: two
+# engines (plus sidecars, router, control plane) then oversubscribe the cores and
+# each engine's forward pass stalls the other's. On 2 cores that cost kvpush's
+# TTFT more than the second thread gained the prefill (docs/BENCHMARKS.md, TTFT
+# breakdown). One unbound thread each is the co-located stand-in for giving each
+# engine its own machine. A lone (aggregated) engine keeps vLLM's default.
+PD_PAIR_ENV = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
 BLOCK_SIZE = 32        # the CPU backend wants a multiple of 32
 
 
@@ -34,8 +43,11 @@ def vllm_command(model_dir: str, port: int, served_name: str, kv_transfer_config
     return cmd
 
 
-def engine_env(extra: dict | None = None) -> dict:
+def engine_env(extra: dict | None = None, pair: bool = False) -> dict:
+    """The environment of an engine; ``pair``: one of a co-located prefill/decode pair."""
     env = dict(ENGINE_ENV, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if pair:
+        env.update(PD_PAIR_ENV)
     env.update(extra or {})
     return env
 

@@ -113,7 +113,7 @@ class Stack:
             engine_procs.append(self._start(f"vllm-{role}", engines.vllm_command(
                 spec.model_dir, port, spec.served_model, cfg, max_num_seqs=spec.max_num_seqs,
                 extra=spec.prefill_args if role == "prefill" else ()),
-                env=engines.engine_env({**spec.engine_env, **env})))
+                env=engines.engine_env({**spec.engine_env, **env}, pair=True)))
         self.say("starting the prefill and decode vLLM engines (about a minute on 2 cores) ...")
         for proc, role in zip(engine_procs, ("prefill", "decode")):
             proc.wait_until(http_ok(urls[role] + "/health"), 300, "serving", self.say)

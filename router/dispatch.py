@@ -118,6 +118,7 @@ class Dispatcher:
             # One line per request with where its time went: the first place to look
             # when TTFT is above the prefill's own time.
             _log.info("served", request_id=request_id, reservation_id=res.id, num_tokens=num_tokens,
+                      received_unix=round(time.time() - (time.perf_counter() - started), 6),
                       **{f"{k}_ms": round((v - started) * 1e3, 2) for k, v in timings.items()})
             return response
         except BaseException:

@@ -45,6 +45,10 @@ class Blocks:
 class Out:
     num_scheduled_tokens: dict
 
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
 
 def params(role: str, num_tokens: int, res: str = "res-1", engine_id: str = "D1", incarnation: str = "inc1",
            deadline: int = 0) -> dict:
@@ -196,6 +200,8 @@ def test_decode_is_an_async_load_of_the_prompt_beyond_the_local_hit():
     sched.update_state_after_alloc(r, Blocks([4, 5, 6]), 38)
     sched.update_state_after_alloc(r, Blocks([4, 5, 6, 7]), 0)  # the second call (after the load): ignored
     meta = sched.build_connector_meta(Out({}))
+    assert meta.idle  # nothing else runs in this step: the worker may wait for the landing
+    assert not sched.build_connector_meta(Out({"other": 1})).idle
     (load,) = meta.loads
     assert (load.req_id, load.reservation_id, load.block_ids, load.start, load.end) == ("d", "res-1", (4, 5, 6),
                                                                                       32, 70)

@@ -36,3 +36,7 @@ def test_config_refuses_unknown_and_bad_settings():
         ConnectorConfig.from_extra({})
     with pytest.raises(ConfigError, match="positive"):
         ConnectorConfig.from_extra({"sidecar_socket": "/s", "load_timeout_s": 0})
+    assert ConnectorConfig.from_extra({"sidecar_socket": "/s", "idle_wait_s": 0}).idle_wait_s == 0  # off
+    for bad, why in ((-0.001, "must not be negative"), (0.5, "must be at most 0.1")):
+        with pytest.raises(ConfigError, match=f"idle_wait_s {why}"):
+            ConnectorConfig.from_extra({"sidecar_socket": "/s", "idle_wait_s": bad})

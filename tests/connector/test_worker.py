@@ -5,6 +5,7 @@ in the decode cache are the prefill's, token for token, in vLLM's packed layout.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -247,5 +248,44 @@ def test_a_restarted_sidecar_is_reconnected(sidecars, workdir, codec):
         got = codec.read(dcache[NAMES[0]].view(-1).numpy(), [4, 5], 0, 40)
         assert np.array_equal(got[1], kv[NAMES[0]][1])
         assert pw.counters.get("sidecar_reconnects") == dw.counters.get("sidecar_reconnects") == 1
+    finally:
+        pw.close(), dw.close()
+
+
+def test_an_idle_decode_step_sleeps_until_its_load_lands(sidecars, workdir, codec):
+    """A step that runs nothing while a load is in flight blocks on the landing (up to
+    idle_wait_s) instead of returning at once: the engine stops spinning through empty
+    steps, and the landing is picked up the moment it arrives."""
+    dec, pre = sidecars(LAYOUT)
+    pw, pcache = make_worker(pre, workdir, codec, "P")
+    dw, dcache = make_worker(dec, workdir, codec, "D", idle_wait_s=0.1)
+    try:
+        n, landing = 40, [2, 3]
+        kv = write_request(pcache, [0, 1], n, seed=5)
+        meta = KVPushConnectorMetadata(loads=[load_spec(dec, "d", "res-idle", landing, [4, 5], n)], scheduled_tokens=0)
+        dw.bind(meta)
+        dw.start_loads(meta)
+        # Nothing lands: an idle step waits its full bound, a busy step not at all.
+        t0 = time.monotonic()
+        assert dw.transfer_results() == (set(), set())
+        idle_s = time.monotonic() - t0
+        dw.bind(KVPushConnectorMetadata(scheduled_tokens=3))
+        t0 = time.monotonic()
+        assert dw.transfer_results() == (set(), set())
+        busy_s = time.monotonic() - t0
+        assert 0.09 < idle_s < 0.5 and busy_s < 0.02, (idle_s, busy_s)
+        # The push lands while the idle step waits: that same step reports it loaded.
+        dw.bind(KVPushConnectorMetadata(scheduled_tokens=0))
+        timer = threading.Timer(0.02, step_prefill, (pw, [PushSpec("p", (0, 1), 0, n, True,
+                                                                    target(dec, "res-idle", landing, n))]))
+        timer.start()
+        done = set()
+        t0 = time.monotonic()
+        while "d" not in done and time.monotonic() - t0 < 5:
+            done |= dw.transfer_results()[0]
+        timer.join()
+        assert done == {"d"}
+        assert np.array_equal(codec.read(dcache[NAMES[2]].view(-1).numpy(), [4, 5], 0, n)[1], kv[NAMES[2]][1])
+        assert dw.counters.get("idle_waits") >= 2
     finally:
         pw.close(), dw.close()

@@ -1,0 +1,211 @@
+"""Where a kvpush request's time to first token goes, step by step, beside the limit
+(the prefill engine alone). One real stack (etcd, control plane, sidecars, a prefill
+and a decode vLLM engine with our connector, the router); sequential requests, so
+each timeline is the request's own. The engines trace their side
+(``connector/trace.py``: ``KVPUSH_TRACE_DIR``); the router's ``served`` log line
+gives the request's arrival and its reservation id, which ties the two together.
+
+    .venv/bin/python bench/ttft_breakdown.py            # ~4 minutes; writes docs/BENCHMARKS.md
+    .venv/bin/python bench/ttft_breakdown.py --n 4 --no-report   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import psutil
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.common import CpuMeter, update_section  # noqa: E402
+from bench.loadgen import make_prompts, stream_request  # noqa: E402
+from connector.trace import ENV as TRACE_ENV, read_traces  # noqa: E402
+from kvpush.stack import Stack, StackSpec  # noqa: E402
+from kvpush.tiny_model import ensure_model  # noqa: E402
+
+LENGTHS = (128, 1024)
+MAX_TOKENS = 4
+GAP_S = 0.25  # between requests: each one's timeline is its own
+
+# (label, how it is found), in the order they happen; times are ms after the router received it.
+MILESTONES = (
+    ("reserved", "router: Reserve answered"),
+    ("prefill_started", "prefill: the step with the request began (BEGIN)"),
+    ("decode_planned", "decode: the request is waiting for its KV"),
+    ("first_layer", "prefill: layer 0 staged and pushed"),
+    ("last_layer", "prefill: last layer staged and pushed"),
+    ("landed", "decode: LANDED heard from its sidecar"),
+    ("prefill_done", "prefill: forward pass over"),
+    ("loaded", "decode: KV copied into vLLM's blocks"),
+    ("decode_forward", "decode: forward pass of the request's first token over"),
+    ("first_chunk", "router: first streamed chunk from decode"),
+)
+
+
+def say(msg: str) -> None:
+    print(f"[breakdown] {msg}", flush=True)
+
+
+def served_lines(path: str) -> list[dict]:
+    out = []
+    with open(path, errors="replace") as f:
+        for line in f:
+            if '"served"' in line:
+                try:
+                    out.append(json.loads(line[line.index("{"):]))
+                except ValueError:
+                    pass
+    return out
+
+
+def timeline(served: dict, events: list, num_layers: int) -> dict[str, float]:
+    """Milestones of one request, ms after the router received it."""
+    t0, res = served["received_unix"], served["reservation_id"]
+    ms = {"reserved": served.get("reserved_ms"), "first_chunk": served.get("first_chunk_ms")}
+    mine = {}
+    for t, engine, event, rid, detail in events:
+        if rid == res:
+            key = (event, detail) if event == "layer_staged" else event
+            mine.setdefault(key, t)
+    pick = {"prefill_started": "push_begin", "decode_planned": "load_planned", "landed": "landed",
+            "prefill_done": "push_end", "loaded": "loaded", "first_layer": ("layer_staged", "0"),
+            "last_layer": ("layer_staged", str(num_layers - 1))}
+    for label, key in pick.items():
+        if key in mine:
+            ms[label] = (mine[key] - t0) * 1e3
+    if "loaded" in mine:  # the decode engine's next forward pass runs the request's last prompt token
+        after = [t for t, engine, event, _, _ in events if engine == "decode-0" and event == "forward_done"
+                 and t > mine["loaded"]]
+        if after:
+            ms["decode_forward"] = (after[0] - t0) * 1e3
+    return ms
+
+
+def run(n: int, log_dir: str) -> dict:
+    model_dir = ensure_model()
+    trace_dir = os.path.join(log_dir, "traces")
+    stack = Stack(StackSpec(model_dir=model_dir, log_dir=log_dir, engine_env={TRACE_ENV: trace_dir}), progress=say)
+    stack.start()
+    try:
+        procs = {"prefill engine+": stack.process("vllm-prefill"), "decode engine+": stack.process("vllm-decode"),
+                 "router": stack.process("router"), "prefill sidecar": stack.process("sidecar-prefill"),
+                 "decode sidecar": stack.process("sidecar-decode"), "control plane": stack.process("controlplane")}
+        meter_procs = {k: psutil.Process(p.proc.pid) for k, p in procs.items()}
+        if stack.etcd is not None and getattr(stack.etcd, "proc", None) is not None:
+            meter_procs["etcd"] = psutil.Process(stack.etcd.proc.pid)
+        for length in LENGTHS:  # warm both paths
+            for i, prompt in enumerate(make_prompts(model_dir, length, 3, "bd-warm")):
+                stream_request(stack.router_url, prompt, MAX_TOKENS, 30)
+                stream_request(stack.prefill_url, prompt + f" {i}", 1, 30)
+        results = {}
+        for length in LENGTHS:
+            say(f"{length}-token prompts: {n} through the router, then {n} to the prefill engine alone")
+            meter = CpuMeter(meter_procs)
+            meter.start()
+            t_start = time.time()
+            kv = []
+            for prompt in make_prompts(model_dir, length, n, "bd-kv"):
+                kv.append(stream_request(stack.router_url, prompt, MAX_TOKENS, 30))
+                time.sleep(GAP_S)
+            cpu = meter.stop()
+            t_end = time.time()
+            alone = []
+            for prompt in make_prompts(model_dir, length, n, "bd-alone"):
+                alone.append(stream_request(stack.prefill_url, prompt, 1, 30))
+                time.sleep(GAP_S)
+            results[length] = {"kv": kv, "alone": alone, "window": (t_start, t_end), "cpu": cpu}
+        time.sleep(0.5)
+        served = served_lines(os.path.join(log_dir, "router.log"))
+        events = read_traces(trace_dir)
+        for length, r in results.items():
+            t_start, t_end = r["window"]
+            mine = [s for s in served if t_start <= s.get("received_unix", 0) <= t_end]
+            r["timelines"] = [timeline(s, events, stack.layout.num_layers) for s in mine]
+            r["ttft_ms"] = [x["ttft_s"] * 1e3 for x in r["kv"] if x["ok"]]
+            r["alone_ms"] = [x["ttft_s"] * 1e3 for x in r["alone"] if x["ok"]]
+            r["counters"] = stack.stats()
+            del r["kv"], r["alone"]
+        return results
+    finally:
+        stack.stop()
+
+
+def med(values) -> float:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else float("nan")
+
+
+def report(results: dict, n: int) -> str:
+    lines = [
+        "## TTFT breakdown (issue #4): where a kvpush request's first token waits",
+        "",
+        f"`.venv/bin/python bench/ttft_breakdown.py` (one stack, {n} sequential requests per prompt length, "
+        f"{MAX_TOKENS} tokens each, {GAP_S:.2f} s apart; the engines' own timeline from `KVPUSH_TRACE_DIR`, the "
+        "router's arrival time and reservation id from its `served` log line). Median ms after the router "
+        "received the request; each engine runs one OpenMP thread (`kvpush.engines.PD_PAIR_ENV`).",
+        "",
+        "| milestone | " + " | ".join(f"{length} tokens" for length in results) + " |",
+        "|---|" + "---:|" * len(results),
+    ]
+    for label, what in MILESTONES:
+        row = [f"{med([t.get(label) for t in r['timelines']]):.1f}" for r in results.values()]
+        lines.append(f"| {what} | " + " | ".join(row) + " |")
+    row_ttft = [f"**{med(r['ttft_ms']):.1f}**" for r in results.values()]
+    row_alone = [f"{med(r['alone_ms']):.1f}" for r in results.values()]
+    row_ratio = [f"{med(r['ttft_ms']) / med(r['alone_ms']):.2f}x" for r in results.values()]
+    lines += [f"| client: TTFT through the router | " + " | ".join(row_ttft) + " |",
+              f"| limit: prefill engine alone (`max_tokens=1`, client TTFT) | " + " | ".join(row_alone) + " |",
+              f"| TTFT / prefill alone | " + " | ".join(row_ratio) + " |", ""]
+    lines += ["Segments (median of each request's own differences, ms):", "",
+              "| segment | " + " | ".join(f"{length}" for length in results) + " |",
+              "|---|" + "---:|" * len(results)]
+    segments = (("router: count tokens + Reserve", None, "reserved"),
+                ("router -> prefill step start (HTTP, tokenize, schedule)", "reserved", "prefill_started"),
+                ("prefill forward up to the last layer's push", "prefill_started", "last_layer"),
+                ("last layer pushed -> decode hears LANDED", "last_layer", "landed"),
+                ("LANDED -> KV copied into decode's blocks", "landed", "loaded"),
+                ("copied -> decode forward of the first token over", "loaded", "decode_forward"),
+                ("decode forward over -> first chunk at the router", "decode_forward", "first_chunk"))
+    for what, a, b in segments:
+        row = []
+        for r in results.values():
+            diffs = [t[b] - (t[a] if a else 0.0) for t in r["timelines"]
+                     if t.get(b) is not None and (a is None or t.get(a) is not None)]
+            row.append(f"{med(diffs):.1f}")
+        lines.append(f"| {what} | " + " | ".join(row) + " |")
+    lines += ["", "CPU per request during the router phase (ms of CPU time; 2 cores):", "",
+              "| process | " + " | ".join(f"{length}" for length in results) + " |",
+              "|---|" + "---:|" * len(results)]
+    names = list(next(iter(results.values()))["cpu"])
+    for name in names:
+        row = [f"{r['cpu'][name] * 1e3 / max(1, len(r['timelines'])):.1f}" for r in results.values()]
+        lines.append(f"| {name} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=12, help="sequential requests per prompt length and path")
+    ap.add_argument("--no-report", action="store_true", help="print the tables, leave docs/BENCHMARKS.md alone")
+    args = ap.parse_args()
+    log_dir = tempfile.mkdtemp(prefix="kvpush-breakdown-")
+    say(f"logs in {log_dir}")
+    results = run(args.n, log_dir)
+    text = report(results, args.n)
+    print(text)
+    with open(os.path.join(log_dir, "results.json"), "w") as f:
+        json.dump({str(k): {kk: vv for kk, vv in v.items() if kk != "counters"} for k, v in results.items()}, f)
+    if not args.no_report:
+        update_section("ttft-breakdown", text)
+        say("docs/BENCHMARKS.md updated")
+
+
+if __name__ == "__main__":
+    main()
