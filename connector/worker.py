@@ -119,6 +119,9 @@ class KVPushWorker:
         self._next_reconnect = 0.0
         self._next_health = 0.0
         self._idle = False  # this step runs no tokens (the scheduler says)
+        # Idle waits are counted here and folded into the counters when a load ends:
+        # a counter change per empty step would rewrite the stats file every step.
+        self._idle_waits, self._idle_wait_us = 0, 0
         self._traced_step = False
         self._arrived = threading.Event()  # a reservation landed or ended: set by the reader thread
         self.counters.flush(force=True)
@@ -413,8 +416,14 @@ class KVPushWorker:
             return  # arrived before the clear: nothing to wait for
         t0 = time.monotonic()
         self._arrived.wait(self.config.idle_wait_s)
-        self.counters.inc("idle_waits")
-        self.counters.inc("idle_wait_us_total", round((time.monotonic() - t0) * 1e6))
+        self._idle_waits += 1
+        self._idle_wait_us += round((time.monotonic() - t0) * 1e6)
+
+    def _fold_idle_waits(self) -> None:
+        if self._idle_waits:
+            self.counters.inc("idle_waits", self._idle_waits)
+            self.counters.inc("idle_wait_us_total", self._idle_wait_us)
+            self._idle_waits, self._idle_wait_us = 0, 0
 
     def _poll_loads(self) -> None:
         now = time.monotonic()
@@ -468,6 +477,7 @@ class KVPushWorker:
         self.counters.maximum("load_wait_ms_max", round(wait_ms))
         n = spec.end - spec.start
         self.counters.inc("loads_landed")
+        self._fold_idle_waits()
         self.trace("loaded", spec.reservation_id, rid)
         self.counters.inc("tokens_loaded", n)
         self.counters.inc("bytes_loaded", n * self.codec.token_layer_bytes * len(self.flat))
@@ -483,6 +493,7 @@ class KVPushWorker:
         p = self._pending.pop(rid, None)
         log.warning("kvpush load of %s failed (%s): %s; vLLM recomputes the prompt", rid, reason, detail)
         self.counters.inc("load_errors")
+        self._fold_idle_waits()
         self.counters.inc(f"load_error_{reason}")
         self._done.add(rid)
         self._failed.add(rid)
