@@ -17,7 +17,7 @@ from controlplane import errors, keys, metrics
 from controlplane.etcd import KV, EtcdClient, EtcdLeaseNotFound, EtcdUnavailable, chunks, cmp_create, \
     cmp_mod, op_delete, op_get, op_put, op_txn
 from controlplane.leases import LeaseBuckets
-from controlplane.lifecycle_states import IllegalTransition, Move, State, decide
+from controlplane.lifecycle_states import LEGAL, IllegalTransition, Move, State, decide
 from controlplane.records import ReservationRecord, now_ms
 from controlplane.view import View
 from kvpush import log
@@ -38,10 +38,12 @@ class Lifecycle:
         self._leases = leases
 
     async def transition(self, res_id: str, target: State, reason: str = "",
-                         tenant: str | None = None, prefill_engine_id: str = "") -> ReservationRecord:
+                         tenant: str | None = None, prefill_engine_id: str = "",
+                         via: State | None = None) -> ReservationRecord:
         """Move ``res_id`` to ``target``. ``tenant`` scopes who may do it (a
         mismatch looks exactly like a missing id: NOT_FOUND); ``prefill_engine_id``
-        records which engine pushes into it (with PUSHING).
+        records which engine pushes into it (with PUSHING); ``via``: a state the
+        reservation may pass through on the way (two legal moves, one write).
 
         Raises ApiError NOT_FOUND (unknown, foreign, or gone), FAILED_PRECONDITION
         (illegal move), UNAVAILABLE (etcd down)."""
@@ -61,7 +63,10 @@ class Lifecycle:
                 try:
                     move = decide(rec.state, target)
                 except IllegalTransition as exc:
-                    raise errors.StateConflict(f"reservation_id {res_id!r}: {exc}", exc.current, exc.target) from None
+                    if not (via is not None and via in LEGAL[rec.state] and target in LEGAL[via]):
+                        raise errors.StateConflict(f"reservation_id {res_id!r}: {exc}", exc.current,
+                                                   exc.target) from None
+                    move = Move.APPLY
                 if move is Move.STALE:
                     return rec
                 new = ending(rec, target, reason) if target.terminal else dataclasses.replace(

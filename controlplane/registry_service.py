@@ -160,6 +160,8 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         if target not in REPORTABLE:
             raise errors.invalid(f"state {target.name} cannot be reported; use one of "
                                  f"{sorted(s.name for s in REPORTABLE)}")
+        if request.landed and target != State.CONSUMED:
+            raise errors.invalid(f"landed is only meaningful with CONSUMED, not {target.name}")
         if target == State.PUSHING:
             if not request.engine_id:
                 raise errors.invalid("engine_id is required with PUSHING: it names the engine pushing")
@@ -168,7 +170,8 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         structlog.contextvars.bind_contextvars(reservation_id=request.reservation_id, engine_id=request.engine_id)
         rec = await self._lifecycle.transition(
             request.reservation_id, target, request.reason,
-            prefill_engine_id=request.engine_id if target == State.PUSHING else "")
+            prefill_engine_id=request.engine_id if target == State.PUSHING else "",
+            via=State.LANDED if request.landed else None)
         return rec.to_proto()
 
     @streaming

@@ -75,6 +75,13 @@ class ServiceConfig:
     report_workers: int = 4
     report_queue_max: int = 100_000
     report_give_up_s: float = 30.0  # a report still failing after this is dropped
+    # LANDED and CONSUMED wait this long before they are sent, so a CONSUMED that
+    # follows a LANDED within it replaces it (one write, and none on the critical path).
+    report_hold_s: float = 0.05
+    # A push that ends sooner never reports PUSHING. PUSHING is what lets the control
+    # plane fail a reservation when its prefill engine dies mid-push; a router sees
+    # that death itself (the prefill request fails) and releases the reservation.
+    pushing_report_after_s: float = 0.25
     drain_s: float = 2.0  # on shutdown: running pushes may finish this long
     ready_file: str = ""  # written (engine record + lease, JSON) once registered and beating
 

@@ -2,6 +2,14 @@
 per reservation, on a few background tasks: a push or a landing never waits on
 an RPC. A report answered FAILED_PRECONDITION or NOT_FOUND means the reservation
 already ended (checked with ``LookupReservation``): its local work is cancelled.
+
+A report may be *held* for a moment before it is queued (``hold_s``): the next
+report of the same reservation, if it comes meanwhile, replaces it. A decode
+sidecar's LANDED is then folded into its CONSUMED (sent with ``landed``: one
+control-plane write instead of two), and a prefill's PUSHING is withdrawn when the
+push finishes first. Besides the writes, this keeps the control plane, etcd and
+the watch fan-out off the CPU while the request's last layer and first token are
+on the critical path.
 """
 
 from __future__ import annotations
@@ -28,6 +36,13 @@ class _Report:
     state: int
     reason: str
     queued: float
+    landed: bool = False  # CONSUMED with a LANDED folded into it
+
+
+@dataclasses.dataclass
+class _Held:
+    report: _Report
+    timer: asyncio.TimerHandle
 
 
 class Reporter:
@@ -45,6 +60,7 @@ class Reporter:
         self.engine_id = engine_id
         self.on_ended = on_ended
         self._pending: dict[str, collections.deque[_Report]] = {}
+        self._held: dict[str, _Held] = {}
         self._ready: collections.deque[str] = collections.deque()
         self._busy: set[str] = set()
         self._queued = 0
@@ -59,14 +75,54 @@ class Reporter:
         self._tasks = [asyncio.get_running_loop().create_task(self._worker(), name=f"reporter-{n}")
                        for n in range(self.config.report_workers)]
 
-    def report(self, reservation_id: str, state: int, reason: str = "") -> None:
+    def report(self, reservation_id: str, state: int, reason: str = "", hold_s: float = 0.0) -> None:
+        """Queue a report; with ``hold_s``, hold it that long first (a later report
+        of the reservation replaces it)."""
         if self._closing:
             return
-        if self._queued >= self.config.report_queue_max:
+        if self._queued + len(self._held) >= self.config.report_queue_max:
             self.counters["overflow"] += 1
             log.warning("report queue full: %s %s not reported", reservation_id, S.ReservationState.Name(state))
             return
         item = _Report(state, printable(reason), time.monotonic())
+        held = self._held.pop(reservation_id, None)
+        if held is not None:
+            held.timer.cancel()
+            self.counters["folded"] += 1
+            item.landed = state == S.CONSUMED and (held.report.landed or held.report.state == S.LANDED)
+        if hold_s > 0:
+            timer = asyncio.get_running_loop().call_later(hold_s, self._release_held, reservation_id)
+            self._held[reservation_id] = _Held(item, timer)
+            self._idle.clear()
+            return
+        self._enqueue(reservation_id, item)
+
+    def withdraw(self, reservation_id: str, state: int) -> bool:
+        """Drop a held ``state`` report of the reservation (it became moot)."""
+        held = self._held.get(reservation_id)
+        if held is None or held.report.state != state:
+            return False
+        del self._held[reservation_id]
+        held.timer.cancel()
+        self.counters["withdrawn"] += 1
+        self._maybe_idle()
+        return True
+
+    def _release_held(self, reservation_id: str) -> None:
+        held = self._held.pop(reservation_id, None)
+        if held is not None:
+            self._enqueue(reservation_id, held.report)
+
+    def _release_all_held(self) -> None:
+        for rid in list(self._held):
+            self._held[rid].timer.cancel()
+            self._release_held(rid)
+
+    def _maybe_idle(self) -> None:
+        if not self._queued and not self._busy and not self._held:
+            self._idle.set()
+
+    def _enqueue(self, reservation_id: str, item: _Report) -> None:
         queue = self._pending.get(reservation_id)
         if queue is None:
             queue = self._pending[reservation_id] = collections.deque()
@@ -78,7 +134,9 @@ class Reporter:
         self._wake.set()
 
     async def flush(self, timeout_s: float) -> bool:
-        """Wait (bounded) until every queued report has been sent or dropped."""
+        """Wait (bounded) until every queued report has been sent or dropped; held
+        reports go out now."""
+        self._release_all_held()
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
             return True
@@ -87,6 +145,9 @@ class Reporter:
 
     async def close(self) -> None:
         self._closing = True
+        for held in self._held.values():
+            held.timer.cancel()
+        self._held.clear()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -114,14 +175,13 @@ class Reporter:
                 self._pending.pop(rid, None)
             finally:
                 self._busy.discard(rid)
-                if not self._queued and not self._busy:
-                    self._idle.set()
+                self._maybe_idle()
 
     async def _send(self, rid: str, item: _Report) -> bool:
         """Send one report; False when the reservation turned out to have ended."""
         backoff = Backoff(self.config.backoff_initial_s, min(2.0, self.config.backoff_max_s))
         request = registry_pb2.ReportStateRequest(reservation_id=rid, state=item.state, reason=item.reason,
-                                                  engine_id=self.engine_id)
+                                                  engine_id=self.engine_id, landed=item.landed)
         name = S.ReservationState.Name(item.state)
         while True:
             client = self.link.client

@@ -91,10 +91,12 @@ class SidecarService:
 
     # -- hooks of the data plane (called from the loop, never blocking) ---------------------------
     def _on_push_start(self, reservation_id: str, request_id: str) -> None:
-        self.reporter.report(reservation_id, S.PUSHING)
+        self.reporter.report(reservation_id, S.PUSHING, hold_s=self.config.pushing_report_after_s)
 
     def _on_push_outcome(self, outcome: PushOutcome) -> None:
-        if outcome.state == PushState.FAILED:
+        if outcome.state == PushState.PUSHED:
+            self.reporter.withdraw(outcome.reservation_id, S.PUSHING)  # decode reports LANDED
+        elif outcome.state == PushState.FAILED:
             self.reporter.report(outcome.reservation_id, S.FAILED, f"prefill {self.engine_id}: {outcome.reason}")
         elif outcome.state == PushState.CANCELLED and outcome.reservation_id not in self._ended_remotely:
             self.reporter.report(outcome.reservation_id, S.FAILED,
@@ -105,7 +107,8 @@ class SidecarService:
                  LandingState.FAILED: S.FAILED}.get(event.state)
         if state is not None:
             reason = f"decode {self.engine_id}: {event.reason}" if event.reason else ""
-            self.reporter.report(event.reservation_id, state, reason)
+            hold = self.config.report_hold_s if state in (S.LANDED, S.CONSUMED) else 0.0
+            self.reporter.report(event.reservation_id, state, reason, hold_s=hold)
 
     def _ended(self, reservation_id: str, reason: str) -> None:
         """The control plane says the reservation is over: stop local work for it."""
@@ -272,6 +275,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode: FAILED when nothing landed this long after a push began (0: off)")
     p.add_argument("--checksums", action="store_true", help="send per-block CRC32 with each push (debug)")
     p.add_argument("--drain-timeout", type=float, default=2.0, help="on SIGTERM, running pushes may finish this long")
+    p.add_argument("--report-hold", type=float, default=ServiceConfig.report_hold_s,
+                   help="hold LANDED/CONSUMED reports this long, so a CONSUMED replaces its LANDED (0: send at once)")
+    p.add_argument("--pushing-report-after", type=float, default=ServiceConfig.pushing_report_after_s,
+                   help="report PUSHING only for pushes still running this long after they began (0: at once)")
     p.add_argument("--idle-interval", type=float, default=PollPolicy.idle_interval_s)
     p.add_argument("--hot-interval", type=float, default=PollPolicy.hot_interval_s)
     p.add_argument("--tls-ca", default="")
@@ -300,7 +307,9 @@ def configs_from_args(args: argparse.Namespace) -> tuple[SidecarConfig, ServiceC
     service = ServiceConfig(controlplane=args.controlplane, token=args.token, model=args.model, pool=args.pool,
                             lease_ttl_s=args.lease_ttl, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
                             tls_key=args.tls_key, tls_server_name=args.tls_server_name,
-                            drain_s=args.drain_timeout, ready_file=args.ready_file)
+                            drain_s=args.drain_timeout, ready_file=args.ready_file,
+                            report_hold_s=max(0.0, args.report_hold),
+                            pushing_report_after_s=max(0.0, args.pushing_report_after))
     return sidecar, service
 
 

@@ -106,3 +106,38 @@ async def test_consume_before_landed_is_refused(cp, admin, engine_client):
     assert "RESERVED" in details and "CONSUMED" in details
     await tenant.close()
     await engine.stop()
+
+
+async def test_landed_folded_into_consumed_over_the_api(cp, admin, engine_client, etcd):
+    """A decode sidecar that consumes within moments of the landing sends one CONSUMED
+    with ``landed``: from RESERVED or PUSHING it moves through LANDED in one write.
+    Without ``landed`` the jump is refused; ``landed`` on any other state is bad input."""
+    engine = SimulatedEngine(engine_client, "decode-0", num_blocks=32)
+    await engine.register()
+    tenant = await make_tenant(admin, cp.address, "acme")
+
+    async def report(res_id, state, landed=False, engine_id=""):
+        return await engine_client.registry.ReportState(
+            registry_pb2.ReportStateRequest(reservation_id=res_id, state=state, landed=landed,
+                                            engine_id=engine_id),
+            metadata=engine_client.metadata, timeout=5)
+
+    first, second = await reserve(tenant, "r1", 16), await reserve(tenant, "r2", 16)
+    details = await expect_code(grpc.StatusCode.FAILED_PRECONDITION, report(first.id, State.CONSUMED))
+    assert "RESERVED" in details and "CONSUMED" in details
+    assert (await report(first.id, State.CONSUMED, landed=True)).state == State.CONSUMED
+    assert (await report(second.id, State.PUSHING, engine_id="decode-0")).state == State.PUSHING
+    assert (await report(second.id, State.CONSUMED, landed=True)).state == State.CONSUMED
+    third = await reserve(tenant, "r3", 16)
+    for bad in (State.LANDED, State.FAILED, State.PUSHING):
+        details = await expect_code(grpc.StatusCode.INVALID_ARGUMENT,
+                                    report(third.id, bad, landed=True, engine_id="decode-0"))
+        assert "landed" in details
+    assert (await cp.lifecycle.find(third.id)).state == State.RESERVED
+    # An ended reservation stays ended: landed does not revive it.
+    await release(tenant, third.id)
+    await expect_code(grpc.StatusCode.FAILED_PRECONDITION, report(third.id, State.CONSUMED, landed=True))
+    report_ = await settle(etcd.endpoint, quiet=True)
+    assert len(report_.engines["decode-0"].free) == 32
+    await tenant.close()
+    await engine.stop()
