@@ -68,7 +68,8 @@ def served_lines(path: str) -> list[dict]:
 def timeline(served: dict, events: list, num_layers: int) -> dict[str, float]:
     """Milestones of one request, ms after the router received it."""
     t0, res = served["received_unix"], served["reservation_id"]
-    ms = {"reserved": served.get("reserved_ms"), "first_chunk": served.get("first_chunk_ms")}
+    ms = {"counted": served.get("counted_ms"), "reserved": served.get("reserved_ms"),
+          "first_chunk": served.get("first_chunk_ms")}
     mine = {}
     for t, engine, event, rid, detail in events:
         if rid == res:
@@ -166,7 +167,8 @@ def report(results: dict, n: int) -> str:
     lines += ["Segments (median of each request's own differences, ms):", "",
               "| segment | " + " | ".join(f"{length}" for length in results) + " |",
               "|---|" + "---:|" * len(results)]
-    segments = (("router: count tokens + Reserve", None, "reserved"),
+    segments = (("router: count prompt tokens", None, "counted"),
+                ("router: Reserve (gRPC to the control plane, one etcd transaction)", "counted", "reserved"),
                 ("router -> prefill step start (HTTP, tokenize, schedule)", "reserved", "prefill_started"),
                 ("prefill forward up to the last layer's push", "prefill_started", "last_layer"),
                 ("last layer pushed -> decode hears LANDED", "last_layer", "landed"),

@@ -485,7 +485,7 @@ class KVPushWorker:
 
     def _consume(self, reservation_id: str) -> None:
         try:
-            self.client.consumed(reservation_id)
+            self.client.consumed_nowait(reservation_id)  # a round trip less before the first token
         except ChannelError as exc:
             log.warning("CONSUMED for %s not sent: %s", reservation_id, exc)
 

@@ -22,6 +22,7 @@ class LeaseBuckets:
         self._etcd = etcd
         self._tombstone_ttl = tombstone_ttl_s
         self._buckets: dict[tuple[str, int], asyncio.Future] = {}
+        self._prefetching: set[asyncio.Task] = set()
 
     async def _lease(self, kind: str, bucket: int, ttl: int) -> int:
         key = (kind, bucket)
@@ -42,7 +43,22 @@ class LeaseBuckets:
     async def for_deadline(self, deadline_ms: int) -> int:
         """A lease that expires at the first whole second at or after ``deadline_ms``."""
         bucket = math.ceil(deadline_ms / 1000)
-        return await self._lease("deadline", bucket, bucket - int(time.time()))
+        now = int(time.time())
+        # The next seconds' buckets are granted ahead, in the background: otherwise
+        # the first Reserve of every second pays a LeaseGrant round trip (with an
+        # fsync) before its own transaction, on the request's TTFT.
+        for ahead in (1, 2):
+            if ("deadline", bucket + ahead) not in self._buckets:
+                task = asyncio.get_running_loop().create_task(
+                    self._lease("deadline", bucket + ahead, bucket + ahead - now))
+                self._prefetching.add(task)
+                task.add_done_callback(self._prefetched)
+        return await self._lease("deadline", bucket, bucket - now)
+
+    def _prefetched(self, task: asyncio.Task) -> None:
+        self._prefetching.discard(task)
+        if not task.cancelled():
+            task.exception()  # a failed grant ahead is retried by the Reserve that needs it
 
     async def tombstone(self) -> int:
         """A lease for records of ended reservations, kept about ``tombstone_ttl_s``."""

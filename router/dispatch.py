@@ -95,6 +95,7 @@ class Dispatcher:
             raise BadRequest(f"model {body.get('model')!r} is not served here; try {self.cfg.model!r}", 404)
         started = time.perf_counter()
         num_tokens = self.count_tokens(endpoint, body)
+        counted = time.perf_counter()
         request_id = f"rt-{uuid.uuid4().hex}"
         res, why = await self.reserve(request_id, num_tokens)
         decode_url = self.cfg.decode_url(res.engine_id) if res is not None else None
@@ -111,7 +112,7 @@ class Dispatcher:
         prefill_url = self._least_loaded(self.cfg.prefill_urls)
         p_body = prefill_body(body, params)
         d_body = dict(body, kv_transfer_params=params.for_role("decode").as_kv_transfer_params())
-        timings = {"reserved": time.perf_counter()}
+        timings = {"counted": counted, "reserved": time.perf_counter()}
         prefill = asyncio.create_task(self._prefill(prefill_url, endpoint, p_body, res.id, timings))
         try:
             response = await self._proxy(decode_url, endpoint, d_body, request, "push", timings)

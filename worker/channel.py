@@ -256,6 +256,11 @@ class SidecarClient:
     def consumed(self, reservation_id: str) -> F.StateEvent:
         return F.decode_state(self._call(F.CONSUMED, F.encode_id(reservation_id)))
 
+    def consumed_nowait(self, reservation_id: str) -> None:
+        """Fire-and-forget CONSUMED: the engine copied the landing out and moves on
+        (the sidecar logs a refusal; the blocks are the control plane's concern)."""
+        self._send(F.frame(F.CONSUMED, 0, F.encode_id(reservation_id)))
+
     def ping(self) -> None:
         self._call(F.PING, b"")
 
