@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import pathlib
-import random
 import sys
 import tempfile
 import time
@@ -87,30 +86,6 @@ def start_aggregated(dep: Deployment, model_dir: str) -> None:
     dep.cpu_procs = {"engine+": psutil.Process(proc.pid)}
 
 
-_taken: set[int] = set()
-
-
-def quiet_port() -> int:
-    """A free port below Linux's ephemeral range (32768+): free_port() hands out an
-    ephemeral port that the kernel may give to some other process's socket (vLLM's
-    own ZMQ sockets, a test run beside us) before the engine binds it, and a NIXL
-    side-channel listener that loses that race dies in its thread, leaving an engine
-    that never becomes healthy."""
-    import socket
-    rng = random.Random()
-    while True:
-        port = rng.randrange(20000, 30000)
-        if port in _taken:
-            continue
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _taken.add(port)
-        return port
-
-
 def nixl_config(connector: str, role: str) -> dict:
     return {"kv_connector": connector, "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
             "kv_buffer_device": "cpu"}
@@ -119,9 +94,9 @@ def nixl_config(connector: str, role: str) -> dict:
 def start_nixl(dep: Deployment, model_dir: str, connector: str) -> None:
     urls, procs = {}, {}
     for role in ("prefill", "decode"):
-        port = quiet_port()
+        port = free_port()
         urls[role] = f"http://127.0.0.1:{port}"
-        env = engines.engine_env({"VLLM_NIXL_SIDE_CHANNEL_PORT": str(quiet_port()),
+        env = engines.engine_env({"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
                                   "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}, pair=True)
         procs[role] = dep._start(f"vllm-{role}", engines.vllm_command(
             model_dir, port, MODEL, nixl_config(connector, role)), env=env)

