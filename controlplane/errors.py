@@ -21,6 +21,10 @@ def not_found(message: str) -> ApiError:
     return ApiError(grpc.StatusCode.NOT_FOUND, message)
 
 
+def failed_precondition(message: str) -> ApiError:
+    return ApiError(grpc.StatusCode.FAILED_PRECONDITION, message)
+
+
 def exhausted(message: str) -> ApiError:
     return ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 

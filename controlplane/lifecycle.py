@@ -39,10 +39,11 @@ class Lifecycle:
 
     async def transition(self, res_id: str, target: State, reason: str = "",
                          tenant: str | None = None, prefill_engine_id: str = "",
-                         via: State | None = None) -> ReservationRecord:
+                         via: State | None = None, prefill_incarnation: str = "") -> ReservationRecord:
         """Move ``res_id`` to ``target``. ``tenant`` scopes who may do it (a
         mismatch looks exactly like a missing id: NOT_FOUND); ``prefill_engine_id``
-        records which engine pushes into it (with PUSHING); ``via``: a state the
+        records which engine pushes into it (with PUSHING; ``prefill_incarnation``: which
+        of its lives); ``via``: a state the
         reservation may pass through on the way (two legal moves, one write).
 
         Raises ApiError NOT_FOUND (unknown, foreign, or gone), FAILED_PRECONDITION
@@ -71,7 +72,8 @@ class Lifecycle:
                     return rec
                 new = ending(rec, target, reason) if target.terminal else dataclasses.replace(
                     rec, state=target, reason=reason or rec.reason,
-                    prefill_engine_id=prefill_engine_id or rec.prefill_engine_id)
+                    prefill_engine_id=prefill_engine_id or rec.prefill_engine_id,
+                    prefill_incarnation=prefill_incarnation if prefill_engine_id else rec.prefill_incarnation)
                 value = new.encode()
                 if target.terminal:
                     lease = await self._leases.tombstone()
@@ -197,7 +199,8 @@ class Lifecycle:
         doomed = [rec for rec in self._view.live_reservations(engine_id=engine_id)
                   if keep_incarnation is None or rec.incarnation != keep_incarnation]
         pushed = [rec for rec in self._view.live_reservations()
-                  if rec.prefill_engine_id == engine_id and rec.state == State.PUSHING and rec not in doomed]
+                  if rec.prefill_engine_id == engine_id and rec.state == State.PUSHING and rec not in doomed
+                  and not (keep_incarnation and rec.prefill_incarnation == keep_incarnation)]
         count = await self.end_many(doomed, State.FAILED, reason)
         if pushed:
             count += await self.end_many(pushed, State.FAILED, "prefill engine died or restarted mid-push")

@@ -81,7 +81,8 @@ class Reaper:
         if orphans:
             ended += await self._lifecycle.end_many(orphans, State.FAILED, "decode engine is gone")
         abandoned = [rec for rec in live if rec.state == State.PUSHING and rec not in orphans
-                     and self._view.engine(rec.prefill_engine_id) is None]
+                     and ((pre := self._view.engine(rec.prefill_engine_id)) is None
+                          or (rec.prefill_incarnation and pre.incarnation != rec.prefill_incarnation))]
         if abandoned:
             ended += await self._lifecycle.end_many(abandoned, State.FAILED, "prefill engine died mid-push")
         return ended

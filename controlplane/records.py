@@ -49,6 +49,7 @@ class ReservationRecord:
     reason: str = ""
     prefill_engine_id: str = ""   # set by the PUSHING report
     ended_ms: int = 0             # set when it reaches a terminal state
+    prefill_incarnation: str = ""  # set by the PUSHING report ("" from sidecars that do not say)
 
     @property
     def blocks(self) -> list[int]:
@@ -66,7 +67,8 @@ class ReservationRecord:
             "incarnation": self.incarnation, "nixl_agent": self.nixl_agent, "extents": self.extents,
             "block_size": self.block_size, "num_tokens": self.num_tokens, "model": self.model,
             "state": self.state.name, "deadline_ms": self.deadline_ms, "created_ms": self.created_ms,
-            "reason": self.reason, "prefill_engine_id": self.prefill_engine_id, "ended_ms": self.ended_ms},
+            "reason": self.reason, "prefill_engine_id": self.prefill_engine_id, "ended_ms": self.ended_ms,
+            "prefill_incarnation": self.prefill_incarnation},
             separators=(",", ":")).encode()
 
     @classmethod
@@ -82,7 +84,7 @@ class ReservationRecord:
             num_tokens=self.num_tokens, model=self.model, state=int(self.state),
             deadline_unix_ms=self.deadline_ms, created_unix_ms=self.created_ms, reason=self.reason,
             engine_incarnation=self.incarnation, prefill_engine_id=self.prefill_engine_id,
-            ended_unix_ms=self.ended_ms)
+            ended_unix_ms=self.ended_ms, prefill_engine_incarnation=self.prefill_incarnation)
 
 
 @dataclasses.dataclass

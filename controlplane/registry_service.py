@@ -153,6 +153,7 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         v.reservation_id(request.reservation_id)
         v.text(request.reason, "reason", 1024, required=False)
         v.text(request.engine_id, "engine_id", 128, v.ENGINE_ID, required=False)
+        v.text(request.incarnation, "incarnation", 128, v.PRINTABLE, required=False)
         try:
             target = State(request.state)
         except ValueError:
@@ -165,13 +166,18 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         if target == State.PUSHING:
             if not request.engine_id:
                 raise errors.invalid("engine_id is required with PUSHING: it names the engine pushing")
-            if self.view.engine(request.engine_id) is None:
+            pusher = self.view.engine(request.engine_id)
+            if pusher is None:
                 raise errors.not_found(f"engine_id {request.engine_id!r} is not registered")
+            if request.incarnation and request.incarnation != pusher.incarnation:
+                raise errors.failed_precondition(
+                    f"incarnation {request.incarnation!r} of engine_id {request.engine_id!r} is not its current one")
         structlog.contextvars.bind_contextvars(reservation_id=request.reservation_id, engine_id=request.engine_id)
         rec = await self._lifecycle.transition(
             request.reservation_id, target, request.reason,
             prefill_engine_id=request.engine_id if target == State.PUSHING else "",
-            via=State.LANDED if request.landed else None)
+            via=State.LANDED if request.landed else None,
+            prefill_incarnation=request.incarnation if target == State.PUSHING else "")
         return rec.to_proto()
 
     @streaming

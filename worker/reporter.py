@@ -54,10 +54,11 @@ class Reporter:
     """
 
     def __init__(self, link: ControlPlaneLink, config: ServiceConfig, engine_id: str,
-                 on_ended: Callable[[str, str], None]):
+                 on_ended: Callable[[str, str], None], incarnation: str = ""):
         self.link = link
         self.config = config
         self.engine_id = engine_id
+        self.incarnation = incarnation  # sent with PUSHING: which life of the engine pushes
         self.on_ended = on_ended
         self._pending: dict[str, collections.deque[_Report]] = {}
         self._held: dict[str, _Held] = {}
@@ -181,7 +182,8 @@ class Reporter:
         """Send one report; False when the reservation turned out to have ended."""
         backoff = Backoff(self.config.backoff_initial_s, min(2.0, self.config.backoff_max_s))
         request = registry_pb2.ReportStateRequest(reservation_id=rid, state=item.state, reason=item.reason,
-                                                  engine_id=self.engine_id, landed=item.landed)
+                                                  engine_id=self.engine_id, landed=item.landed,
+                                                  incarnation=self.incarnation if item.state == S.PUSHING else "")
         name = S.ReservationState.Name(item.state)
         while True:
             client = self.link.client

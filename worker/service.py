@@ -173,7 +173,8 @@ class SidecarService:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         self.link = ControlPlaneLink(self.config)
-        self.reporter = Reporter(self.link, self.config, self.engine_id, self._ended)
+        self.reporter = Reporter(self.link, self.config, self.engine_id, self._ended,
+                                 incarnation=self.sidecar_config.incarnation)
         self.membership = Membership(self.link, self.config, self.engine_proto, self._on_ready)
         self.watch = ReservationWatch(self.link, self.config, self.engine_id, self.membership,
                                       self.sidecar.live_reservations, self._ended)

@@ -141,3 +141,41 @@ async def test_landed_folded_into_consumed_over_the_api(cp, admin, engine_client
     assert len(report_.engines["decode-0"].free) == 32
     await tenant.close()
     await engine.stop()
+
+
+async def test_a_restarted_prefill_engine_fails_only_what_its_earlier_life_was_pushing(cp, admin, engine_client,
+                                                                                         etcd):
+    """PUSHING reports carry the prefill engine's incarnation: when it restarts, the
+    reservations its old life was pushing into end FAILED, the ones its new life has
+    begun meanwhile go on; a report in the name of an old life is refused."""
+    from kvpush.v1 import types_pb2
+    decode = SimulatedEngine(engine_client, "decode-0", num_blocks=32)
+    await decode.register()
+    old = SimulatedEngine(engine_client, "prefill-0", num_blocks=8, role=types_pb2.PREFILL)
+    await old.register()
+    tenant = await make_tenant(admin, cp.address, "acme")
+
+    async def pushing(res_id, incarnation):
+        return await engine_client.registry.ReportState(
+            registry_pb2.ReportStateRequest(reservation_id=res_id, state=State.PUSHING, engine_id="prefill-0",
+                                            incarnation=incarnation),
+            metadata=engine_client.metadata, timeout=5)
+
+    a, b, c = [await reserve(tenant, n, 16) for n in ("a", "b", "c")]
+    assert (await pushing(a.id, old.incarnation)).prefill_engine_incarnation == old.incarnation
+    await old.crash()
+    new = SimulatedEngine(engine_client, "prefill-0", num_blocks=8, role=types_pb2.PREFILL)
+    await new.register()  # the restart: the control plane fails the old life's pushes
+    await pushing(b.id, new.incarnation)  # the new life may begin before that is done
+    await cp.lifecycle.fail_engine("prefill-0", "restarted", keep_incarnation=new.incarnation)
+    await cp.reaper.sweep()
+    assert (await cp.lifecycle.find(a.id)).state == State.FAILED
+    assert (await cp.lifecycle.find(b.id)).state == State.PUSHING
+    details = await expect_code(grpc.StatusCode.FAILED_PRECONDITION, pushing(c.id, old.incarnation))
+    assert "incarnation" in details
+    assert (await cp.lifecycle.find(c.id)).state == State.RESERVED
+    for res in (b, c):
+        await release(tenant, res.id)
+    await settle(etcd.endpoint, quiet=True)
+    await tenant.close()
+    await new.stop(), await decode.stop()

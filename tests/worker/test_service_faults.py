@@ -77,7 +77,7 @@ async def test_prefill_sidecar_killed_mid_push_fails_the_reservation_and_frees_i
             prefill.client.push("k", layer)
         # The control plane knows who is pushing (the prefill sidecar's PUSHING report).
         pushing = await etcd.wait_state(res.id, State.PUSHING)
-        assert pushing.prefill_engine_id == "P1"
+        assert pushing.prefill_engine_id == "P1" and pushing.prefill_incarnation == pre.record["incarnation"]
         t0 = time.monotonic()
         pre.kill()  # SIGKILL, and reaped
         reaped = time.monotonic() - t0
