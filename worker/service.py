@@ -94,13 +94,15 @@ class SidecarService:
         self.reporter.report(reservation_id, S.PUSHING, hold_s=self.config.pushing_report_after_s)
 
     def _on_push_outcome(self, outcome: PushOutcome) -> None:
-        if outcome.state == PushState.PUSHED:
-            self.reporter.withdraw(outcome.reservation_id, S.PUSHING)  # decode reports LANDED
-        elif outcome.state == PushState.FAILED:
+        # Outcomes are terminal. A FAILED report replaces a PUSHING still held; otherwise
+        # PUSHING is moot (decode reports LANDED, or the control plane ended it).
+        if outcome.state == PushState.FAILED:
             self.reporter.report(outcome.reservation_id, S.FAILED, f"prefill {self.engine_id}: {outcome.reason}")
         elif outcome.state == PushState.CANCELLED and outcome.reservation_id not in self._ended_remotely:
             self.reporter.report(outcome.reservation_id, S.FAILED,
                                  f"prefill {self.engine_id}: push cancelled: {outcome.reason}")
+        else:
+            self.reporter.withdraw(outcome.reservation_id, S.PUSHING)
 
     def _on_landing_event(self, event: LandingEvent) -> None:
         state = {LandingState.LANDED: S.LANDED, LandingState.CONSUMED: S.CONSUMED,
