@@ -195,8 +195,11 @@ class EtcdClient:
         return 0
 
     async def revoke_lease(self, lease_id: int) -> None:
+        """Revoke; a lease already gone (expired, or revoked by a racing call) is fine."""
         try:
             await self._call(self._lease.LeaseRevoke, rpc.LeaseRevokeRequest(ID=lease_id))
+        except EtcdLeaseNotFound:
+            pass
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.NOT_FOUND:
                 raise

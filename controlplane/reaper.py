@@ -66,6 +66,11 @@ class Reaper:
                 if expired:
                     await self._lifecycle.record_expiries(expired)
                 for engine_id, keep, reason in engines:
+                    current = self._view.engine(engine_id)
+                    if current is not None:
+                        # Registered again since the event: its current life (and what
+                        # that life began, e.g. pushes) is not what ended.
+                        keep = current.incarnation
                     await self._lifecycle.fail_engine(engine_id, reason, keep_incarnation=keep)
             except errors.ApiError as exc:
                 _log.warning("reaper step failed; the sweep will retry", error=exc.message)

@@ -210,3 +210,12 @@ async def test_engine_with_many_reservations_dies(cp, admin, engine_client, etcd
     assert all(r.state.name == "FAILED" for r in report.terminal)
     assert time.monotonic() - started < 10
     await tenant.close()
+
+
+async def test_revoking_a_lease_that_is_already_gone_is_not_an_error(cp):
+    """A new incarnation's RegisterEngine revokes the old lease, which the old
+    heartbeat stream's end may have revoked a moment before (it raced and answered
+    INTERNAL once): the second revoke must be a no-op."""
+    lease = await cp.etcd.grant_lease(5)
+    await cp.etcd.revoke_lease(lease)
+    await cp.etcd.revoke_lease(lease)
