@@ -273,7 +273,7 @@ def test_an_idle_decode_step_sleeps_until_its_load_lands(sidecars, workdir, code
         t0 = time.monotonic()
         assert dw.transfer_results() == (set(), set())
         busy_s = time.monotonic() - t0
-        assert 0.09 < idle_s < 0.5 and busy_s < 0.02, (idle_s, busy_s)
+        assert 0.09 < idle_s < 0.5 and busy_s < 0.05, (idle_s, busy_s)
         # The push lands while the idle step waits: that same step reports it loaded.
         dw.bind(KVPushConnectorMetadata(scheduled_tokens=0))
         timer = threading.Timer(0.02, step_prefill, (pw, [PushSpec("p", (0, 1), 0, n, True,

@@ -29,9 +29,8 @@ async def test_one_grant_per_second_and_the_next_seconds_ahead():
     assert len(set(first)) == 1  # five Reserves of one second share one lease
     await asyncio.sleep(0.05)  # the buckets ahead are granted meanwhile
     assert len(etcd.grants) == 3
-    t0 = time.perf_counter()
     nxt = await leases.for_deadline(deadline + 1000)
-    assert time.perf_counter() - t0 < 0.005, "the next second's lease was not ready"
+    assert len(etcd.grants) == 3, "the next second's lease was not granted ahead"
     assert nxt not in first
     await asyncio.sleep(0.05)
     assert len(etcd.grants) == 4  # and one more ahead (deadline + 3 s)
