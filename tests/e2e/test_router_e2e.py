@@ -44,7 +44,8 @@ def system(tmp_path_factory):
     model = os.path.abspath(ensure_model(os.path.join(engines.ROOT, DEFAULT_DIR)))
     port = free_port()
     agg = ManagedProcess("vllm-aggregated", engines.vllm_command(model, port, "tiny"),
-                         os.path.join(logs, "vllm-aggregated.log"), env=engines.engine_env(), cwd=engines.ROOT)
+                         os.path.join(logs, "vllm-aggregated.log"),
+                         env=engines.engine_env({"VLLM_RPC_BASE_PATH": logs}), cwd=engines.ROOT)
     stack = Stack(StackSpec(model_dir=model, log_dir=logs, prefill_args=("--max-num-batched-tokens", "64"),
                             deadline_ms=20_000, quarantine_ms=2_000), progress=print)
     try:
