@@ -80,7 +80,7 @@ class Deployment:
 def start_aggregated(dep: Deployment, model_dir: str) -> None:
     port = free_port()
     proc = dep._start("vllm", engines.vllm_command(model_dir, port, MODEL),
-                      env=engines.engine_env({"VLLM_RPC_BASE_PATH": dep.log_dir}))
+                      env=engines.engine_env(ipc_dir=dep.log_dir))
     say("starting one plain vLLM engine (30-40 s on 2 cores) ...")
     dep.url = f"http://127.0.0.1:{port}"
     proc.wait_until(http_ok(dep.url + "/health"), START_TIMEOUT_S, "serving", say)
@@ -98,8 +98,7 @@ def start_nixl(dep: Deployment, model_dir: str, connector: str) -> None:
         port = free_port()
         urls[role] = f"http://127.0.0.1:{port}"
         env = engines.engine_env({"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
-                                  "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_RPC_BASE_PATH": dep.log_dir},
-                                 pair=True)
+                                  "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}, pair=True, ipc_dir=dep.log_dir)
         procs[role] = dep._start(f"vllm-{role}", engines.vllm_command(
             model_dir, port, MODEL, nixl_config(connector, role)), env=env)
     say(f"starting prefill + decode engines with vLLM's {connector} (about a minute on 2 cores) ...")

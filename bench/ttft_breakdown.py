@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -24,7 +23,7 @@ import psutil
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.common import CpuMeter, update_section  # noqa: E402
+from bench.common import CpuMeter, pct, update_section  # noqa: E402
 from bench.loadgen import make_prompts, stream_request  # noqa: E402
 from connector.trace import ENV as TRACE_ENV, read_traces  # noqa: E402
 from kvpush.stack import Stack, StackSpec  # noqa: E402
@@ -139,8 +138,8 @@ def run(n: int, log_dir: str) -> dict:
 
 
 def med(values) -> float:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else float("nan")
+    """The median of what was measured (a milestone a request lacks is None)."""
+    return pct([v for v in values if v is not None], 50)
 
 
 def report(results: dict, n: int) -> str:

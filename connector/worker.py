@@ -232,12 +232,7 @@ class KVPushWorker:
         begin = F.BeginRequest(spec.req_id, t.reservation_id, t.engine_id, t.incarnation, t.block_size,
                                t.num_tokens, tuple(t.block_ids))
         try:
-            try:
-                alloc = self.client.begin_push(begin)
-            except ChannelError as exc:
-                if not self._channel_broken() or not self._reconnect(exc):
-                    raise
-                alloc = self.client.begin_push(begin)
+            alloc = self._call_reconnecting(lambda: self.client.begin_push(begin))
         except ChannelError as exc:
             log.warning("push of %s to reservation %s refused: %s; the decode engine will recompute",
                         spec.req_id, t.reservation_id, exc)
@@ -335,20 +330,29 @@ class KVPushWorker:
             self._subscribe(spec.reservation_id, pending)
 
     def _subscribe(self, reservation_id: str, pending: _Pending | None = None) -> None:
+        def still_ours() -> None:
+            if pending is not None and pending.spec.incarnation != self.info.incarnation:
+                raise ChannelError("the sidecar restarted: the reservation is gone")
+
         try:
-            try:
-                event = self.client.subscribe(reservation_id)
-            except ChannelError as exc:
-                if not self._channel_broken() or not self._reconnect(exc):
-                    raise
-                if pending is not None and pending.spec.incarnation != self.info.incarnation:
-                    raise ChannelError("the sidecar restarted: the reservation is gone") from exc
-                event = self.client.subscribe(reservation_id)
+            event = self._call_reconnecting(lambda: self.client.subscribe(reservation_id), still_ours)
         except ChannelError as exc:
             if pending is not None:
                 self._fail(pending.spec.req_id, "channel", str(exc))
             return
         self._set_state(event)
+
+    def _call_reconnecting(self, call, after_reconnect=None):
+        """``call()``; if the channel turns out to be broken and a fresh one to a
+        restarted sidecar comes up, ``after_reconnect()`` (may raise) and once more."""
+        try:
+            return call()
+        except ChannelError as exc:
+            if not self._channel_broken() or not self._reconnect(exc):
+                raise
+            if after_reconnect is not None:
+                after_reconnect()
+            return call()
 
     def _set_state(self, event) -> None:
         with self._lock:

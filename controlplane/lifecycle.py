@@ -43,8 +43,8 @@ class Lifecycle:
         """Move ``res_id`` to ``target``. ``tenant`` scopes who may do it (a
         mismatch looks exactly like a missing id: NOT_FOUND); ``prefill_engine_id``
         records which engine pushes into it (with PUSHING; ``prefill_incarnation``: which
-        of its lives); ``via``: a state the
-        reservation may pass through on the way (two legal moves, one write).
+        of its lives); ``via``: a state the reservation may pass through on the way
+        (two legal moves, one write).
 
         Raises ApiError NOT_FOUND (unknown, foreign, or gone), FAILED_PRECONDITION
         (illegal move), UNAVAILABLE (etcd down)."""

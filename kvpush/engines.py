@@ -43,11 +43,15 @@ def vllm_command(model_dir: str, port: int, served_name: str, kv_transfer_config
     return cmd
 
 
-def engine_env(extra: dict | None = None, pair: bool = False) -> dict:
-    """The environment of an engine; ``pair``: one of a co-located prefill/decode pair."""
+def engine_env(extra: dict | None = None, pair: bool = False, ipc_dir: str = "") -> dict:
+    """The environment of an engine; ``pair``: one of a co-located prefill/decode pair.
+    ``ipc_dir``: where vLLM puts its ZMQ IPC sockets (named <dir>/<uuid>, /tmp by
+    default, and left behind when the engine stops): a directory the caller cleans."""
     env = dict(ENGINE_ENV, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     if pair:
         env.update(PD_PAIR_ENV)
+    if ipc_dir:
+        env["VLLM_RPC_BASE_PATH"] = ipc_dir
     env.update(extra or {})
     return env
 

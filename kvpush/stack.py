@@ -52,8 +52,6 @@ class Stack:
         self.prefill_url = self.decode_url = self.router_url = ""
         self.stats_dir = os.path.join(self.run_dir, "stats")
         os.makedirs(self.stats_dir)
-        # vLLM names its ZMQ IPC sockets <base>/<uuid> (default /tmp) and leaves them
-        # behind when stopped: keep them in our run directory, removed at stop.
         self.ipc_dir = os.path.join(self.run_dir, "ipc")
         os.makedirs(self.ipc_dir)
         self.layout = engines.model_layout(spec.model_dir)
@@ -118,8 +116,7 @@ class Stack:
             engine_procs.append(self._start(f"vllm-{role}", engines.vllm_command(
                 spec.model_dir, port, spec.served_model, cfg, max_num_seqs=spec.max_num_seqs,
                 extra=spec.prefill_args if role == "prefill" else ()),
-                env=engines.engine_env({"VLLM_RPC_BASE_PATH": self.ipc_dir, **spec.engine_env, **env},
-                                       pair=True)))
+                env=engines.engine_env({**spec.engine_env, **env}, pair=True, ipc_dir=self.ipc_dir)))
         self.say("starting the prefill and decode vLLM engines (about a minute on 2 cores) ...")
         for proc, role in zip(engine_procs, ("prefill", "decode")):
             proc.wait_until(http_ok(urls[role] + "/health"), 300, "serving", self.say)

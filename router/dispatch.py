@@ -93,7 +93,7 @@ class Dispatcher:
     async def handle(self, endpoint: str, body: dict, request: web.Request) -> web.StreamResponse:
         if body.get("model") not in (None, self.cfg.model):
             raise BadRequest(f"model {body.get('model')!r} is not served here; try {self.cfg.model!r}", 404)
-        started = time.perf_counter()
+        started, received_unix = time.perf_counter(), time.time()
         num_tokens = self.count_tokens(endpoint, body)
         counted = time.perf_counter()
         request_id = f"rt-{uuid.uuid4().hex}"
@@ -119,7 +119,7 @@ class Dispatcher:
             # One line per request with where its time went: the first place to look
             # when TTFT is above the prefill's own time.
             _log.info("served", request_id=request_id, reservation_id=res.id, num_tokens=num_tokens,
-                      received_unix=round(time.time() - (time.perf_counter() - started), 6),
+                      received_unix=round(received_unix, 6),
                       **{f"{k}_ms": round((v - started) * 1e3, 2) for k, v in timings.items()})
             return response
         except BaseException:

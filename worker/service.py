@@ -198,15 +198,15 @@ class SidecarService:
             stopper.cancel()
             # Membership and the watch run until we stop them: one that ends by itself
             # would leave an engine that looks alive but is not, so exit for a restart.
-            for task in (t for t in self._tasks if t.done()):
-                exc = None if task.cancelled() else task.exception()
+            ended = next((t for t in self._tasks if t.done()), None)
+            if ended is not None:
+                exc = None if ended.cancelled() else ended.exception()
                 if isinstance(exc, FatalError):
                     log.error("%s", exc)
                     code = 1
                 else:
-                    log.error("%s ended unexpectedly (%r); exiting", task.get_name(), exc or "cancelled")
+                    log.error("%s ended unexpectedly (%r); exiting", ended.get_name(), exc or "cancelled")
                     code = 2
-                break
         finally:
             await self.shutdown()
         return code

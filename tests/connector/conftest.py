@@ -202,8 +202,7 @@ class VllmEngine:
         # The served name is the model path: requests name the model by its path.
         cmd = [*prefix, *vllm_command(model, self.port, model, kv_transfer_config, max_num_seqs=4,
                                       extra=tuple(extra_args), eager=eager)]
-        # Engines run side by side here (one thread each); vLLM's IPC sockets go with the workdir.
-        env = dict(os.environ, **engine_env({"VLLM_RPC_BASE_PATH": str(workdir)}, pair=True))
+        env = dict(os.environ, **engine_env(pair=True, ipc_dir=str(workdir)))  # engines run side by side here
         self.started = time.monotonic()
         self.ready_after_s: float | None = None
         with open(self.log_path, "w") as log:

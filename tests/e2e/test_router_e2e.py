@@ -45,7 +45,7 @@ def system(tmp_path_factory):
     port = free_port()
     agg = ManagedProcess("vllm-aggregated", engines.vllm_command(model, port, "tiny"),
                          os.path.join(logs, "vllm-aggregated.log"),
-                         env=engines.engine_env({"VLLM_RPC_BASE_PATH": logs}), cwd=engines.ROOT)
+                         env=engines.engine_env(ipc_dir=logs), cwd=engines.ROOT)
     stack = Stack(StackSpec(model_dir=model, log_dir=logs, prefill_args=("--max-num-batched-tokens", "64"),
                             deadline_ms=20_000, quarantine_ms=2_000), progress=print)
     try:
