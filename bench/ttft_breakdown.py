@@ -2,7 +2,7 @@
 (the prefill engine alone). One real stack (etcd, control plane, sidecars, a prefill
 and a decode vLLM engine with our connector, the router); sequential requests, so
 each timeline is the request's own. The engines trace their side
-(``connector/trace.py``: ``KVPUSH_TRACE_DIR``); the router's ``served`` log line
+(``kvpush/trace.py``: ``KVPUSH_TRACE_DIR``); the router's ``served`` log line
 gives the request's arrival and its reservation id, which ties the two together.
 
     .venv/bin/python bench/ttft_breakdown.py            # ~4 minutes; writes docs/BENCHMARKS.md
@@ -25,7 +25,7 @@ sys.path.insert(0, ROOT)
 
 from bench.common import CpuMeter, pct, update_section  # noqa: E402
 from bench.loadgen import make_prompts, stream_request  # noqa: E402
-from connector.trace import ENV as TRACE_ENV, read_traces  # noqa: E402
+from kvpush.trace import ENV as TRACE_ENV, read_traces  # noqa: E402
 from kvpush.stack import Stack, StackSpec  # noqa: E402
 from kvpush.tiny_model import ensure_model  # noqa: E402
 

@@ -35,7 +35,7 @@ import numpy as np
 from connector.cache_codec import BlockCodec, CodecError, flat_layer
 from connector.config import ConnectorConfig
 from connector.metadata import KVPushConnectorMetadata, LoadSpec, PushSpec
-from connector.trace import Trace
+from kvpush.trace import Trace
 from connector.sidecar_link import DECODE, PREFILL, SidecarInfo, connect
 from connector.stats import Counters
 from worker import frames as F

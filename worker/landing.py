@@ -14,9 +14,10 @@ partial data is never LANDED. Before accepting it the table checks that the
 notice is for this incarnation, that the block size and ids fit the pool and,
 when the pusher sent checksums, that every block's bytes match.
 
-State changes go to subscribers (the local connector through the channel)
-and to ``on_event`` (the sidecar main reports to the control plane); both
-are scheduled with ``call_soon``, off the path that handles notifications.
+A state change goes to subscribers (the local connector, through the
+channel) at once: the engine waits on it, and a subscriber only queues a
+frame. It goes to ``on_event`` (the sidecar main reports to the control
+plane) with ``call_soon``, off the path that handles notifications.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import logging
 import time
 from typing import Callable
 
+from kvpush.trace import Trace
 from worker import notify
 from worker.geometry import DestGeometry, blocks_segment_map, block_checksums
 from worker.pools import LandingPool
@@ -95,7 +97,8 @@ class LandingTable:
         self._entries: dict[str, _Entry] = {}
         self._next_gc = 0.0
         self._timer: asyncio.TimerHandle | None = None
-        self.counters: dict[str, int] = {"landed": 0, "failed": 0, "ignored": 0}
+        self.counters: dict[str, int] = {"landed": 0, "failed": 0, "ignored": 0, "final_notices": 0}
+        self.trace = Trace.off()
 
     # -- notifications ----------------------------------------------------------------
     def handle_notif(self, sender: str, message: bytes) -> None:
@@ -111,14 +114,19 @@ class LandingTable:
                         notice.reservation_id, notice.incarnation, self.incarnation)
             return
         rid = notice.reservation_id
+        self.trace("notif", rid, notice.kind)
         entry = self._entry(rid)
         if entry.state in TERMINAL:
             log.info("%s notice for %s ignored: already %s", notice.kind, rid, entry.state.value)
             return
         entry.source = sender
-        if notice.kind == notify.BEGIN:
+        if notice.kind in (notify.BEGIN, notify.FINAL):
             self._set(rid, entry, LandingState.PUSHING)
-            self.driver.expect(rid, self.config.hot_timeout_s)
+            if notice.kind == notify.FINAL:  # the last write is on its way: see its end promptly
+                self.counters["final_notices"] += 1
+                self.driver.expect_at(rid, time.monotonic() + notice.eta_s, self.config.hot_timeout_s)
+            else:
+                self.driver.expect(rid, self.config.hot_timeout_s)
             self._arm_timeout()
         elif notice.kind == notify.ABORT:
             self._set(rid, entry, LandingState.FAILED, f"pusher aborted: {notice.reason}")
@@ -139,7 +147,7 @@ class LandingTable:
         geom = DestGeometry.for_layout(layout, notice.block_size, notice.num_tokens)
         if len(notice.block_ids) != geom.num_blocks:
             return f"{len(notice.block_ids)} blocks for {notice.num_tokens} tokens (need {geom.num_blocks})"
-        if any(not 0 <= b < self.pool.num_blocks for b in notice.block_ids):
+        if min(notice.block_ids) < 0 or max(notice.block_ids) >= self.pool.num_blocks:
             return "block ids outside the landing pool"
         if notice.checksums is None:
             return ""
@@ -252,11 +260,13 @@ class LandingTable:
             log.warning("reservation %s FAILED: %s", rid, reason)
         event = entry.event(rid)
         subscribers, entry.subscribers = entry.subscribers, []
-        loop = asyncio.get_running_loop()
         for callback in subscribers:
-            loop.call_soon(callback, event)
+            try:
+                callback(event)
+            except Exception:
+                log.exception("subscriber of %s failed", rid)
         if self.on_event is not None:
-            loop.call_soon(self.on_event, event)
+            asyncio.get_running_loop().call_soon(self.on_event, event)
 
     def _gc(self) -> None:
         now = time.monotonic()

@@ -1,11 +1,16 @@
 """The NIXL notifications a prefill sidecar sends to a decode sidecar.
 
-Three kinds, all naming a reservation and the decode engine's incarnation:
+Four kinds, all naming a reservation and the decode engine's incarnation:
 
 * ``BEGIN``: sent (standalone) when the first write of a reservation is
   posted. It is a hint: the decode sidecar polls hot until the reservation
   ends, because on this transport the writes themselves only complete while
   the target progresses.
+* ``FINAL``: sent (standalone) just before the final write is posted, with
+  the pusher's estimate of how long that write takes (``eta_s``). Also a
+  hint: the decode sidecar polls *fine* from a little before that estimate
+  until the LANDED notification arrives, so seeing it costs a fraction of a
+  millisecond, not half a hot period, without polling fine the whole push.
 * ``LANDED``: carried by the *final* write, which is posted only after every
   earlier write of the reservation is DONE, so it is delivered after all
   bytes. It restates the block ids, block size and token count (the decode
@@ -25,7 +30,7 @@ import dataclasses
 import json
 
 MAGIC = b"KVP1"
-BEGIN, LANDED, ABORT = "B", "L", "A"
+BEGIN, FINAL, LANDED, ABORT = "B", "F", "L", "A"
 
 
 class NotifError(ValueError):
@@ -42,6 +47,7 @@ class PushNotice:
     num_tokens: int = 0
     checksums: tuple[int, ...] | None = None
     reason: str = ""
+    eta_s: float = 0.0  # FINAL: the pusher's estimate of its final write's duration
 
 
 def _runs(ids) -> list[list[int]]:
@@ -62,6 +68,8 @@ def encode(notice: PushNotice) -> bytes:
             body["c"] = list(notice.checksums)
     elif notice.kind == ABORT:
         body["why"] = notice.reason[:500]
+    elif notice.kind == FINAL:
+        body["eta"] = round(notice.eta_s * 1e6)  # microseconds
     elif notice.kind != BEGIN:
         raise NotifError(f"unknown notification kind {notice.kind!r}")
     return MAGIC + notice.kind.encode() + json.dumps(body, separators=(",", ":")).encode()
@@ -76,6 +84,8 @@ def decode(message: bytes) -> PushNotice:
         rid, inc = str(body["r"]), str(body["i"])
         if kind == BEGIN:
             return PushNotice(BEGIN, rid, inc)
+        if kind == FINAL:
+            return PushNotice(FINAL, rid, inc, eta_s=max(0.0, min(float(body.get("eta", 0)) / 1e6, 10.0)))
         if kind == ABORT:
             return PushNotice(ABORT, rid, inc, reason=str(body.get("why", "")))
         if kind == LANDED:

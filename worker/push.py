@@ -37,6 +37,7 @@ from typing import Callable
 import numpy as np
 
 from kvpush.layout import KvLayout
+from kvpush.trace import Trace
 from worker import notify
 from worker.agent import TransferError
 from worker.geometry import DestGeometry, SegmentMap, blocks_segment_map, block_checksums, \
@@ -87,6 +88,10 @@ class PushConfig:
     resolve_timeout_s: float = 2.0
     checksums: bool = False  # per-block CRC32 verified by the decode side (debug mode)
     tombstones: int = 4096  # ended request ids remembered, to drop their late pushes quietly
+    # A final write expected to take at least this long is announced (FINAL notice
+    # with its estimated duration) so the decode side polls fine as it ends; a
+    # shorter one ends before the announcement would change anything.
+    final_hint_min_s: float = 0.0003
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +145,8 @@ class PushEngine:
         self._requests: dict[str, _Outbound] = {}
         self._ended: collections.OrderedDict[str, PushState] = collections.OrderedDict()
         self.counters = collections.Counter()
+        self.trace = Trace.off()
+        self.write_rate = 0.0  # bytes/s of recent writes (moving average; 0 = not measured yet)
 
     # -- the engine's calls ------------------------------------------------------------
     def begin(self, request_id: str, target: PushTarget, owner: str = "") -> StagingAllocation:
@@ -192,6 +199,7 @@ class PushEngine:
         final = ob.remaining == 0
         if final:
             ob.state = PushState.FINALIZING
+            self.trace("final_piece", ob.target.reservation_id, f"inflight={ob.inflight}")
         if ob.peer is None:  # still resolving the peer: keep the order
             ob.queued.append((layer, start, end, final))
             return
@@ -296,12 +304,24 @@ class PushEngine:
                                          self.staging.base_address,
                                          lambda layer: ob.local0.shifted(layer * self.staging.layer_stride)))
         t = ob.target
+        # Announced short (x0.8): a write seen DONE only at a later poll measured
+        # slower than it was, and a window opened late is a window missed.
+        eta = 0.8 * float(loc[:, 1].sum()) / self.write_rate if self.write_rate else 0.0
+        if eta >= self.config.final_hint_min_s:
+            try:  # best effort: without it the decode side still sees LANDED at its next hot poll
+                self.agent.send_notif(ob.peer.agent_name, notify.encode(notify.PushNotice(
+                    notify.FINAL, t.reservation_id, t.incarnation, eta_s=eta)))
+            except TransferError as exc:
+                log.info("final-write notice for %s not sent: %s", t.reservation_id, exc)
         notice = notify.PushNotice(notify.LANDED, t.reservation_id, t.incarnation,
                                    tuple(t.block_ids[:ob.geom.num_blocks]), t.block_size, t.num_tokens, sums)
         self._post(ob, loc, rem, notify.encode(notice), final=True)
+        self.trace("final_posted", t.reservation_id, ob.state.value)
 
     def _post(self, ob: _Outbound, loc: np.ndarray, rem: np.ndarray, notif: bytes, final: bool) -> None:
         peer = ob.peer
+        nbytes = int(loc[:, 1].sum())
+        posted = time.perf_counter()
         try:
             handle, done = self.agent.post_write(loc, rem, peer.agent_name, local_kind=self.staging.memory.mem_kind,
                                                  remote_kind=peer.record.memory_kind, notif=notif)
@@ -309,11 +329,13 @@ class PushEngine:
             return self._fail(ob, f"engine {ob.target.engine_id}: {exc}", peer_gone=exc.peer_gone)
         ob.inflight += 1
         ob.transfers += 1
-        ob.bytes_pushed += int(loc[:, 1].sum())
+        ob.bytes_pushed += nbytes
         self.counters["transfers"] += 1
         self.counters["descriptors"] += len(loc)
 
         def on_done(ok: bool, error: str) -> None:
+            if ok:
+                self._measure_rate(nbytes, time.perf_counter() - posted)
             self._write_done(ob, ok, error, final)
 
         def on_released() -> None:
@@ -328,11 +350,19 @@ class PushEngine:
                               label=f"{ob.target.reservation_id}{'/final' if final else ''}",
                               on_released=on_released)
 
+    def _measure_rate(self, nbytes: int, seconds: float) -> None:
+        """Only writes of 1 MiB and more: small ones measure per-write overhead, not the rate."""
+        if nbytes < (1 << 20) or seconds <= 0:
+            return
+        rate = nbytes / seconds
+        self.write_rate = rate if not self.write_rate else 0.8 * self.write_rate + 0.2 * rate
+
     def _write_done(self, ob: _Outbound, ok: bool, error: str, final: bool) -> None:
         """A write's outcome: failures end the reservation at once."""
         if not ok:
             self._fail(ob, f"write to engine {ob.target.engine_id} failed: {error}")
         elif final and ob.state not in TERMINAL:
+            self.trace("final_done", ob.target.reservation_id)
             ob.state = PushState.PUSHED
             self.counters["pushed"] += 1
             self._finish(ob, "")

@@ -30,6 +30,7 @@ import signal
 from typing import Callable
 
 from kvpush.layout import KvLayout
+from kvpush.trace import Trace
 from worker import frames as F
 from worker.agent import AgentConfig, NixlAgent
 from worker.channel import ChannelServer, Connection
@@ -114,6 +115,11 @@ class Sidecar:
                 self.pusher = PushEngine(self.agent, self.driver, self.pool, c.layout, self.peers, c.push,
                                          self._push_outcome, self.on_push_start)
                 self.driver.on_notif = self._prefill_notif
+            trace = Trace(f"sidecar-{c.role}-{c.engine_id}")
+            if self.landing is not None:
+                self.landing.trace = trace
+            else:
+                self.pusher.trace = trace
             self.driver.start()
             self.server = ChannelServer(c.socket_path, self)
             await self.server.start()
@@ -229,6 +235,8 @@ class Sidecar:
             if (reservation_id, deliver) in subs:
                 subs.remove((reservation_id, deliver))
             conn.send_event(self._state(event))
+            if self.landing is not None:
+                self.landing.trace("event_sent", reservation_id, event.state.value)
 
         self._subscriptions.setdefault(conn.owner, []).append((reservation_id, deliver))
         return self._state(self.landing.subscribe(reservation_id, deliver))

@@ -42,6 +42,11 @@ def test_notifications_round_trip():
     assert notify.decode(notify.encode(begin)) == begin
     abort = notify.PushNotice(notify.ABORT, "res-1", "inc", reason="peer died")
     assert notify.decode(notify.encode(abort)) == abort
+    final = notify.PushNotice(notify.FINAL, "res-1", "inc", eta_s=0.00125)
+    assert notify.decode(notify.encode(final)) == final
+    # A sender's absurd estimate cannot keep the receiver polling fine for long.
+    assert notify.decode(b'KVP1F{"r":"x","i":"y","eta":1e12}').eta_s == 10.0
+    assert notify.decode(b'KVP1F{"r":"x","i":"y","eta":-5}').eta_s == 0.0
     # Contiguous ids travel as one run: a big reservation is still a small message.
     big = notify.PushNotice(notify.LANDED, "r", "i", tuple(range(1000, 1512)), 16, 8192)
     assert len(notify.encode(big)) < 100

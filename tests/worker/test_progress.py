@@ -77,6 +77,24 @@ def test_polling_policy_hot_warm_idle():
     assert driver.next_interval() == 0.5
 
 
+def test_fine_window_opens_one_hot_period_before_the_expected_end_and_closes():
+    policy = PollPolicy(hot_interval_s=0.01, fine_interval_s=0.001, fine_window_s=0.05, warm_interval_s=0.1,
+                        idle_interval_s=0.5)
+    driver = ProgressDriver(ScriptedAgent({}), policy)
+    driver.expect_at("res", time.monotonic() + 0.04, timeout_s=5)
+    assert driver.next_interval() == 0.01  # hot until one hot period before the expected end
+    time.sleep(0.035)
+    assert driver.next_interval() == 0.001
+    driver.unexpect("res")  # LANDED: back to warm at once
+    assert driver.next_interval() == 0.1
+    # A wrong estimate costs a bounded window, then hot polling resumes.
+    driver.expect_at("late", time.monotonic(), timeout_s=5)
+    assert driver.next_interval() == 0.001
+    time.sleep(0.06)
+    driver.poll_once()
+    assert driver.next_interval() == 0.01
+
+
 @pytest.mark.timeout(10)
 async def test_ticker_ticks_below_a_millisecond():
     ticks = []

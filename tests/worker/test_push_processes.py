@@ -55,6 +55,34 @@ def test_multilayer_push_lands_exactly_in_reserved_blocks(sidecars):
         prefill.close(), decode.close()
 
 
+def test_large_final_writes_are_announced_and_land_exactly(sidecars):
+    # 8 MiB per layer: once the pusher has measured its write rate, the final write
+    # is long enough to be announced (FINAL notice) and the decode side polls fine.
+    layout = "layers=2,block=16,heads=8,dim=128,dtype=float16"
+    dec = sidecars.launch("decode", "D1", layout, 300)
+    pre = sidecars.launch("prefill", "P1", layout, 300)
+    dec.ready(), pre.ready()
+    prefill, decode = PrefillEngine(pre.client(), cache_blocks=128), DecodeEngine(dec.client())
+    prefill.client.admin("add_peer", record=dec.record)
+    try:
+        decode.fill_sentinel()
+        tokens, pushes = 2048, []
+        for n, first in enumerate((0, 150)):
+            res, block_ids = f"res-{n}", list(range(first, first + tokens // 16))
+            decode.client.subscribe(res)
+            cache_ids = prefill.cache_blocks_for(tokens)
+            alloc = prefill.begin(f"r{n}", res, dec.record, block_ids, tokens)
+            prefill.push_all(f"r{n}", alloc, 16, tokens, cache_ids)
+            assert wait_state(decode.client, res).state == "LANDED"
+            assert wait_state(prefill.client, res).state == "PUSHED"
+            pushes.append((block_ids, lambda layer, ids=cache_ids: prefill.tokens(ids, layer, tokens), tokens))
+        assert np.array_equal(decode.mem, decode.expected_image(pushes))
+        # The first request measured the rate; the second's final write was announced.
+        assert decode.client.admin("stats")["final_notices"] >= 1
+    finally:
+        prefill.close(), decode.close()
+
+
 @pytest.mark.parametrize("p_block,d_block", [(16, 32), (32, 16)])
 def test_reblocking_is_byte_exact_both_ways(sidecars, p_block, d_block):
     dec, pre, prefill, decode = start_pair(sidecars, p_block=p_block, d_block=d_block, d_blocks=32)
