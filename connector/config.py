@@ -7,7 +7,7 @@
      "deadline_grace_s": 0.5,                    # decode: wait this long past the reservation's deadline
      "connect_timeout_s": 60,                    # wait this long for the sidecar at engine start
      "channel_timeout_s": 5,                     # replies on the channel (hello, begin, subscribe, consumed)
-     "idle_wait_s": 0.005}                       # decode: an idle step waits this long for a landing
+     "idle_wait_s": 0.005}                       # decode: an idle engine waits this long for a landing
 
 Unknown keys are refused, so a typo is an error at start-up rather than a
 silently ignored setting.
@@ -31,9 +31,9 @@ class ConnectorConfig:
     deadline_grace_s: float = 0.5
     connect_timeout_s: float = 60.0
     channel_timeout_s: float = 5.0
-    # Decode, a step with nothing to run but loads in flight: block this long for a
-    # landing instead of letting the engine spin through empty steps. It bounds how
-    # late a request that arrives meanwhile is scheduled.
+    # Decode, an engine whose last step ran nothing while requests wait for their KV:
+    # the scheduler blocks this long for a landing instead of letting the engine spin
+    # through empty steps. It bounds how late a request that arrives meanwhile is scheduled.
     idle_wait_s: float = 0.005
 
     def __post_init__(self) -> None:

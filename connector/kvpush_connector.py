@@ -30,10 +30,12 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connector.cache_codec import BlockCodec, CodecError
 from connector.config import ConfigError, ConnectorConfig
+from connector.landing_watch import LandingWatch
 from connector.metadata import KVPushConnectorMetadata
-from connector.scheduler import KVPushScheduler
-from connector.sidecar_link import hello_once
+from connector.scheduler import DecodeTiming, KVPushScheduler
+from connector.sidecar_link import DECODE, connect, hello_once
 from connector.worker import KVPushWorker
+from kvpush.trace import Trace
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -41,7 +43,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(f"vllm.{__name__}")  # under "vllm": logged with the engine's own handlers
@@ -63,11 +64,21 @@ class KVPushConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self._sched: KVPushScheduler | None = None
         self._worker: KVPushWorker | None = None
+        self._watch: LandingWatch | None = None
         if role == KVConnectorRole.SCHEDULER:
-            info = hello_once(self.config.sidecar_socket, self.config.connect_timeout_s,
-                              self.config.channel_timeout_s, name="vllm-scheduler")
-            self._sched = KVPushScheduler(info, self.block_size, ktc.is_kv_producer, ktc.is_kv_consumer,
-                                          self._block_ids_of, refresh=self._hello)
+            c = self.config
+            info = hello_once(c.sidecar_socket, c.connect_timeout_s, c.channel_timeout_s, name="vllm-scheduler")
+            if info.role == DECODE and ktc.is_kv_consumer:
+                # The decode scheduler admits a request once its KV has landed: it listens itself.
+                self._watch = LandingWatch(lambda: connect(c.sidecar_socket, 0.5, c.channel_timeout_s,
+                                                           name="vllm-scheduler"))
+                info = self._watch.connect()
+            self._sched = KVPushScheduler(
+                info, self.block_size, ktc.is_kv_producer, ktc.is_kv_consumer, self._block_ids_of, watch=self._watch,
+                timing=DecodeTiming(c.load_timeout_s, c.deadline_grace_s, c.idle_wait_s),
+                trace=Trace(c.engine_name or info.engine_id))
+            if self._watch is not None:
+                self._watch.on_landed = lambda res: self._sched.trace("landed", res)
             log.info("KVPushConnector scheduler: sidecar %s (%s)", info.engine_id, info.role)
         else:
             self._worker = KVPushWorker(self.config, self.block_size)
@@ -113,7 +124,7 @@ class KVPushConnector(KVConnectorBase_V1):
             self._worker.start_loads(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete before the request is scheduled (asynchronous external load)
+        return  # start_load_kv copied every layer already (the KV had landed before the step)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         self._worker.save_layer(layer_name)
@@ -130,10 +141,16 @@ class KVPushConnector(KVConnectorBase_V1):
         results = self.get_transfer_results(finished_req_ids)
         return None, results.finished_recving
 
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.load_errors() if self._worker is not None else set()
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
             self._worker = None
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -142,9 +159,6 @@ class KVPushConnector(KVConnectorBase_V1):
     # ==============================================================================================
     # Scheduler side
     # ==============================================================================================
-    def _hello(self):
-        return hello_once(self.config.sidecar_socket, 0.5, self.config.channel_timeout_s, name="vllm-scheduler")
-
     def _block_ids_of(self, request_id: str) -> list[int]:
         return self._kv_cache_manager.get_block_ids(request_id)[0]
 
@@ -159,9 +173,6 @@ class KVPushConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._sched.build_connector_meta(scheduler_output)
-
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self._sched.update_connector_output(connector_output.finished_recving)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched.request_finished(request)

@@ -37,8 +37,9 @@ class PushSpec:
 
 @dataclasses.dataclass(frozen=True)
 class LoadSpec:
-    """Decode: tokens ``[start, end)`` of the request arrive in a reservation's landing
-    blocks; once LANDED copy them into ``block_ids`` (the request's vLLM blocks)."""
+    """Decode: tokens ``[start, end)`` of the request have LANDED in a reservation's
+    landing blocks; copy them into ``block_ids`` (the request's vLLM blocks) before
+    this step's forward pass, then CONSUMED."""
 
     req_id: str
     reservation_id: str
@@ -53,30 +54,14 @@ class LoadSpec:
     deadline_unix_ms: int = 0
 
 
-@dataclasses.dataclass(frozen=True)
-class Release:
-    """Decode: a reservation this engine will not load (local prefix hit, request
-    ended first): consume it if it lands, so its blocks go back before the deadline."""
-
-    reservation_id: str
-    deadline_unix_ms: int = 0
-
-
 @dataclasses.dataclass
 class KVPushConnectorMetadata(KVConnectorMetadata):
     pushes: list[PushSpec] = dataclasses.field(default_factory=list)
     push_aborts: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (req_id, reason)
-    loads: list[LoadSpec] = dataclasses.field(default_factory=list)
-    load_aborts: list[str] = dataclasses.field(default_factory=list)  # req ids: stop waiting, load nothing
-    releases: list[Release] = dataclasses.field(default_factory=list)
+    loads: list[LoadSpec] = dataclasses.field(default_factory=list)  # synchronous: before this forward
     counts: dict[str, int] = dataclasses.field(default_factory=dict)  # scheduler-side counter increments
+    maxima: dict[str, int] = dataclasses.field(default_factory=dict)  # scheduler-side running maxima
     scheduled_tokens: int = -1  # tokens the step runs (-1: not known)
 
-    @property
-    def idle(self) -> bool:
-        """The step runs no tokens: the decode worker may wait for a landing."""
-        return self.scheduled_tokens == 0
-
     def empty(self) -> bool:
-        return not (self.pushes or self.push_aborts or self.loads or self.load_aborts or self.releases
-                    or self.counts)
+        return not (self.pushes or self.push_aborts or self.loads or self.counts or self.maxima)

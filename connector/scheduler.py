@@ -15,11 +15,21 @@ Prefill (the engine's sidecar has the prefill role, request role "prefill"):
     False): the KV was copied into staging during the forward pass.
 
 Decode (sidecar role decode, request role "decode"):
-    an asynchronous external load of the reserved prompt tokens beyond the
-    local prefix-cache hit. vLLM itself recomputes the last prompt token after
-    a full-prompt load (``_update_waiting_for_remote_kv``), so the count is
-    simply ``min(prompt, reserved) - local``. One load per request: after a
-    preemption the prompt is recomputed locally (the landing blocks are gone).
+    a request is admitted only once its reservation has LANDED (the scheduler
+    hears it from the sidecar through ``connector.landing_watch``); until
+    then ``get_num_new_matched_tokens`` answers "not yet" (None) and vLLM
+    keeps it waiting without blocks. Landed, it is a *synchronous* external
+    load of the reserved prompt tokens beyond the local prefix-cache hit: the
+    worker copies them in before this very step's forward pass, which then
+    computes the last prompt token and the first output token. So nothing
+    waits a step for an asynchronous load to be reported, and no decode
+    blocks are held while the prefill runs. At most ``prompt - 1`` tokens
+    are loaded (vLLM must compute at least one). A reservation that ends
+    FAILED or CANCELLED, or does not land by its deadline (plus grace), is
+    recomputed locally: the request is admitted with nothing to load. One
+    load per request: after a preemption the prompt is recomputed locally.
+    An idle engine (its last step ran nothing) sleeps up to ``idle_wait_s``
+    in that call for a landing rather than spin through empty steps.
 
 A request is served normally (no push, no load) when its params are missing or
 malformed, name a role this engine does not serve, name another engine or
@@ -34,15 +44,12 @@ import logging
 import time
 from collections.abc import Callable
 
-from connector.metadata import (
-    KVPushConnectorMetadata,
-    LoadSpec,
-    PushSpec,
-    Release,
-    Target,
-)
+from connector.landing_watch import ENDED, LANDED, LandingWatch
+from connector.metadata import KVPushConnectorMetadata, LoadSpec, PushSpec, Target
 from connector.sidecar_link import DECODE, PREFILL, SidecarInfo
+from kvpush.trace import Trace
 from kvpush.transfer_params import PushParams, TransferParamsError
+from worker.channel import ChannelError
 
 log = logging.getLogger(f"vllm.{__name__}")  # under "vllm": logged with the engine's own handlers
 
@@ -60,24 +67,50 @@ class _Prefill:
 class _Decode:
     request: object
     params: PushParams
-    local: int = 0  # locally computed tokens when the load was planned
-    started: bool = False  # a load (or a release) was planned: never again
-    loading: bool = False  # a load is in flight (not yet in finished_recving)
+    give_up: float  # monotonic: recompute locally if nothing landed by then
+    waiting_since: float  # monotonic
+    local: int = 0  # locally computed tokens at the last "landed" answer
+    decided: bool = False  # loaded, recomputed or released: never again
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTiming:
+    load_timeout_s: float = 30.0  # longest wait for a landing
+    deadline_grace_s: float = 0.5  # wait this long past the reservation's deadline
+    idle_wait_s: float = 0.005  # an idle engine sleeps this long per step for a landing
+
+
+def give_up_time(now: float, timeout_s: float, deadline_unix_ms: int, grace_s: float) -> float:
+    """When to stop waiting for a landing: the load timeout, or the reservation's
+    deadline (plus grace) if that comes first."""
+    limit = now + timeout_s
+    if deadline_unix_ms:
+        limit = min(limit, now + (deadline_unix_ms / 1000.0 - time.time()) + grace_s)
+    return limit
 
 
 class KVPushScheduler:
     def __init__(self, sidecar: SidecarInfo, block_size: int, produce: bool, consume: bool,
-                 block_ids_of: Callable[[str], list[int]], refresh: Callable[[], SidecarInfo] | None = None):
+                 block_ids_of: Callable[[str], list[int]], watch: LandingWatch | None = None, timing: DecodeTiming = DecodeTiming(),
+                 trace: Trace | None = None):
         self.sidecar = sidecar
-        self.refresh = refresh  # HELLO again: the sidecar may have restarted (new incarnation)
-        self._next_refresh = 0.0
         self.block_size = block_size
         self.produce = produce and sidecar.role == PREFILL
         self.consume = consume and sidecar.role == DECODE
+        if self.consume and watch is None:
+            raise ValueError("a decode scheduler needs a LandingWatch")
+        self.watch = watch
+        self.timing = timing
+        self.trace = trace or Trace.off()
         self.block_ids_of = block_ids_of
         self._prefill: dict[str, _Prefill] = {}
         self._decode: dict[str, _Decode] = {}
         self._meta = KVPushConnectorMetadata()
+        self._last_step_tokens = 0  # tokens the last built step ran: 0 = the engine is idle
+        self._waited = False  # this scheduling pass slept for a landing already
+        # Idle waits are folded into the counters when a load is decided: a
+        # counter change per empty step would rewrite the stats file every step.
+        self._idle_waits, self._idle_wait_us = 0, 0
 
     # -- counters, shipped to the worker with the next metadata ---------------------------
     def _count(self, name: str, n: int = 1) -> None:
@@ -112,32 +145,32 @@ class KVPushScheduler:
                             rid, params.reservation_id, why)
                 self._count(f"refused_{why}")
                 return
-            self._decode[rid] = _Decode(request, params)
+            try:
+                self.watch.watch(params.reservation_id)
+            except ChannelError as exc:
+                log.warning("request %s: cannot watch reservation %s (%s); computing the prompt locally",
+                            rid, params.reservation_id, exc)
+                self._count("refused_channel")
+                return
+            now = time.monotonic()
+            t = self.timing
+            self._decode[rid] = _Decode(request, params, give_up_time(now, t.load_timeout_s, params.deadline_unix_ms,
+                                                                      t.deadline_grace_s), now)
+            self._count("loads_started")
+            self.trace("load_planned", params.reservation_id, rid)
         else:
             log.warning("request %s: kvpush role %r is not served by this engine (sidecar role %s)",
                         rid, params.role, self.sidecar.role)
             self._count("role_ignored")
 
     def _refreshed(self, params: PushParams) -> bool:
-        """A reservation for this engine but another incarnation: has our sidecar restarted?
-        (Asked at most once a second; a stale reservation must not cost a HELLO each.)"""
-        if self.refresh is None or params.engine_id != self.sidecar.engine_id:
+        """A reservation for this engine but another incarnation: if our sidecar's channel
+        closed, it may have restarted (asked at most once a second: a stale reservation
+        must not cost a HELLO each)."""
+        if params.engine_id != self.sidecar.engine_id or not self.watch.broken:
             return False
-        now = time.monotonic()
-        if now < self._next_refresh:
-            return False
-        self._next_refresh = now + 1.0
-        try:
-            info = self.refresh()
-        except Exception as exc:
-            log.warning("kvpush sidecar HELLO failed: %s", exc)
-            return False
-        changed = info.incarnation != self.sidecar.incarnation
-        if changed:
-            log.warning("kvpush sidecar %s is now incarnation %s (was %s)", info.engine_id, info.incarnation,
-                        self.sidecar.incarnation)
-            self.sidecar = info
-        return changed
+        before = self.sidecar.incarnation
+        return self._reconnected() and self.sidecar.incarnation != before
 
     def _decode_refusal(self, params: PushParams, prompt: int) -> str:
         if params.engine_id != self.sidecar.engine_id or params.engine_incarnation != self.sidecar.incarnation:
@@ -146,39 +179,103 @@ class KVPushScheduler:
             return "short_prompt"  # the prefill side refuses it too: it would never land
         return ""
 
-    # -- decode: the asynchronous load ------------------------------------------------------
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+    # -- decode: admitted once landed, then a synchronous load ----------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._decode.get(request.request_id)
-        if st is None or st.started:
+        if st is None or st.decided:
             return 0, False
-        count = min(request.num_prompt_tokens, st.params.num_tokens) - num_computed_tokens
-        if count <= 0:
+        res = st.params.reservation_id
+        if self.watch.broken and not self._reconnected():
+            self._recompute(st, "channel", "the sidecar's channel is closed")
             return 0, False
-        st.local = num_computed_tokens
-        return count, True
+        if st.params.engine_incarnation != self.sidecar.incarnation:
+            self._recompute(st, "restarted", f"the sidecar restarted: reservation {res} went with it")
+            return 0, False
+        generation = self.watch.generation
+        state, landed = self.watch.state(res)
+        if state != LANDED and state not in ENDED and time.monotonic() < st.give_up and self._may_wait():
+            self._waited = True
+            t0 = time.monotonic()
+            self.watch.wait_change(generation, min(self.timing.idle_wait_s, max(0.0, st.give_up - t0)))
+            self._idle_waits += 1
+            self._idle_wait_us += round((time.monotonic() - t0) * 1e6)
+            state, landed = self.watch.state(res)
+        if state == LANDED:
+            # vLLM computes at least the last prompt token itself (and samples from it).
+            usable = min(request.num_prompt_tokens - 1, st.params.num_tokens, landed)
+            st.local = num_computed_tokens
+            return max(0, usable - num_computed_tokens), False
+        if state in ENDED:
+            self._recompute(st, state.lower(), f"reservation {res} is {state}")
+            return 0, False
+        if time.monotonic() >= st.give_up:
+            self._recompute(st, "timeout", f"reservation {res} did not land in time (last state {state or '?'})")
+            self._release(res, time.monotonic() + self.timing.deadline_grace_s)
+            return 0, False
+        return None, False  # not landed yet: ask again at the next step
+
+    def _reconnected(self) -> bool:
+        """The watch's channel closed: connect again (a restarted sidecar is a new incarnation;
+        requests waiting on the old one are recomputed, those on this one watched again)."""
+        try:
+            info = self.watch.reconnect()
+        except (ChannelError, OSError, KeyError) as exc:  # at most one attempt a second
+            log.debug("kvpush sidecar not back yet: %s", exc)
+            return False
+        if info.incarnation != self.sidecar.incarnation:
+            log.warning("kvpush sidecar %s is now incarnation %s (was %s)", info.engine_id, info.incarnation,
+                        self.sidecar.incarnation)
+        self.sidecar = info
+        for st in self._decode.values():
+            if not st.decided and st.params.engine_incarnation == info.incarnation:
+                try:
+                    self.watch.watch(st.params.reservation_id)
+                except ChannelError:
+                    return False
+        return True
+
+    def _may_wait(self) -> bool:
+        """Sleep for a landing only when the engine has nothing else to run, once a pass."""
+        return self.timing.idle_wait_s > 0 and self._last_step_tokens == 0 and not self._waited
+
+    def _recompute(self, st: _Decode, reason: str, detail: str) -> None:
+        log.warning("kvpush load of %s failed (%s): %s; the prompt is computed locally",
+                    st.request.request_id, reason, detail)
+        st.decided = True
+        self._count("load_errors")
+        self._count(f"load_error_{reason}")
+        self._fold_idle_waits()
+        self.watch.forget(st.params.reservation_id)
+
+    def _release(self, reservation_id: str, give_up: float) -> None:
+        self.watch.release(reservation_id, give_up)
+
+    def _fold_idle_waits(self) -> None:
+        if self._idle_waits:
+            self._count("idle_waits", self._idle_waits)
+            self._count("idle_wait_us_total", self._idle_wait_us)
+            self._idle_waits, self._idle_wait_us = 0, 0
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         st = self._decode.get(request.request_id)
-        if st is None or st.started:
+        if st is None or st.decided:
             return
-        st.started = True
+        st.decided = True
         p = st.params
         if num_external_tokens <= 0:
             # Nothing to load after all (the local prefix cache covers it): let it go.
             self._count("load_skipped_local_hit")
-            self._meta.releases.append(Release(p.reservation_id, p.deadline_unix_ms))
+            self._release(p.reservation_id, st.give_up)
             return
-        st.loading = True
+        self.watch.forget(p.reservation_id)
+        wait_ms = round((time.monotonic() - st.waiting_since) * 1e3)
+        self._count("load_wait_ms_total", wait_ms)
+        self._meta.maxima["load_wait_ms_max"] = max(wait_ms, self._meta.maxima.get("load_wait_ms_max", 0))
+        self._fold_idle_waits()
         block_ids = tuple(blocks.get_block_ids()[0])
         self._meta.loads.append(LoadSpec(
             request.request_id, p.reservation_id, p.engine_id, p.engine_incarnation, tuple(p.block_ids),
             p.block_size, p.num_tokens, block_ids, st.local, st.local + num_external_tokens, p.deadline_unix_ms))
-
-    def update_connector_output(self, finished_recving) -> None:
-        for rid in finished_recving or ():
-            st = self._decode.get(rid)
-            if st is not None:
-                st.loading = False
 
     # -- the step's metadata ------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> KVPushConnectorMetadata:
@@ -200,8 +297,14 @@ class KVPushScheduler:
                 self._meta.pushes.append(PushSpec(rid, tuple(self.block_ids_of(rid)), st.pushed, end,
                                                   end == st.target, begin))
                 st.pushed = end
+        if self.watch is not None:
+            self.watch.housekeeping()
+            consumed = self.watch.take_consumed_releases()
+            if consumed:
+                self._count("releases_consumed", consumed)
         meta, self._meta = self._meta, KVPushConnectorMetadata()
-        meta.scheduled_tokens = scheduler_output.total_num_scheduled_tokens
+        meta.scheduled_tokens = self._last_step_tokens = scheduler_output.total_num_scheduled_tokens
+        self._waited = False
         return meta
 
     # -- the end of a request -----------------------------------------------------------------
@@ -212,12 +315,9 @@ class KVPushScheduler:
             reason = f"request ended ({request.status}) after {st.pushed} of {st.target} tokens"
             self._meta.push_aborts.append((rid, reason))
         dst = self._decode.pop(rid, None)
-        if dst is not None:
-            if dst.loading:
-                self._meta.load_aborts.append(rid)  # stop waiting; report it finished, load nothing
-            elif not dst.started:
-                p = dst.params
-                self._meta.releases.append(Release(p.reservation_id, p.deadline_unix_ms))
+        if dst is not None and not dst.decided:
+            self._count("loads_abandoned")
+            self._release(dst.params.reservation_id, dst.give_up)  # consumed if it lands
         return False, None  # blocks are never held past the request
 
     @property

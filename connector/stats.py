@@ -15,22 +15,23 @@ Prefill engine:
     push_PUSHED / push_FAILED / push_CANCELLED   outcomes reported back by the sidecar
 
 Decode engine:
-    loads_started         requests waiting for a landing (async external load)
+    loads_started         requests waiting for their reservation to land
     loads_landed          requests whose KV arrived by push and was loaded
-    load_wait_ms_total / load_wait_ms_max   time from planning a load to seeing it LANDED
+    load_wait_ms_total / load_wait_ms_max   time from the request's arrival to its admission (landed)
     load_copy_us_total    time copying landing blocks into the paged cache (and CONSUMED)
     tokens_loaded         prompt tokens loaded from landing blocks (not recomputed)
     bytes_loaded          bytes copied from landing blocks into the paged cache
-    load_errors           loads reported failed: vLLM recomputes those prompts
-    load_error_<reason>   by reason: failed, cancelled, timeout, wrong_engine, short, channel
-    loads_abandoned       requests that ended while their load was pending
+    load_errors           loads that failed: those prompts are computed locally
+    load_error_<reason>   by reason: failed, cancelled, timeout, restarted, channel, copy
+    loads_abandoned       requests that ended before their reservation landed
     releases_consumed     landed reservations freed without being loaded
+    idle_waits / idle_wait_us_total   an idle engine slept for a landing instead of stepping
 
 Scheduler (either role):
     requests_plain        requests without kvpush params (served normally)
     bad_params            kvpush params that do not parse (served normally)
     role_ignored          a role this engine's sidecar does not serve (served normally)
-    refused_<reason>      a kvpush request served normally: short_prompt, wrong_engine
+    refused_<reason>      a kvpush request served normally: short_prompt, wrong_engine, channel
     load_skipped_local_hit  decode prompt already in the local prefix cache
 """
 

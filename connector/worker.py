@@ -11,13 +11,14 @@ Prefill (sidecar role prefill):
     went out this step.
 
 Decode (sidecar role decode):
-    ``start_load_kv``: SUBSCRIBE to each new reservation (the reply is its
-    state now; its end comes later as an event). ``get_transfer_results``
-    (each step): LANDED -> copy landing blocks into the request's blocks,
-    CONSUMED (landing blocks free again), report it received. FAILED,
-    CANCELLED, a reservation of another engine, a short landing, a broken
-    channel or no landing by the deadline -> report it received *and failed*:
-    vLLM then recomputes the prompt (``kv_load_failure_policy="recompute"``).
+    the scheduler admits a request only once its reservation has LANDED
+    (``connector.scheduler``), so each ``LoadSpec`` is a synchronous load:
+    ``start_load_kv`` (before the forward pass) copies the landing blocks into
+    the request's blocks and sends CONSUMED (fire-and-forget: the landing
+    blocks are free again). A copy that fails (the sidecar restarted under
+    it, a reservation of another incarnation, a bad geometry) reports the
+    request's blocks as load errors: vLLM recomputes those tokens
+    (``kv_load_failure_policy="recompute"``).
 
 Bytes move in kvpush's canonical block layout (``connector.cache_codec``).
 """
@@ -27,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import threading
 import time
 
 import numpy as np
@@ -35,9 +35,9 @@ import numpy as np
 from connector.cache_codec import BlockCodec, CodecError, flat_layer
 from connector.config import ConnectorConfig
 from connector.metadata import KVPushConnectorMetadata, LoadSpec, PushSpec
-from kvpush.trace import Trace
 from connector.sidecar_link import DECODE, PREFILL, SidecarInfo, connect
 from connector.stats import Counters
+from kvpush.trace import Trace
 from worker import frames as F
 from worker import reblock
 from worker.channel import ChannelError, SidecarClient
@@ -46,10 +46,6 @@ from worker.memory import ShmMemory
 from worker.pools import StagingAllocation
 
 log = logging.getLogger(f"vllm.{__name__}")  # under "vllm": logged with the engine's own handlers
-
-LANDED, FAILED, CANCELLED, CONSUMED = "LANDED", "FAILED", "CANCELLED", "CONSUMED"
-ENDED = (FAILED, CANCELLED, CONSUMED)
-
 
 @dataclasses.dataclass
 class _Outbound:
@@ -67,20 +63,6 @@ class _StepPush:
     failed: bool = False
 
 
-@dataclasses.dataclass
-class _Pending:
-    spec: LoadSpec
-    deadline: float  # monotonic
-    started: float = 0.0  # monotonic, when the load was planned (subscribed)
-
-
-def _deadline(now: float, timeout_s: float, deadline_unix_ms: int, grace_s: float) -> float:
-    limit = now + timeout_s
-    if deadline_unix_ms:
-        limit = min(limit, now + (deadline_unix_ms / 1000.0 - time.time()) + grace_s)
-    return limit
-
-
 class KVPushWorker:
     def __init__(self, config: ConnectorConfig, block_size: int, client: SidecarClient | None = None,
                  info: SidecarInfo | None = None, counters: Counters | None = None):
@@ -91,8 +73,6 @@ class KVPushWorker:
                                    name=f"vllm-worker-{os.getpid()}")
         self.client = client
         self.info = info
-        self._lock = threading.Lock()
-        self._states: dict[str, tuple[str, int]] = {}  # reservation -> (last state heard, tokens landed)
         client.on_event = self._on_event  # runs on the channel's reader thread
         self.role = info.role
         self.pool = ShmMemory.attach(info.pool.shm_name, info.pool.size_bytes)
@@ -112,18 +92,9 @@ class KVPushWorker:
         self._outbound: dict[str, _Outbound] = {}
         self._step: list[_StepPush] = []
         # decode
-        self._pending: dict[str, _Pending] = {}
-        self._releases: dict[str, float] = {}  # reservation -> give-up time
-        self._done: set[str] = set()
-        self._failed: set[str] = set()
+        self._load_errors: set[int] = set()  # vLLM block ids whose load failed in this step
         self._next_reconnect = 0.0
-        self._next_health = 0.0
-        self._idle = False  # this step runs no tokens (the scheduler says)
-        # Idle waits are counted here and folded into the counters when a load ends:
-        # a counter change per empty step would rewrite the stats file every step.
-        self._idle_waits, self._idle_wait_us = 0, 0
         self._traced_step = False
-        self._arrived = threading.Event()  # a reservation landed or ended: set by the reader thread
         self.counters.flush(force=True)
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -194,10 +165,6 @@ class KVPushWorker:
         for rid in list(self._outbound):
             del self._outbound[rid]  # its staging went with the old sidecar
         self._step = [sp for sp in self._step if sp.spec.req_id in self._outbound]
-        for rid, p in list(self._pending.items()):
-            if p.spec.incarnation != info.incarnation:
-                self._fail(rid, "channel", "the sidecar restarted")
-        self._releases.clear()
         self.counters.inc("sidecar_reconnects")
         self.counters.identity.update(incarnation=info.incarnation)
         log.warning("kvpush: reconnected to sidecar %s, incarnation %s", info.engine_id, info.incarnation)
@@ -210,8 +177,9 @@ class KVPushWorker:
     # -- every step: before the forward ----------------------------------------------------------
     def bind(self, meta: KVPushConnectorMetadata) -> None:
         self.counters.merge(meta.counts)
+        for name, value in meta.maxima.items():
+            self.counters.maximum(name, value)
         self._step = []
-        self._idle = meta.idle
         self._traced_step = self.trace.on and meta.scheduled_tokens > 0
         if self._traced_step:
             self.trace("step", "-", meta.scheduled_tokens)
@@ -301,46 +269,59 @@ class KVPushWorker:
         except ChannelError as exc:
             log.warning("END of %s not sent: %s", rid, exc)
 
-    # -- decode: loads ----------------------------------------------------------------------------
+    # -- decode: synchronous loads, before the forward pass ----------------------------------------
     def start_loads(self, meta: KVPushConnectorMetadata) -> None:
         if self.role != DECODE:
             return
-        now = time.monotonic()
-        for rid in meta.load_aborts:
-            pending = self._pending.pop(rid, None)
-            if pending is not None:
-                self.counters.inc("loads_abandoned")
-                self._done.add(rid)  # blocks are freed when vLLM hears it finished; nothing is copied
-                self._release(pending.spec.reservation_id, pending.deadline, subscribe=False)
-        for rel in meta.releases:
-            self._release(rel.reservation_id, _deadline(now, self.config.load_timeout_s, rel.deadline_unix_ms,
-                                                        self.config.deadline_grace_s))
         for spec in meta.loads:
-            self.counters.inc("loads_started")
-            pending = self._pending[spec.req_id] = _Pending(
-                spec, _deadline(now, self.config.load_timeout_s, spec.deadline_unix_ms, self.config.deadline_grace_s),
-                now)
-            if (spec.engine_id == self.info.engine_id and spec.incarnation != self.info.incarnation
-                    and self._channel_broken()):
+            self._load(spec)
+
+    def _load(self, spec: LoadSpec) -> None:
+        """Copy a landed reservation into the request's blocks; on any failure its blocks are
+        reported as load errors (vLLM recomputes them), never half-copied silently."""
+        t0 = time.monotonic()
+        try:
+            if spec.engine_id == self.info.engine_id and spec.incarnation != self.info.incarnation \
+                    and self._channel_broken():
                 self._reconnect(ChannelError("channel closed"))  # the sidecar restarted: a new incarnation
             if spec.engine_id != self.info.engine_id or spec.incarnation != self.info.incarnation:
-                self._fail(spec.req_id, "wrong_engine", f"reservation is for {spec.engine_id}/{spec.incarnation}")
-                continue
-            self.trace("load_planned", spec.reservation_id, spec.req_id)
-            self._subscribe(spec.reservation_id, pending)
-
-    def _subscribe(self, reservation_id: str, pending: _Pending | None = None) -> None:
-        def still_ours() -> None:
-            if pending is not None and pending.spec.incarnation != self.info.incarnation:
-                raise ChannelError("the sidecar restarted: the reservation is gone")
-
-        try:
-            event = self._call_reconnecting(lambda: self.client.subscribe(reservation_id), still_ours)
-        except ChannelError as exc:
-            if pending is not None:
-                self._fail(pending.spec.req_id, "channel", str(exc))
+                raise CodecError(f"the reservation is for {spec.engine_id}/{spec.incarnation}, this pool is "
+                                 f"{self.info.engine_id}/{self.info.incarnation}")
+            layout = self.info.layout
+            if spec.landing_block_size != layout.block_size:
+                raise CodecError(f"landing blocks of {spec.landing_block_size} tokens, pool has {layout.block_size}")
+            index = self.codec.token_index(spec.block_ids, spec.start, spec.end)
+            for layer, cache in enumerate(self.flat):
+                raw = reblock.gather_tokens(self._landing[layer], spec.landing_block_ids, spec.start, spec.end)
+                self.codec.write(cache, spec.block_ids, raw.view(self.codec.dtype), spec.start, spec.end, index)
+        except Exception as exc:
+            log.error("kvpush: loading reservation %s into %s failed: %s; vLLM recomputes it",
+                      spec.reservation_id, spec.req_id, exc)
+            bs = self.codec.block_size if self.codec is not None else self.block_size
+            self._load_errors.update(spec.block_ids[spec.start // bs:(spec.end - 1) // bs + 1])
+            self.counters.inc("load_errors")
+            self.counters.inc("load_error_copy")
+            self._consume(spec.reservation_id)
             return
-        self._set_state(event)
+        self._consume(spec.reservation_id)
+        n = spec.end - spec.start
+        self.counters.inc("load_copy_us_total", round((time.monotonic() - t0) * 1e6))
+        self.counters.inc("loads_landed")
+        self.counters.inc("tokens_loaded", n)
+        self.counters.inc("bytes_loaded", n * self.codec.token_layer_bytes * len(self.flat))
+        self.trace("loaded", spec.reservation_id, spec.req_id)
+
+    def load_errors(self) -> set[int]:
+        """vLLM block ids whose synchronous load failed in this step (then forgotten)."""
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def transfer_results(self) -> tuple[set[str], set[str]]:
+        """Nothing is received asynchronously (loads are synchronous): drains the channel's
+        event copies and flushes the counters."""
+        self.client.events()  # handled by _on_event as they came; drop the client's copies
+        self.counters.flush()
+        return set(), set()
 
     def _call_reconnecting(self, call, after_reconnect=None):
         """``call()``; if the channel turns out to be broken and a fresh one to a
@@ -354,32 +335,12 @@ class KVPushWorker:
                 after_reconnect()
             return call()
 
-    def _set_state(self, event) -> None:
-        with self._lock:
-            current = self._states.get(event.reservation_id)
-            if current is None or current[0] not in (LANDED, *ENDED) or event.state in ENDED:
-                self._states[event.reservation_id] = (event.state, event.num_tokens)
-        if event.state == LANDED or event.state in ENDED:
-            self.trace(event.state.lower(), event.reservation_id)
-            self._arrived.set()
-
     def _on_event(self, event) -> None:
-        """Channel events, as they arrive: push outcomes (prefill), reservation ends (decode).
-        The counters file is refreshed here too, so outcomes show even when the engine idles."""
+        """Channel events, as they arrive: push outcomes (prefill). The counters file is
+        refreshed here too, so outcomes show even when the engine idles."""
         if event.request_id:
             self.counters.inc(f"push_{event.state}")
             self.counters.flush()
-        else:
-            self._set_state(event)
-
-    def _state(self, reservation_id: str) -> tuple[str, int]:
-        with self._lock:
-            return self._states.get(reservation_id, ("", 0))
-
-    def _release(self, reservation_id: str, give_up: float, subscribe: bool = True) -> None:
-        self._releases[reservation_id] = give_up
-        if subscribe:
-            self._subscribe(reservation_id)
 
     def _channel_broken(self) -> bool:
         try:
@@ -388,122 +349,11 @@ class KVPushWorker:
         except ChannelError:
             return True
 
-    def transfer_results(self) -> tuple[set[str], set[str]]:
-        """(finished_recving, failed_recving) since the last call; also drains events."""
-        self.client.events()  # handled by _on_event as they came; drop the client's copies
-        if self._pending and time.monotonic() >= self._next_health:
-            # Loads wait for events that a dead sidecar will never send: check once a second.
-            self._next_health = time.monotonic() + 1.0
-            if self._channel_broken():
-                self._reconnect(ChannelError("channel closed"))
-        if self.role == DECODE:
-            self._wait_if_idle()
-            self._poll_loads()
-            if len(self._states) > 4096:
-                live = {p.spec.reservation_id for p in self._pending.values()} | set(self._releases)
-                with self._lock:
-                    self._states = {r: s for r, s in self._states.items() if r in live}
-        done, failed = self._done, self._failed
-        self._done, self._failed = set(), set()
-        self.counters.flush()
-        return done, failed
-
-    def _wait_if_idle(self) -> None:
-        """A step with nothing to run while loads are in flight: sleep until one lands
-        or ends (or idle_wait_s passes). Without it the engine spins through empty
-        steps (vLLM sleeps 1 ms between them), taking CPU a co-located prefill needs,
-        and notices a landing only at its next step."""
-        self._arrived.clear()
-        if not (self._idle and self._pending and self.config.idle_wait_s > 0):
-            return
-        if any(self._state(p.spec.reservation_id)[0] in (LANDED, *ENDED) for p in self._pending.values()):
-            return  # arrived before the clear: nothing to wait for
-        t0 = time.monotonic()
-        self._arrived.wait(self.config.idle_wait_s)
-        self._idle_waits += 1
-        self._idle_wait_us += round((time.monotonic() - t0) * 1e6)
-
-    def _fold_idle_waits(self) -> None:
-        if self._idle_waits:
-            self.counters.inc("idle_waits", self._idle_waits)
-            self.counters.inc("idle_wait_us_total", self._idle_wait_us)
-            self._idle_waits, self._idle_wait_us = 0, 0
-
-    def _poll_loads(self) -> None:
-        now = time.monotonic()
-        for rid, p in list(self._pending.items()):
-            state, landed = self._state(p.spec.reservation_id)
-            if state == LANDED and landed < p.spec.end:
-                self._fail(rid, "short", f"reservation {p.spec.reservation_id} landed {landed} tokens, "
-                                         f"{p.spec.end} needed")
-                self._consume(p.spec.reservation_id)
-            elif state == LANDED:
-                self._load(p)
-            elif state in ENDED:
-                self._fail(rid, state.lower(), f"reservation {p.spec.reservation_id} is {state}")
-            elif now >= p.deadline:
-                self._fail(rid, "timeout", f"reservation {p.spec.reservation_id} did not land in time "
-                                           f"(last state {state or 'unknown'})")
-        for res, give_up in list(self._releases.items()):
-            state = self._state(res)[0]
-            if state == LANDED:
-                self._consume(res)
-                self.counters.inc("releases_consumed")
-            if state in ENDED or state == LANDED or now >= give_up:
-                del self._releases[res]
-
-    def _load(self, p: _Pending) -> None:
-        spec = p.spec
-        rid = spec.req_id
-        del self._pending[rid]
-        t0 = time.monotonic()
-        try:
-            layout = self.info.layout
-            if spec.landing_block_size != layout.block_size:
-                raise CodecError(f"landing blocks of {spec.landing_block_size} tokens, pool has {layout.block_size}")
-            index = self.codec.token_index(spec.block_ids, spec.start, spec.end)
-            for layer, cache in enumerate(self.flat):
-                raw = reblock.gather_tokens(self._landing[layer], spec.landing_block_ids, spec.start, spec.end)
-                self.codec.write(cache, spec.block_ids, raw.view(self.codec.dtype), spec.start, spec.end, index)
-        except Exception as exc:
-            log.error("loading reservation %s into %s failed: %s", spec.reservation_id, rid, exc)
-            self._pending[rid] = p
-            self._fail(rid, "copy", str(exc))
-            self._consume(spec.reservation_id)
-            return
-        self._consume(spec.reservation_id)
-        t1 = time.monotonic()
-        wait_ms, copy_ms = (t0 - p.started) * 1e3, (t1 - t0) * 1e3
-        log.debug("kvpush: %s loaded %d tokens from reservation %s: waited %.1f ms, copied in %.2f ms",
-                 rid, spec.end - spec.start, spec.reservation_id, wait_ms, copy_ms)
-        self.counters.inc("load_wait_ms_total", round(wait_ms))
-        self.counters.inc("load_copy_us_total", round(copy_ms * 1e3))
-        self.counters.maximum("load_wait_ms_max", round(wait_ms))
-        n = spec.end - spec.start
-        self.counters.inc("loads_landed")
-        self._fold_idle_waits()
-        self.trace("loaded", spec.reservation_id, rid)
-        self.counters.inc("tokens_loaded", n)
-        self.counters.inc("bytes_loaded", n * self.codec.token_layer_bytes * len(self.flat))
-        self._done.add(rid)
-
     def _consume(self, reservation_id: str) -> None:
         try:
             self.client.consumed_nowait(reservation_id)  # a round trip less before the first token
         except ChannelError as exc:
             log.warning("CONSUMED for %s not sent: %s", reservation_id, exc)
-
-    def _fail(self, rid: str, reason: str, detail: str) -> None:
-        p = self._pending.pop(rid, None)
-        log.warning("kvpush load of %s failed (%s): %s; vLLM recomputes the prompt", rid, reason, detail)
-        self.counters.inc("load_errors")
-        self._fold_idle_waits()
-        self.counters.inc(f"load_error_{reason}")
-        self._done.add(rid)
-        self._failed.add(rid)
-        if p is not None and reason == "timeout":
-            # Stop caring about it; if it lands later, free its blocks at once.
-            self._release(p.spec.reservation_id, time.monotonic() + self.config.load_timeout_s, subscribe=False)
 
     def close(self) -> None:
         self.counters.flush(force=True)

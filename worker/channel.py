@@ -282,6 +282,11 @@ class SidecarClient:
                     raise ChannelError(self._broken or f"no matching event within {timeout_s} s")
                 self._event_cv.wait(left)
 
+    @property
+    def broken(self) -> bool:
+        """The channel is known closed (the sidecar went away): a new client is needed."""
+        return bool(self._broken)
+
     def events(self) -> list[F.StateEvent]:
         with self._event_cv:
             out = list(self._events)

@@ -1,17 +1,21 @@
-"""Scheduler-side logic of the connector, driven with stand-in request objects (fast:
-no vLLM engine, no sidecar)."""
+"""Scheduler-side logic of the connector, driven with stand-in request objects and a
+stand-in channel client under the real LandingWatch (fast: no vLLM engine, no sidecar)."""
 
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 
 import pytest
 
+from connector.landing_watch import LandingWatch
 from connector.metadata import Target
-from connector.scheduler import KVPushScheduler
+from connector.scheduler import DecodeTiming, KVPushScheduler
 from connector.sidecar_link import SidecarInfo
 from kvpush.layout import KvLayout
 from kvpush.transfer_params import PushParams
+from worker.frames import StateEvent
 from worker.pools import PoolInfo
 
 BS = 32
@@ -72,9 +76,47 @@ def prefill_sched():
     return KVPushScheduler(info("prefill", "P1"), BS, produce=True, consume=False, block_ids_of=table), table
 
 
-def decode_sched():
+class FakeClient:
+    """The decode sidecar's channel as the scheduler's LandingWatch uses it."""
+
+    def __init__(self, states: dict | None = None):
+        self.states = states or {}  # reservation -> (state, tokens) answered to SUBSCRIBE
+        self.subscribed: list[str] = []
+        self.consumed: list[str] = []
+        self.on_event = None
+        self.broken = False
+
+    def subscribe(self, res):
+        if self.broken:
+            from worker.channel import ChannelError
+            raise ChannelError("channel closed")
+        self.subscribed.append(res)
+        state, tokens = self.states.get(res, ("EXPECTED", 0))
+        return StateEvent(res, state, num_tokens=tokens)
+
+    def consumed_nowait(self, res):
+        self.consumed.append(res)
+
+    def events(self):
+        return []
+
+    def close(self):
+        pass
+
+    def event(self, res, state, tokens=0):  # the sidecar sends an event (reader thread)
+        self.on_event(StateEvent(res, state, num_tokens=tokens))
+
+
+def decode_sched(client: FakeClient | None = None, timing: DecodeTiming = DecodeTiming(idle_wait_s=0),
+                 sidecar=None):
+    client = client or FakeClient()
+    watch = LandingWatch(lambda: (client, sidecar or info("decode")))
+    watch.connect()
     table = BlockTable()
-    return KVPushScheduler(info("decode"), BS, produce=False, consume=True, block_ids_of=table), table
+    sched = KVPushScheduler(info("decode"), BS, produce=False, consume=True, block_ids_of=table, watch=watch,
+                            timing=timing)
+    sched.client = client
+    return sched, table
 
 
 def step(sched, reqs_and_tokens):
@@ -185,42 +227,71 @@ def test_role_and_param_mismatches_are_counted_and_served_normally():
                                                           "requests_plain": 1}
     assert sched.tracked == 0
     # A decode sidecar does not push even if the engine is configured as a producer too.
-    both = KVPushScheduler(info("decode"), BS, produce=True, consume=True, block_ids_of=BlockTable())
+    both = KVPushScheduler(info("decode"), BS, produce=True, consume=True, block_ids_of=BlockTable(),
+                           watch=LandingWatch(lambda: (FakeClient(), info("decode"))))
     both.on_new_request(Req("p", 50, params("prefill", 50)))
     assert both.build_connector_meta(Out({"p": 50})).counts == {"role_ignored": 1}
 
 
 # -- decode -------------------------------------------------------------------------------------
-def test_decode_is_an_async_load_of_the_prompt_beyond_the_local_hit():
+def test_decode_waits_unscheduled_until_landed_then_loads_synchronously_beyond_the_local_hit():
     sched, _ = decode_sched()
-    r = Req("d", 70, params("decode", 70, deadline=123))
+    r = Req("d", 70, params("decode", 70, deadline=0))
     sched.on_new_request(r)
-    assert sched.get_num_new_matched_tokens(r, 0) == (70, True)
-    assert sched.get_num_new_matched_tokens(r, 32) == (38, True)  # asked again: no side effects
-    sched.update_state_after_alloc(r, Blocks([4, 5, 6]), 38)
-    sched.update_state_after_alloc(r, Blocks([4, 5, 6, 7]), 0)  # the second call (after the load): ignored
-    meta = sched.build_connector_meta(Out({}))
-    assert meta.idle  # nothing else runs in this step: the worker may wait for the landing
-    assert not sched.build_connector_meta(Out({"other": 1})).idle
+    assert sched.client.subscribed == ["res-1"]
+    assert sched.get_num_new_matched_tokens(r, 0) == (None, False)  # not landed: ask again later
+    sched.client.event("res-1", "LANDED", 70)
+    # vLLM computes the last prompt token itself: 69 at most, beyond the local hit.
+    assert sched.get_num_new_matched_tokens(r, 0) == (69, False)
+    assert sched.get_num_new_matched_tokens(r, 32) == (37, False)  # asked again: no side effects
+    sched.update_state_after_alloc(r, Blocks([4, 5, 6]), 37)
+    sched.update_state_after_alloc(r, Blocks([4, 5, 6, 7]), 0)  # a later call: ignored
+    meta = sched.build_connector_meta(Out({"d": 1}))
     (load,) = meta.loads
     assert (load.req_id, load.reservation_id, load.block_ids, load.start, load.end) == ("d", "res-1", (4, 5, 6),
-                                                                                      32, 70)
-    assert (load.landing_block_ids, load.landing_block_size, load.num_tokens, load.deadline_unix_ms) == \
-        ((100, 101, 102), BS, 70, 123)
+                                                                                      32, 69)
+    assert (load.landing_block_ids, load.landing_block_size, load.num_tokens) == ((100, 101, 102), BS, 70)
+    assert meta.counts["loads_started"] == 1 and "load_wait_ms_max" in meta.maxima
     assert not sched.build_connector_meta(Out({})).loads  # planned once
     # Preempted later: num_computed_tokens back to 0, the prompt is recomputed locally.
-    sched.update_connector_output({"d"})
     assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
     assert sched.request_finished(r) == (False, None)
-    assert not sched.build_connector_meta(Out({})).load_aborts
+    assert sched.tracked == 0 and not sched.client.consumed  # the worker consumes what it loaded
 
 
-def test_decode_loads_at_most_the_reserved_tokens():
-    sched, _ = decode_sched()
+def test_decode_loads_at_most_the_reserved_and_landed_tokens():
+    sched, _ = decode_sched(FakeClient({"res-1": ("LANDED", 64)}))  # landed before the request came
     r = Req("d", 100, params("decode", 64))
     sched.on_new_request(r)
-    assert sched.get_num_new_matched_tokens(r, 0) == (64, True)
+    assert sched.get_num_new_matched_tokens(r, 0) == (64, False)
     assert sched.get_num_new_matched_tokens(r, 64) == (0, False)
+
+
+@pytest.mark.parametrize("state", ["FAILED", "CANCELLED"])
+def test_decode_reservation_that_ends_unlanded_is_recomputed(state):
+    sched, _ = decode_sched()
+    r = Req("d", 64, params("decode", 64))
+    sched.on_new_request(r)
+    assert sched.get_num_new_matched_tokens(r, 0) == (None, False)
+    sched.client.event("res-1", state)
+    assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    sched.update_state_after_alloc(r, Blocks([1, 2]), 0)
+    meta = sched.build_connector_meta(Out({"d": 64}))
+    assert not meta.loads and meta.counts["load_errors"] == 1 and meta.counts[f"load_error_{state.lower()}"] == 1
+    assert sched.get_num_new_matched_tokens(r, 0) == (0, False)  # decided: never loaded later
+
+
+def test_decode_gives_up_at_the_deadline_and_consumes_a_late_landing():
+    sched, _ = decode_sched(timing=DecodeTiming(load_timeout_s=0.05, idle_wait_s=0))
+    r = Req("d", 64, params("decode", 64))
+    sched.on_new_request(r)
+    assert sched.get_num_new_matched_tokens(r, 0) == (None, False)
+    time.sleep(0.06)
+    assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert sched.build_connector_meta(Out({"d": 64})).counts["load_error_timeout"] == 1
+    sched.client.event("res-1", "LANDED", 64)  # too late: its blocks go back at once
+    assert sched.client.consumed == ["res-1"]
+    assert sched.build_connector_meta(Out({})).counts == {"releases_consumed": 1}
 
 
 @pytest.mark.parametrize("kw,prompt,why", [({"engine_id": "D2"}, 70, "wrong_engine"),
@@ -232,32 +303,63 @@ def test_decode_refuses_what_cannot_land_here(kw, prompt, why):
     sched.on_new_request(r)
     assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
     assert sched.build_connector_meta(Out({})).counts == {f"refused_{why}": 1}
+    assert not sched.client.subscribed
 
 
 def test_decode_with_nothing_to_load_releases_the_reservation():
-    sched, _ = decode_sched()
+    sched, _ = decode_sched(FakeClient({"res-1": ("LANDED", 64)}))
     r = Req("d", 64, params("decode", 64))
     sched.on_new_request(r)
     sched.update_state_after_alloc(r, Blocks([1, 2]), 0)  # e.g. a full local prefix-cache hit
     meta = sched.build_connector_meta(Out({}))
-    assert not meta.loads and [x.reservation_id for x in meta.releases] == ["res-1"]
-    assert meta.counts == {"load_skipped_local_hit": 1}
+    assert not meta.loads and sched.client.consumed == ["res-1"]  # landed already: consumed at once
+    assert meta.counts == {"loads_started": 1, "load_skipped_local_hit": 1, "releases_consumed": 1}
 
 
-def test_decode_request_ending_while_loading_stops_the_load():
+def test_decode_request_ending_before_its_landing_releases_it():
     sched, _ = decode_sched()
     a, b = Req("a", 64, params("decode", 64, "ra")), Req("b", 64, params("decode", 64, "rb"))
     for r in (a, b):
         sched.on_new_request(r)
-    sched.get_num_new_matched_tokens(a, 0)
-    sched.update_state_after_alloc(a, Blocks([1, 2]), 64)
-    sched.build_connector_meta(Out({}))
     a.status = b.status = "FINISHED_ABORTED"
-    sched.request_finished(a)  # waiting for its KV: the worker must report it and load nothing
-    sched.request_finished(b)  # never scheduled: its reservation is released if it lands
+    sched.request_finished(a)
+    sched.client.event("rb", "LANDED", 64)
+    sched.request_finished(b)  # landed but never loaded: consumed now
+    assert sched.client.consumed == ["rb"]
+    sched.client.event("ra", "LANDED", 64)  # lands after its request ended: consumed then
+    assert sched.client.consumed == ["rb", "ra"]
     meta = sched.build_connector_meta(Out({}))
-    assert meta.load_aborts == ["a"] and [x.reservation_id for x in meta.releases] == ["rb"]
-    assert sched.tracked == 0
+    assert meta.counts["loads_abandoned"] == 2 and meta.counts["releases_consumed"] == 2
+    assert sched.tracked == 0 and sched.watch.released == 0
+
+
+def test_idle_decode_sleeps_for_the_landing_instead_of_spinning():
+    sched, _ = decode_sched(timing=DecodeTiming(idle_wait_s=5.0))
+    r = Req("d", 64, params("decode", 64))
+    sched.on_new_request(r)
+    threading.Timer(0.05, sched.client.event, ("res-1", "LANDED", 64)).start()
+    t0 = time.monotonic()
+    assert sched.get_num_new_matched_tokens(r, 0) == (63, False)  # woke by the landing, not the timeout
+    assert time.monotonic() - t0 < 2.0
+    sched.update_state_after_alloc(r, Blocks([1, 2]), 63)
+    assert sched.build_connector_meta(Out({"d": 1})).counts["idle_waits"] == 1
+    # A busy engine (its last step ran tokens) never sleeps for a landing.
+    r2 = Req("e", 64, params("decode", 64, "res-2"))
+    sched.on_new_request(r2)
+    t0 = time.monotonic()
+    assert sched.get_num_new_matched_tokens(r2, 0) == (None, False)
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_decode_without_its_sidecar_computes_locally():
+    client = FakeClient()
+    sched, _ = decode_sched(client)
+    client.broken = True
+    sched.watch._next_connect = time.monotonic() + 60  # the reconnect attempt was just made
+    r = Req("d", 64, params("decode", 64))
+    sched.on_new_request(r)
+    assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert sched.build_connector_meta(Out({})).counts == {"refused_channel": 1}
 
 
 def test_counts_are_shipped_once():
@@ -268,20 +370,33 @@ def test_counts_are_shipped_once():
 
 
 def test_decode_asks_its_sidecar_again_when_a_reservation_names_a_newer_incarnation():
-    calls = []
+    hellos = []
+    clients = [FakeClient(), FakeClient()]
 
-    def refresh():
-        calls.append(1)
-        return info("decode", incarnation="inc2")
+    def connect():
+        hellos.append(1)
+        return clients[len(hellos) - 1], info("decode", incarnation=f"inc{len(hellos)}")
 
+    watch = LandingWatch(connect)
+    watch.connect()
     sched = KVPushScheduler(info("decode"), BS, produce=False, consume=True, block_ids_of=BlockTable(),
-                            refresh=refresh)
+                            watch=watch, timing=DecodeTiming(idle_wait_s=0))
+    waiting = Req("waiting", 64, params("decode", 64, "res-0"))
+    sched.on_new_request(waiting)
+    new = Req("new", 64, params("decode", 64, incarnation="inc2"))
+    sched.on_new_request(new)  # the channel is up: no reason to ask (refused)
+    assert hellos == [1]
+    clients[0].broken = True  # the sidecar went away (the reader thread saw the channel close)
     sched.on_new_request(Req("other", 64, params("decode", 64, engine_id="D9", incarnation="inc2")))
-    assert not calls  # another engine's reservation: no reason to ask
-    r = Req("new", 64, params("decode", 64, incarnation="inc2"))
-    sched.on_new_request(r)  # the sidecar restarted: asked once, then accepted
-    assert calls == [1] and sched.get_num_new_matched_tokens(r, 0) == (64, True)
+    assert hellos == [1]  # another engine's reservation: no reason to ask
+    new = Req("new2", 64, params("decode", 64, "res-2", incarnation="inc2"))
+    sched.on_new_request(new)  # the sidecar restarted: asked once, then accepted
+    assert hellos == [1, 1] and sched.get_num_new_matched_tokens(new, 0) == (None, False)
+    assert clients[1].subscribed == ["res-2"]
     for i in range(3):  # reservations of the old incarnation: refused, without asking each time
         sched.on_new_request(Req(f"old{i}", 64, params("decode", 64, incarnation="inc1")))
-    assert calls == [1]  # at most one HELLO a second
-    assert sched.build_connector_meta(Out({})).counts == {"refused_wrong_engine": 4}
+    assert hellos == [1, 1]
+    # The request that waited on the old incarnation is computed locally at once.
+    assert sched.get_num_new_matched_tokens(waiting, 0) == (0, False)
+    counts = sched.build_connector_meta(Out({})).counts
+    assert counts["refused_wrong_engine"] == 5 and counts["load_error_restarted"] == 1
