@@ -37,12 +37,12 @@ GAP_S = 0.25  # between requests: each one's timeline is its own
 MILESTONES = (
     ("reserved", "router: Reserve answered"),
     ("prefill_started", "prefill: the step with the request began (BEGIN)"),
-    ("decode_planned", "decode: the request is waiting for its KV"),
+    ("decode_planned", "decode: the request is waiting for its KV (no blocks yet)"),
     ("first_layer", "prefill: layer 0 staged and pushed"),
     ("last_layer", "prefill: last layer staged and pushed"),
-    ("landed", "decode: LANDED heard from its sidecar"),
+    ("landed", "decode: LANDED heard by its scheduler"),
     ("prefill_done", "prefill: forward pass over"),
-    ("loaded", "decode: KV copied into vLLM's blocks"),
+    ("loaded", "decode: admitted, step prepared, KV copied into vLLM's blocks"),
     ("decode_forward", "decode: forward pass of the request's first token over"),
     ("first_chunk", "router: first streamed chunk from decode"),
 )
@@ -171,8 +171,8 @@ def report(results: dict, n: int) -> str:
                 ("router -> prefill step start (HTTP, tokenize, schedule)", "reserved", "prefill_started"),
                 ("prefill forward up to the last layer's push", "prefill_started", "last_layer"),
                 ("last layer pushed -> decode hears LANDED", "last_layer", "landed"),
-                ("LANDED -> KV copied into decode's blocks", "landed", "loaded"),
-                ("copied -> decode forward of the first token over", "loaded", "decode_forward"),
+                ("LANDED -> admitted, step prepared by vLLM, KV copied", "landed", "loaded"),
+                ("copied -> the forward pass of the first token over", "loaded", "decode_forward"),
                 ("decode forward over -> first chunk at the router", "decode_forward", "first_chunk"))
     for what, a, b in segments:
         row = []

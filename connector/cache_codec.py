@@ -19,6 +19,13 @@ layer's flat cache: no per-token Python loop, exact for every ISA the probe
 supports, and verified at start-up (a permutation that is not a bijection is
 refused).
 
+When the map turns out to be a plain axis permutation per K/V part (position =
+base + t*st + h*sh + d*sd, which is what the ``vec`` ISA does: K as [head][dim][token],
+V as [head][token][dim]), ``strided`` is set and reads and writes are strided numpy
+copies over the request's gathered blocks instead of a fancy index per element:
+about 8x faster for a 1024-token load, which is on the time-to-first-token path on
+both sides (staging each layer during prefill, the copy before decode's forward).
+
 Only float32 caches are probed (indices are exact in float32 up to 2**24);
 that is what the CPU build runs. GPU backends use plain layouts and would get
 an identity-like codec from their own probe; that path is not built here.
@@ -27,8 +34,10 @@ an identity-like codec from their own probe; that path is not built here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
 
 class CodecError(RuntimeError):
@@ -108,6 +117,82 @@ class BlockCodec:
 
         return cls.from_writer(block_size, num_kv_heads, head_dim, write)
 
+    # -- layout analysis -------------------------------------------------------------------
+    @functools.cached_property
+    def strides(self) -> tuple[tuple[int, int, int, int], ...] | None:
+        """Per K/V part ``(base, token, head, dim)`` element strides inside a block, when the
+        permutation is one; None when it is not (then every copy goes through the index)."""
+        t, h, d = np.meshgrid(np.arange(self.block_size), np.arange(self.num_kv_heads), np.arange(self.head_dim),
+                              indexing="ij")
+        out = []
+        for kv in range(2):
+            p = self.perm[kv]
+            base = int(p[0, 0, 0])
+            st = int(p[1, 0, 0]) - base if self.block_size > 1 else 0
+            sh = int(p[0, 1, 0]) - base if self.num_kv_heads > 1 else 0
+            sd = int(p[0, 0, 1]) - base if self.head_dim > 1 else 0
+            if not np.array_equal(p, base + st * t + sh * h + sd * d):
+                return None
+            out.append((base, st, sh, sd))
+        return tuple(out)
+
+    def prepare(self, block_ids, start: int, end: int) -> np.ndarray | None:
+        """What ``read``/``write`` of this token range reuse across layers: the element
+        index when the layout needs one, None when strided copies do without."""
+        return None if self.strides is not None else self.token_index(block_ids, start, end)
+
+    def _covering(self, block_ids, start: int, end: int) -> tuple[np.ndarray, int]:
+        if not 0 <= start < end:
+            raise ValueError(f"bad token range [{start}, {end})")
+        bs = self.block_size
+        if (end - 1) // bs >= len(block_ids):
+            raise ValueError(f"tokens [{start}, {end}) need {(end - 1) // bs + 1} blocks, "
+                             f"the request has {len(block_ids)}")
+        first, last = start // bs, (end - 1) // bs
+        return np.asarray(block_ids[first:last + 1], dtype=np.int64), start - first * bs
+
+    def _part_view(self, rows: np.ndarray, kv: int) -> np.ndarray:
+        """K or V of gathered blocks ``rows`` (m, block_elems), as (m, B, H, D): a strided view."""
+        base, st, sh, sd = self.strides[kv]
+        isz = rows.itemsize
+        return as_strided(rows[:, base:], shape=(rows.shape[0], self.block_size, self.num_kv_heads, self.head_dim),
+                          strides=(rows.strides[0], st * isz, sh * isz, sd * isz))
+
+    def _read_strided(self, flat_cache: np.ndarray, block_ids, start: int, end: int) -> np.ndarray:
+        ids, lo = self._covering(block_ids, start, end)
+        rows = flat_cache.reshape(-1, self.block_elems)[ids]
+        m, n = len(ids), end - start
+        out = np.empty((2, m * self.block_size, self.num_kv_heads, self.head_dim), dtype=flat_cache.dtype)
+        for kv in range(2):
+            out[kv].reshape(m, self.block_size, self.num_kv_heads, self.head_dim)[...] = self._part_view(rows, kv)
+        return out if lo == 0 and n == m * self.block_size else np.ascontiguousarray(out[:, lo:lo + n])
+
+    def _write_strided(self, flat_cache: np.ndarray, block_ids, tokens: np.ndarray, start: int, end: int) -> None:
+        ids, lo = self._covering(block_ids, start, end)
+        m, n, bs = len(ids), end - start, self.block_size
+        shape = (self.num_kv_heads, self.head_dim)
+        if tokens.shape != (2, n, *shape):
+            raise ValueError(f"tokens shaped {tokens.shape}, expected {(2, n, *shape)}")
+        blocks = flat_cache.reshape(-1, self.block_elems)
+        # Blocks the range covers whole are written outright; a partial first or last
+        # block is read, merged and written back (its other tokens are kept).
+        j0 = 1 if lo else 0
+        j1 = m - 1 if (lo + n) % bs else m
+        if j1 > j0:
+            rows = np.empty((j1 - j0, self.block_elems), dtype=flat_cache.dtype)
+            a = j0 * bs - lo
+            for kv in range(2):
+                self._part_view(rows, kv)[...] = tokens[kv, a:a + (j1 - j0) * bs].reshape(j1 - j0, bs, *shape)
+            blocks[ids[j0:j1]] = rows
+        for j in sorted({0, m - 1} - set(range(j0, j1))):
+            row = blocks[ids[j:j + 1]]
+            t0, t1 = max(start, (start - lo) + j * bs), min(end, (start - lo) + (j + 1) * bs)
+            at = t0 - ((start - lo) + j * bs)
+            for kv in range(2):
+                view = self._part_view(row, kv)
+                view[0, at:at + (t1 - t0)] = tokens[kv, t0 - start:t1 - start]
+            blocks[ids[j]] = row[0]
+
     # -- token ranges -----------------------------------------------------------------------
     def token_index(self, block_ids, start: int, end: int) -> np.ndarray:
         """Flat element positions ``(2, end - start, heads, head_dim)`` of tokens
@@ -131,12 +216,16 @@ class BlockCodec:
     def read(self, flat_cache: np.ndarray, block_ids, start: int, end: int,
              index: np.ndarray | None = None) -> np.ndarray:
         """Tokens ``[start, end)`` of one layer, canonical ``(2, T, heads, head_dim)`` (a copy)."""
+        if index is None and self.strides is not None:
+            return self._read_strided(flat_cache, block_ids, start, end)
         idx = self.token_index(block_ids, start, end) if index is None else index
         return flat_cache[idx]
 
     def write(self, flat_cache: np.ndarray, block_ids, tokens: np.ndarray, start: int, end: int,
               index: np.ndarray | None = None) -> None:
         """Store canonical ``tokens`` ``(2, T, heads, head_dim)`` as tokens ``[start, end)``."""
+        if index is None and self.strides is not None:
+            return self._write_strided(flat_cache, block_ids, tokens, start, end)
         idx = self.token_index(block_ids, start, end) if index is None else index
         if tokens.shape != idx.shape:
             raise ValueError(f"tokens shaped {tokens.shape}, expected {idx.shape}")

@@ -58,7 +58,8 @@ class _Outbound:
 class _StepPush:
     spec: PushSpec
     out: _Outbound
-    index: np.ndarray | None = None  # cache element positions of the piece's tokens
+    index: np.ndarray | None = None  # cache element positions of the piece's tokens (None: strided copies)
+    prepared: bool = False
     layers: int = 0
     failed: bool = False
 
@@ -226,8 +227,8 @@ class KVPushWorker:
                 continue
             spec = sp.spec
             try:
-                if sp.index is None:
-                    sp.index = self.codec.token_index(spec.block_ids, spec.start, spec.end)
+                if not sp.prepared:
+                    sp.index, sp.prepared = self.codec.prepare(spec.block_ids, spec.start, spec.end), True
                 tokens = self.codec.read(cache, spec.block_ids, spec.start, spec.end, sp.index)
                 reblock.stage_tokens(staging, sp.out.alloc, sp.out.geom, layer,
                                      tokens.view(np.uint8), spec.start, spec.end)
@@ -290,7 +291,7 @@ class KVPushWorker:
             layout = self.info.layout
             if spec.landing_block_size != layout.block_size:
                 raise CodecError(f"landing blocks of {spec.landing_block_size} tokens, pool has {layout.block_size}")
-            index = self.codec.token_index(spec.block_ids, spec.start, spec.end)
+            index = self.codec.prepare(spec.block_ids, spec.start, spec.end)
             for layer, cache in enumerate(self.flat):
                 raw = reblock.gather_tokens(self._landing[layer], spec.landing_block_ids, spec.start, spec.end)
                 self.codec.write(cache, spec.block_ids, raw.view(self.codec.dtype), spec.start, spec.end, index)

@@ -1,6 +1,8 @@
-"""The CPU cache codec's token index (fast, no engine): for any block order and
-token range it names, element by element, the positions a per-token reference
-computes from the probed permutation; and reading then writing it round-trips."""
+"""The CPU cache codec (fast, no engine): for any block order and token range its
+index names, element by element, the positions a per-token reference computes from
+the probed permutation; reading then writing round-trips; and the strided copies
+(the fast path for layouts that are axis permutations) read and write exactly what
+the index path does, leaving every other element of the cache alone."""
 
 from __future__ import annotations
 
@@ -47,3 +49,30 @@ def test_token_index_refuses_ranges_it_cannot_name(codec):
         codec.token_index([0], 5, 5)
     with pytest.raises(ValueError, match="need 2 blocks"):
         codec.token_index([0], 0, BS + 1)
+
+
+def test_the_cpu_layout_is_detected_as_strided(codec):
+    # vLLM's vec ISA: K as [head][dim][token], V as [head][token][dim] inside a block.
+    assert codec.strides == ((0, 1, 2 * BS * DIM, BS), (BS * DIM, DIM, 2 * BS * DIM, 1))
+    shuffled = BlockCodec(BS, HEADS, DIM, np.random.default_rng(0).permutation(codec.block_elems)
+                          .reshape(2, BS, HEADS, DIM))
+    assert shuffled.strides is None and shuffled.prepare([0], 0, 5) is not None  # falls back to the index
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_strided_copies_equal_the_index_path(codec, data):
+    n_blocks = data.draw(st.integers(1, 12))
+    block_ids = data.draw(st.permutations(range(40)))[:n_blocks]
+    start = data.draw(st.integers(0, n_blocks * BS - 1))
+    end = data.draw(st.integers(start + 1, n_blocks * BS))
+    rng = np.random.default_rng(end)
+    cache = rng.random(40 * codec.block_elems).astype(np.float32)
+    idx = codec.token_index(block_ids, start, end)
+    assert codec.prepare(block_ids, start, end) is None
+    assert np.array_equal(codec.read(cache, block_ids, start, end), codec.read(cache, block_ids, start, end, idx))
+    tokens = rng.random((2, end - start, HEADS, DIM)).astype(np.float32)
+    by_index, strided = cache.copy(), cache.copy()
+    codec.write(by_index, block_ids, tokens, start, end, idx)
+    codec.write(strided, block_ids, tokens, start, end)
+    assert np.array_equal(strided, by_index)
