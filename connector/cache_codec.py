@@ -142,6 +142,7 @@ class BlockCodec:
         return None if self.strides is not None else self.token_index(block_ids, start, end)
 
     def _covering(self, block_ids, start: int, end: int) -> tuple[np.ndarray, int]:
+        """The blocks holding tokens ``[start, end)`` and the first token's slot in the first."""
         if not 0 <= start < end:
             raise ValueError(f"bad token range [{start}, {end})")
         bs = self.block_size
@@ -197,20 +198,13 @@ class BlockCodec:
     def token_index(self, block_ids, start: int, end: int) -> np.ndarray:
         """Flat element positions ``(2, end - start, heads, head_dim)`` of tokens
         ``[start, end)`` of a request whose blocks (token order) are ``block_ids``."""
-        if not 0 <= start < end:
-            raise ValueError(f"bad token range [{start}, {end})")
         bs = self.block_size
-        if (end - 1) // bs >= len(block_ids):
-            raise ValueError(f"tokens [{start}, {end}) need {(end - 1) // bs + 1} blocks, "
-                             f"the request has {len(block_ids)}")
-        first, last = start // bs, (end - 1) // bs
-        blocks = np.asarray(block_ids[first:last + 1], dtype=np.int64)
+        blocks, lo = self._covering(block_ids, start, end)
         # Every block of the covering run holds its tokens the same way: the in-block
         # positions broadcast against the blocks' bases (one pass; gathering the perm
         # per token cost 40x more, on the critical path of every load and push).
         cover = self.perm[:, None] + (blocks * self.block_elems)[None, :, None, None, None]  # (2, m, B, H, D)
         cover = cover.reshape(2, len(blocks) * bs, self.num_kv_heads, self.head_dim)
-        lo = start - first * bs
         return cover[:, lo:lo + (end - start)]
 
     def read(self, flat_cache: np.ndarray, block_ids, start: int, end: int,

@@ -28,13 +28,19 @@ def reference(codec: BlockCodec, block_ids, start: int, end: int) -> np.ndarray:
     return out
 
 
+@st.composite
+def token_ranges(draw):
+    """A request's blocks (in token order) and a token range inside them."""
+    n_blocks = draw(st.integers(1, 12))
+    block_ids = draw(st.permutations(range(40)))[:n_blocks]
+    start = draw(st.integers(0, n_blocks * BS - 1))
+    return block_ids, start, draw(st.integers(start + 1, n_blocks * BS))
+
+
 @settings(max_examples=60, deadline=None)
-@given(data=st.data())
-def test_token_index_matches_a_per_token_reference(codec, data):
-    n_blocks = data.draw(st.integers(1, 12))
-    block_ids = data.draw(st.permutations(range(40)))[:n_blocks]
-    start = data.draw(st.integers(0, n_blocks * BS - 1))
-    end = data.draw(st.integers(start + 1, n_blocks * BS))
+@given(r=token_ranges())
+def test_token_index_matches_a_per_token_reference(codec, r):
+    block_ids, start, end = r
     idx = codec.token_index(block_ids, start, end)
     assert np.array_equal(idx, reference(codec, block_ids, start, end))
     cache = np.random.default_rng(start).random(40 * codec.block_elems).astype(np.float32)
@@ -60,12 +66,9 @@ def test_the_cpu_layout_is_detected_as_strided(codec):
 
 
 @settings(max_examples=60, deadline=None)
-@given(data=st.data())
-def test_strided_copies_equal_the_index_path(codec, data):
-    n_blocks = data.draw(st.integers(1, 12))
-    block_ids = data.draw(st.permutations(range(40)))[:n_blocks]
-    start = data.draw(st.integers(0, n_blocks * BS - 1))
-    end = data.draw(st.integers(start + 1, n_blocks * BS))
+@given(r=token_ranges())
+def test_strided_copies_equal_the_index_path(codec, r):
+    block_ids, start, end = r
     rng = np.random.default_rng(end)
     cache = rng.random(40 * codec.block_elems).astype(np.float32)
     idx = codec.token_index(block_ids, start, end)
