@@ -134,8 +134,8 @@ class KVPushConnector(KVConnectorBase_V1):
             self._worker.wait_for_save()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        done, failed = self._worker.transfer_results()
-        return KVConnectorTransferResults(finished_sending=set(), finished_recving=done, failed_recving=failed)
+        self._worker.end_step()  # loads are synchronous: nothing finishes in the background
+        return KVConnectorTransferResults(finished_sending=set(), finished_recving=set(), failed_recving=set())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)

@@ -317,12 +317,12 @@ class KVPushWorker:
         out, self._load_errors = self._load_errors, set()
         return out
 
-    def transfer_results(self) -> tuple[set[str], set[str]]:
-        """Nothing is received asynchronously (loads are synchronous): drains the channel's
-        event copies and flushes the counters."""
-        self.client.events()  # handled by _on_event as they came; drop the client's copies
+    def end_step(self) -> None:
+        """After each step: drop the channel's copies of events (handled as they came, by
+        ``_on_event``) and write the counters if they changed. Nothing is received
+        asynchronously: loads are synchronous."""
+        self.client.events()
         self.counters.flush()
-        return set(), set()
 
     def _call_reconnecting(self, call, after_reconnect=None):
         """``call()``; if the channel turns out to be broken and a fresh one to a

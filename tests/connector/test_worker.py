@@ -88,7 +88,7 @@ def step_prefill(w, pushes, aborts=()):
     for name in NAMES:  # the forward pass: each attention layer, then its save
         w.save_layer(name)
     w.wait_for_save()
-    w.transfer_results()
+    w.end_step()
 
 
 class Req:
@@ -154,7 +154,7 @@ class DecodeEngine:
         meta = self.sched.build_connector_meta(Out(tokens))
         self.worker.bind(meta)
         self.worker.start_loads(meta)
-        self.worker.transfer_results()
+        self.worker.end_step()
         return meta
 
     def finish(self, rid):
@@ -205,7 +205,7 @@ def test_layerwise_chunked_push_lands_in_the_decode_cache_token_for_token(sideca
         assert "load_errors" not in d_counts
         deadline = time.monotonic() + 5
         while pw.counters.get("push_PUSHED") < 1 and time.monotonic() < deadline:
-            pw.transfer_results()  # the sidecar's outcome event
+            pw.end_step()  # the sidecar's outcome event
             time.sleep(0.01)
         assert pw.counters.get("push_PUSHED") == 1
         # The same numbers, from outside the engine.
