@@ -67,6 +67,18 @@ class Plane:
         self.proc.wait(20)
 
 
+async def timed_reserve(client: ControlPlaneClient, model: str, latencies: list) -> bool:
+    """One unary Reserve of one block; its latency appended on success, False on an error."""
+    req = scheduler_pb2.ReserveRequest(request_id=f"b{next(_ids)}", num_tokens=16, model=model)
+    t0 = time.perf_counter()
+    try:
+        await client.scheduler.Reserve(req, metadata=client.metadata, timeout=10)
+    except grpc.aio.AioRpcError:
+        return False
+    latencies.append(time.perf_counter() - t0)
+    return True
+
+
 async def closed_loop(client: ControlPlaneClient, concurrency: int, seconds: float, model: str):
     latencies, errors = [], 0
     stop_at = time.perf_counter() + seconds
@@ -74,13 +86,7 @@ async def closed_loop(client: ControlPlaneClient, concurrency: int, seconds: flo
     async def worker():
         nonlocal errors
         while time.perf_counter() < stop_at:
-            req = scheduler_pb2.ReserveRequest(request_id=f"b{next(_ids)}", num_tokens=16, model=model)
-            t0 = time.perf_counter()
-            try:
-                await client.scheduler.Reserve(req, metadata=client.metadata, timeout=10)
-                latencies.append(time.perf_counter() - t0)
-            except grpc.aio.AioRpcError:
-                errors += 1
+            errors += not await timed_reserve(client, model, latencies)
     started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return latencies, errors, time.perf_counter() - started
@@ -96,13 +102,7 @@ async def spaced(client: ControlPlaneClient, count: int, model: str):
     started = time.perf_counter()
     for _ in range(count):
         await asyncio.sleep(IDLE_GAP_S)
-        req = scheduler_pb2.ReserveRequest(request_id=f"b{next(_ids)}", num_tokens=16, model=model)
-        t0 = time.perf_counter()
-        try:
-            await client.scheduler.Reserve(req, metadata=client.metadata, timeout=10)
-            latencies.append(time.perf_counter() - t0)
-        except grpc.aio.AioRpcError:
-            errors += 1
+        errors += not await timed_reserve(client, model, latencies)
     return latencies, errors, time.perf_counter() - started
 
 
