@@ -9,6 +9,7 @@ import asyncio
 import types
 
 import pytest
+import pytest_asyncio
 
 from kvpush.v1 import types_pb2 as S
 from worker.cp_link import ServiceConfig
@@ -26,66 +27,59 @@ class FakeRegistry:
         return S.Reservation(id=request.reservation_id, state=request.state)
 
 
-def reporter(**cfg) -> tuple[Reporter, FakeRegistry]:
+@pytest_asyncio.fixture
+async def reporting():
+    """A started Reporter on a fake registry, closed after the test."""
     registry = FakeRegistry()
     link = types.SimpleNamespace(client=types.SimpleNamespace(registry=registry, metadata=()))
-    rep = Reporter(link, ServiceConfig(controlplane="x", token="t", model="m", **cfg), "E1", lambda *_: None)
+    rep = Reporter(link, ServiceConfig(controlplane="x", token="t", model="m"), "E1", lambda *_: None)
     rep.start()
-    return rep, registry
-
-
-async def test_a_consumed_within_the_hold_replaces_its_landed():
-    rep, registry = reporter()
     try:
-        rep.report("a", S.LANDED, hold_s=0.2)
-        await asyncio.sleep(0.02)
-        rep.report("a", S.CONSUMED, hold_s=0.2)
-        assert registry.sent == []  # both held so far
-        assert await rep.flush(2.0)  # a flush sends what is held at once
-        assert registry.sent == [("a", "CONSUMED", True)]
-        assert rep.counters["folded"] == 1
+        yield rep, registry
     finally:
         await rep.close()
 
 
-async def test_a_held_report_goes_out_when_its_hold_ends():
-    rep, registry = reporter()
-    try:
-        rep.report("b", S.LANDED, hold_s=0.05)
-        await asyncio.sleep(0.01)
-        assert registry.sent == []
-        await asyncio.sleep(0.2)
-        assert registry.sent == [("b", "LANDED", False)]
-        rep.report("b", S.CONSUMED)  # nothing held any more: an ordinary CONSUMED
-        assert await rep.flush(2.0)
-        assert registry.sent[-1] == ("b", "CONSUMED", False)
-    finally:
-        await rep.close()
+async def test_a_consumed_within_the_hold_replaces_its_landed(reporting):
+    rep, registry = reporting
+    rep.report("a", S.LANDED, hold_s=0.2)
+    await asyncio.sleep(0.02)
+    rep.report("a", S.CONSUMED, hold_s=0.2)
+    assert registry.sent == []  # both held so far
+    assert await rep.flush(2.0)  # a flush sends what is held at once
+    assert registry.sent == [("a", "CONSUMED", True)]
+    assert rep.counters["folded"] == 1
 
 
-async def test_pushing_is_withdrawn_when_the_push_ends_first_and_replaced_by_a_failure():
-    rep, registry = reporter()
-    try:
-        rep.report("c", S.PUSHING, hold_s=0.2)
-        assert rep.withdraw("c", S.PUSHING) and not rep.withdraw("c", S.PUSHING)
-        rep.report("d", S.PUSHING, hold_s=0.2)
-        rep.report("d", S.FAILED, "prefill died")  # not held: sent at once, PUSHING dropped
-        assert await rep.flush(2.0)
-        assert registry.sent == [("d", "FAILED", False)]
-        assert (rep.counters["withdrawn"], rep.counters["folded"]) == (1, 1)
-    finally:
-        await rep.close()
+async def test_a_held_report_goes_out_when_its_hold_ends(reporting):
+    rep, registry = reporting
+    rep.report("b", S.LANDED, hold_s=0.05)
+    await asyncio.sleep(0.01)
+    assert registry.sent == []
+    await asyncio.sleep(0.2)
+    assert registry.sent == [("b", "LANDED", False)]
+    rep.report("b", S.CONSUMED)  # nothing held any more: an ordinary CONSUMED
+    assert await rep.flush(2.0)
+    assert registry.sent[-1] == ("b", "CONSUMED", False)
 
 
-async def test_other_reservations_are_not_held_up_and_order_is_kept():
-    rep, registry = reporter()
-    try:
-        rep.report("e", S.FAILED, "x")
-        rep.report("f", S.LANDED, hold_s=0.1)
-        await asyncio.sleep(0.05)
-        assert registry.sent == [("e", "FAILED", False)]
-        rep.report("f", S.FAILED, "y")
-        assert await rep.flush(2.0)
-        assert registry.sent == [("e", "FAILED", False), ("f", "FAILED", False)]  # never landed=True on FAILED
-    finally:
-        await rep.close()
+async def test_pushing_is_withdrawn_when_the_push_ends_first_and_replaced_by_a_failure(reporting):
+    rep, registry = reporting
+    rep.report("c", S.PUSHING, hold_s=0.2)
+    assert rep.withdraw("c", S.PUSHING) and not rep.withdraw("c", S.PUSHING)
+    rep.report("d", S.PUSHING, hold_s=0.2)
+    rep.report("d", S.FAILED, "prefill died")  # not held: sent at once, PUSHING dropped
+    assert await rep.flush(2.0)
+    assert registry.sent == [("d", "FAILED", False)]
+    assert (rep.counters["withdrawn"], rep.counters["folded"]) == (1, 1)
+
+
+async def test_other_reservations_are_not_held_up_and_order_is_kept(reporting):
+    rep, registry = reporting
+    rep.report("e", S.FAILED, "x")
+    rep.report("f", S.LANDED, hold_s=0.1)
+    await asyncio.sleep(0.05)
+    assert registry.sent == [("e", "FAILED", False)]
+    rep.report("f", S.FAILED, "y")
+    assert await rep.flush(2.0)
+    assert registry.sent == [("e", "FAILED", False), ("f", "FAILED", False)]  # never landed=True on FAILED
