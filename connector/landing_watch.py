@@ -30,12 +30,10 @@ ENDED = (FAILED, CANCELLED, CONSUMED)
 
 
 class LandingWatch:
-    def __init__(self, connect: Callable[[], tuple[SidecarClient, SidecarInfo]],
-                 on_landed: Callable[[str], None] | None = None):
+    def __init__(self, connect: Callable[[], tuple[SidecarClient, SidecarInfo]]):
         self._connect = connect
-        self.on_landed = on_landed  # (reservation id), on the reader thread: tracing
+        self.on_landed: Callable[[str], None] | None = None  # (reservation id), on the reader thread: tracing
         self._client: SidecarClient | None = None
-        self.info: SidecarInfo | None = None
         self._cv = threading.Condition()
         self._states: dict[str, tuple[str, int]] = {}  # reservation -> (last state heard, tokens)
         self._released: dict[str, float] = {}  # reservation -> give-up time (monotonic)
@@ -48,7 +46,7 @@ class LandingWatch:
         """(Re)connect and HELLO; the sidecar may have restarted (a new incarnation)."""
         client, info = self._connect()
         client.on_event = self._on_event
-        old, self._client, self.info = self._client, client, info
+        old, self._client = self._client, client
         if old is not None:
             old.close()
         return info

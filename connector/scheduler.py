@@ -210,7 +210,7 @@ class KVPushScheduler:
             return 0, False
         if time.monotonic() >= st.give_up:
             self._recompute(st, "timeout", f"reservation {res} did not land in time (last state {state or '?'})")
-            self._release(res, time.monotonic() + self.timing.deadline_grace_s)
+            self.watch.release(res, time.monotonic() + self.timing.deadline_grace_s)
             return 0, False
         return None, False  # not landed yet: ask again at the next step
 
@@ -247,9 +247,6 @@ class KVPushScheduler:
         self._fold_idle_waits()
         self.watch.forget(st.params.reservation_id)
 
-    def _release(self, reservation_id: str, give_up: float) -> None:
-        self.watch.release(reservation_id, give_up)
-
     def _fold_idle_waits(self) -> None:
         if self._idle_waits:
             self._count("idle_waits", self._idle_waits)
@@ -265,7 +262,7 @@ class KVPushScheduler:
         if num_external_tokens <= 0:
             # Nothing to load after all (the local prefix cache covers it): let it go.
             self._count("load_skipped_local_hit")
-            self._release(p.reservation_id, st.give_up)
+            self.watch.release(p.reservation_id, st.give_up)
             return
         self.watch.forget(p.reservation_id)
         wait_ms = round((time.monotonic() - st.waiting_since) * 1e3)
@@ -317,7 +314,7 @@ class KVPushScheduler:
         dst = self._decode.pop(rid, None)
         if dst is not None and not dst.decided:
             self._count("loads_abandoned")
-            self._release(dst.params.reservation_id, dst.give_up)  # consumed if it lands
+            self.watch.release(dst.params.reservation_id, dst.give_up)  # consumed if it lands
         return False, None  # blocks are never held past the request
 
     @property
