@@ -33,6 +33,7 @@ from bench.common import ROOT, CpuMeter, pct, update_section, wait_idle  # noqa:
 from controlplane.client import ControlPlaneClient  # noqa: E402
 from controlplane.etcd import EtcdClient, op_delete_prefix, op_put  # noqa: E402
 from controlplane.invariants import check  # noqa: E402
+from controlplane.reserve_stream import ReserveRefused, StreamReserver  # noqa: E402
 from kvpush.etcd_server import EmbeddedEtcd, free_port  # noqa: E402
 from kvpush.simulated import SimulatedEngine  # noqa: E402
 from kvpush.table import markdown, render  # noqa: E402
@@ -67,26 +68,45 @@ class Plane:
         self.proc.wait(20)
 
 
-async def timed_reserve(client: ControlPlaneClient, model: str, latencies: list) -> bool:
-    """One unary Reserve of one block; its latency appended on success, False on an error."""
+REFUSED = (grpc.aio.AioRpcError, ReserveRefused)
+
+
+def unary_call(client: ControlPlaneClient):
+    """Reserve as one unary gRPC call per reservation."""
+    async def call(req: scheduler_pb2.ReserveRequest) -> None:
+        await client.scheduler.Reserve(req, metadata=client.metadata, timeout=10)
+    return call
+
+
+def stream_call(reserver: StreamReserver):
+    """Reserve through the pipelining client: asks ready together share a stream message."""
+    async def call(req: scheduler_pb2.ReserveRequest) -> None:
+        await reserver.reserve(req, timeout=10)
+    return call
+
+
+async def timed_reserve(call, model: str, latencies: list) -> bool:
+    """One Reserve of one block; its latency appended on success, False on an error."""
     req = scheduler_pb2.ReserveRequest(request_id=f"b{next(_ids)}", num_tokens=16, model=model)
     t0 = time.perf_counter()
     try:
-        await client.scheduler.Reserve(req, metadata=client.metadata, timeout=10)
-    except grpc.aio.AioRpcError:
+        await call(req)
+    except REFUSED:
         return False
     latencies.append(time.perf_counter() - t0)
     return True
 
 
-async def closed_loop(client: ControlPlaneClient, concurrency: int, seconds: float, model: str):
+async def closed_loop(call, concurrency: int, seconds: float, model: str):
+    """``concurrency`` callers, each reserving back to back (a router with that many
+    requests arriving at once)."""
     latencies, errors = [], 0
     stop_at = time.perf_counter() + seconds
 
     async def worker():
         nonlocal errors
         while time.perf_counter() < stop_at:
-            errors += not await timed_reserve(client, model, latencies)
+            errors += not await timed_reserve(call, model, latencies)
     started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return latencies, errors, time.perf_counter() - started
@@ -95,41 +115,14 @@ async def closed_loop(client: ControlPlaneClient, concurrency: int, seconds: flo
 IDLE_GAP_S = 0.25  # a lightly loaded router: one request every quarter second
 
 
-async def spaced(client: ControlPlaneClient, count: int, model: str):
+async def spaced(call, count: int, model: str):
     """One Reserve at a time with the machine idle in between: what a lone request pays
     (every process on the path is woken from idle)."""
     latencies, errors = [], 0
     started = time.perf_counter()
     for _ in range(count):
         await asyncio.sleep(IDLE_GAP_S)
-        errors += not await timed_reserve(client, model, latencies)
-    return latencies, errors, time.perf_counter() - started
-
-
-async def closed_loop_stream(client: ControlPlaneClient, concurrency: int, seconds: float, model: str):
-    """``concurrency`` reservations kept outstanding on one ReserveStream."""
-    latencies, errors = [], 0
-    stop_at = time.perf_counter() + seconds
-    sent: dict[int, float] = {}
-    tags = itertools.count()
-    window = asyncio.Semaphore(concurrency)
-
-    async def requests():
-        while time.perf_counter() < stop_at:
-            await window.acquire()
-            tag = next(tags)
-            sent[tag] = time.perf_counter()
-            yield scheduler_pb2.ReserveStreamRequest(tag=tag, reserve=scheduler_pb2.ReserveRequest(
-                request_id=f"s{next(_ids)}", num_tokens=16, model=model))
-
-    started = time.perf_counter()
-    async for msg in client.scheduler.ReserveStream(requests(), metadata=client.metadata):
-        if msg.code == 0:
-            latencies.append(time.perf_counter() - sent.pop(msg.tag))
-        else:
-            sent.pop(msg.tag, None)
-            errors += 1
-        window.release()
+        errors += not await timed_reserve(call, model, latencies)
     return latencies, errors, time.perf_counter() - started
 
 
@@ -145,58 +138,24 @@ async def paced(rate: float, total: int):
         yield i, scheduled
 
 
-async def open_loop(client: ControlPlaneClient, rate: float, seconds: float, model: str):
-    """Send at ``rate``/s; latency counts from each request's scheduled time."""
+async def open_loop(call, rate: float, seconds: float, model: str):
+    """Send at ``rate``/s whatever is outstanding; latency counts from each request's
+    scheduled time, so a stall is not hidden by the sender slowing down."""
     latencies, errors, tasks = [], 0, []
 
     async def one(scheduled: float):
         nonlocal errors
         req = scheduler_pb2.ReserveRequest(request_id=f"o{next(_ids)}", num_tokens=16, model=model)
         try:
-            await client.scheduler.Reserve(req, metadata=client.metadata, timeout=10)
+            await call(req)
             latencies.append(time.perf_counter() - scheduled)
-        except grpc.aio.AioRpcError:
+        except REFUSED:
             errors += 1
     start = time.perf_counter()
     async for _, scheduled in paced(rate, int(rate * seconds)):
         tasks.append(asyncio.create_task(one(scheduled)))
     await asyncio.gather(*tasks)
     return latencies, errors, time.perf_counter() - start
-
-
-async def open_loop_stream(client: ControlPlaneClient, rate: float, seconds: float, model: str):
-    """Open loop over one ReserveStream: requests leave on schedule, whatever is outstanding."""
-    latencies, errors = [], 0
-    scheduled: dict[int, float] = {}
-    total = int(rate * seconds)
-    outbox: asyncio.Queue = asyncio.Queue()
-
-    async def requests():
-        while True:
-            item = await outbox.get()
-            if item is None:
-                return
-            yield item
-
-    async def sender():
-        async for i, at in paced(rate, total):
-            scheduled[i] = at
-            outbox.put_nowait(scheduler_pb2.ReserveStreamRequest(tag=i, reserve=scheduler_pb2.ReserveRequest(
-                request_id=f"os{next(_ids)}", num_tokens=16, model=model)))
-
-    started = time.perf_counter()
-    send = asyncio.create_task(sender())
-    received = 0
-    async for msg in client.scheduler.ReserveStream(requests(), metadata=client.metadata):
-        if msg.code == 0:
-            latencies.append(time.perf_counter() - scheduled.pop(msg.tag))
-        else:
-            errors += 1
-        received += 1
-        if received == total:
-            outbox.put_nowait(None)
-    await send
-    return latencies, errors, time.perf_counter() - started
 
 
 async def etcd_txn_limit(endpoint: str, n: int = 2000, idle_n: int = 12) -> tuple[float, float, float]:
@@ -223,8 +182,7 @@ async def etcd_txn_limit(endpoint: str, n: int = 2000, idle_n: int = 12) -> tupl
 async def run_mode(etcd: EmbeddedEtcd, group_commit: bool, levels, seconds: float, rate: float,
                    stream: bool = False) -> list:
     plane = Plane(etcd.endpoint, group_commit)
-    mode = ("group commit" if group_commit else "1 txn / reservation") + (", ReserveStream" if stream else "")
-    loop_fn = closed_loop_stream if stream else closed_loop
+    mode = ("group commit" if group_commit else "1 txn / reservation") + (", stream client" if stream else ", unary")
     rows = []
     try:
         admin = ControlPlaneClient(plane.address, ADMIN)
@@ -235,7 +193,9 @@ async def run_mode(etcd: EmbeddedEtcd, group_commit: bool, levels, seconds: floa
             await engine.register()
         tenant = await admin.admin.CreateTenant(admin_pb2.CreateTenantRequest(name=model), metadata=admin.metadata)
         client = ControlPlaneClient(plane.address, tenant.token)
-        await closed_loop(client, 8, 0.5, model)  # warm up
+        reserver = StreamReserver(client) if stream else None
+        call = stream_call(reserver) if stream else unary_call(client)
+        await closed_loop(call, 8, 0.5, model)  # warm up
         meter = CpuMeter({"controlplane": psutil.Process(plane.proc.pid), "etcd": psutil.Process(etcd.proc.pid),
                           "client": psutil.Process()})
         async def measure(load: str, run) -> None:
@@ -249,11 +209,10 @@ async def run_mode(etcd: EmbeddedEtcd, group_commit: bool, levels, seconds: floa
                   f"  p99 {rows[-1]['p99']:.2f} ms  errors {errs}", flush=True)
 
         for conc in levels:
-            await measure(f"closed, {conc} concurrent", loop_fn(client, conc, seconds, model))
-        if group_commit and not stream:
-            await measure(f"one at a time, {IDLE_GAP_S:g} s apart", spaced(client, 4 if seconds < 2 else 16, model))
-        open_fn = open_loop_stream if stream else open_loop
-        await measure(f"open, {rate:.0f}/s", open_fn(client, rate, seconds * 1.5, model))
+            await measure(f"closed, {conc} concurrent", closed_loop(call, conc, seconds, model))
+        if group_commit:
+            await measure(f"one at a time, {IDLE_GAP_S:g} s apart", spaced(call, 4 if seconds < 2 else 16, model))
+        await measure(f"open, {rate:.0f}/s", open_loop(call, rate, seconds * 1.5, model))
         # Leave the shared etcd as we found it: the engines die, the replica's reaper
         # ends their reservations (batched), then the bench wipes the prefix so the
         # next mode starts from the same empty registry.
@@ -265,6 +224,8 @@ async def run_mode(etcd: EmbeddedEtcd, group_commit: bool, levels, seconds: floa
             await asyncio.sleep(0.2)
         print(f"  {mode:22s} engines killed: {live} live reservations ended FAILED in "
               f"{time.perf_counter() - t0:.1f} s", flush=True)
+        if reserver is not None:
+            await reserver.close()
         await client.close()
         await admin.close()
     finally:
@@ -320,7 +281,7 @@ async def main() -> None:
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--rate", type=float, default=2000)
     args = parser.parse_args()
-    levels = [1, 16, 64] if args.quick else [1, 8, 32, 128, 256]
+    levels = [1, 16, 64] if args.quick else [1, 8, 32, 64, 128, 256]
     seconds = 1.0 if args.quick else args.seconds
     etcd = EmbeddedEtcd(max_txn_ops=4096).start()
     try:
@@ -333,7 +294,7 @@ async def main() -> None:
         print(f"  limit: one etcd txn p50 {txn_p50 * 1e3:.2f} ms, {txn_rate:.0f} sequential txns/s, "
               f"{txn_idle_p50 * 1e3:.2f} ms after {IDLE_GAP_S:g} s idle", flush=True)
         rows = []
-        for group_commit, stream in ((True, True), (True, False), (False, False)):
+        for group_commit, stream in ((True, True), (True, False), (False, True), (False, False)):
             rows += await run_mode(etcd, group_commit, levels, seconds, args.rate, stream)
         report = await check(etcd.endpoint, allow_orphans=True)
         print(f"  invariants after the run: {'OK' if report.ok else report.summary()}", flush=True)
@@ -348,32 +309,38 @@ async def main() -> None:
         return
     best = {m: max(r["rate"] for r in rows if r["mode"] == m and r["load"].startswith("closed"))
             for m in dict.fromkeys(r["mode"] for r in rows)}
-    gc, single = best["group commit"], best["1 txn / reservation"]
-    gcs = best["group commit, ReserveStream"]
-    open_gc = next(r for r in rows if r["mode"] == "group commit" and r["load"].startswith("open"))
-    idle_gc = next(r for r in rows if r["mode"] == "group commit" and r["load"].startswith("one at a time"))
-    warm_gc = next(r for r in rows if r["mode"] == "group commit" and r["load"] == "closed, 1 concurrent")
+    gcs, gcu = best["group commit, stream client"], best["group commit, unary"]
+    singles, singleu = best["1 txn / reservation, stream client"], best["1 txn / reservation, unary"]
+
+    def row(mode: str, load: str) -> dict:
+        return next(r for r in rows if r["mode"] == mode and r["load"].startswith(load))
+    open_s, open_u = row("group commit, stream client", "open"), row("group commit, unary", "open")
+    idle_s, idle_u = (row(m, "one at a time") for m in ("group commit, stream client", "group commit, unary"))
+    warm_s, warm_u = (row(m, "closed, 1 concurrent") for m in ("group commit, stream client", "group commit, unary"))
     plot(rows, ROOT / "docs" / "reserve.png")
     text = f"""## Reserve: group commit vs one transaction per reservation
 
 Command: `.venv/bin/python bench/reserve.py` (one run, same etcd, same 2-core machine; etcd with fsync on;
 {ENGINES} simulated decode engines of {BLOCKS_PER_ENGINE} blocks per mode; each Reserve takes one block).
-CPU columns are cores used (CPU seconds per wall second) by the control plane, etcd and the load generator,
-which all share the 2 cores.
+Two clients: **stream client** is `controlplane/reserve_stream.py` (what the router uses: one ReserveStream,
+every ask that is ready goes out in one message); **unary** is one `Reserve` call per reservation. "closed, C
+concurrent" is C callers each reserving back to back; "open" sends at a fixed rate whatever is outstanding and
+counts latency from each request's scheduled time. CPU columns are cores used (CPU seconds per wall second)
+by the control plane, etcd and the load generator, which all share the 2 cores.
 
 Limit: one bare etcd transaction takes {txn_p50 * 1e3:.2f} ms p50 ({txn_rate:.0f}/s one at a time), which is
 what one-transaction-per-reservation is bound by. After {IDLE_GAP_S:g} s of idle the same transaction takes
 {txn_idle_p50 * 1e3:.2f} ms: on this VM every process woken from idle costs about a millisecond, so a lone
-Reserve (client, control plane, etcd, and back: the row "one at a time, {IDLE_GAP_S:g} s apart") pays
-{idle_gc['p50']:.2f} ms against {warm_gc['p50']:.2f} ms back to back. That is the Reserve segment of the TTFT
-breakdown below, where requests come a quarter second apart.
+Reserve (the rows "one at a time, {IDLE_GAP_S:g} s apart") pays {idle_s['p50']:.2f} ms over the stream and
+{idle_u['p50']:.2f} ms unary, against {warm_s['p50']:.2f} / {warm_u['p50']:.2f} ms back to back.
 
 {markdown(headers, table)}
 
-- Best throughput, unary Reserve: group commit **{gc:.0f}/s**, one txn per reservation {single:.0f}/s:
-  **{gc / single:.1f}x**. Over one ReserveStream with group commit: **{gcs:.0f}/s** ({gcs / single:.1f}x).
-- Open loop at {args.rate:.0f}/s with group commit: p50 {open_gc['p50']:.2f} ms, p99 {open_gc['p99']:.2f} ms
-  (target p99 <= 5 ms).
+- Best throughput with group commit: **{gcs:.0f}/s** over the stream client, {gcu:.0f}/s unary. One transaction
+  per reservation: {singles:.0f}/s (stream client), {singleu:.0f}/s (unary). Group commit over the stream:
+  **{gcs / singles:.1f}x** the same client without it.
+- Open loop at {args.rate:.0f}/s with group commit: stream client p50 {open_s['p50']:.2f} ms,
+  p99 **{open_s['p99']:.2f} ms**; unary p50 {open_u['p50']:.2f} ms, p99 {open_u['p99']:.2f} ms (target p99 <= 5 ms).
 - Invariants checked in etcd after the run: {'all hold' if report.ok else 'VIOLATED'}.
 
 ![Reserve throughput and latency](reserve.png)

@@ -160,9 +160,9 @@ def report(results: dict, n: int) -> str:
     row_ttft = [f"**{med(r['ttft_ms']):.1f}**" for r in results.values()]
     row_alone = [f"{med(r['alone_ms']):.1f}" for r in results.values()]
     row_ratio = [f"{med(r['ttft_ms']) / med(r['alone_ms']):.2f}x" for r in results.values()]
-    lines += [f"| client: TTFT through the router | " + " | ".join(row_ttft) + " |",
-              f"| limit: prefill engine alone (`max_tokens=1`, client TTFT) | " + " | ".join(row_alone) + " |",
-              f"| TTFT / prefill alone | " + " | ".join(row_ratio) + " |", ""]
+    lines += ["| client: TTFT through the router | " + " | ".join(row_ttft) + " |",
+              "| limit: prefill engine alone (`max_tokens=1`, client TTFT) | " + " | ".join(row_alone) + " |",
+              "| TTFT / prefill alone | " + " | ".join(row_ratio) + " |", ""]
     lines += ["Segments (median of each request's own differences, ms):", "",
               "| segment | " + " | ".join(f"{length}" for length in results) + " |",
               "|---|" + "---:|" * len(results)]

@@ -23,6 +23,7 @@ from kvpush.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2
 
 DEFAULT_DEADLINE_MS = 30_000
 WATCH_QUEUE = 10_000
+MAX_STREAM_ASKS = 1024
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
@@ -57,51 +58,61 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def ReserveStream(self, request_iterator, context):
         tenant = self._auth.tenant(context)
         structlog.contextvars.bind_contextvars(tenant=tenant.name)
-        answers: asyncio.Queue = asyncio.Queue()
+        ready: list = []                  # answers not yet sent
+        wake = asyncio.Event()
         in_flight = 0
         reading = True
 
         def answer(tag: int, started: float, fut: asyncio.Future) -> None:
             exc = fut.exception() if not fut.cancelled() else errors.unavailable("cancelled")
             if exc is None:
-                msg = scheduler_pb2.ReserveStreamResponse(tag=tag, reservation=fut.result().to_proto())
+                msg = scheduler_pb2.ReserveAnswer(tag=tag, reservation=fut.result().to_proto())
                 code = "OK"
             else:
                 api = exc if isinstance(exc, errors.ApiError) else errors.unavailable(str(exc))
-                msg = scheduler_pb2.ReserveStreamResponse(tag=tag, code=api.code.value[0], message=api.message)
+                msg = scheduler_pb2.ReserveAnswer(tag=tag, code=api.code.value[0], message=api.message)
                 code = api.code.name
             metrics.RESERVE_LATENCY.observe(time.perf_counter() - started)
             metrics.RESERVE_RESULTS.labels(code=code).inc()
-            answers.put_nowait(msg)
+            ready.append(msg)
+            wake.set()
 
         async def read() -> None:
             nonlocal in_flight, reading
             try:
                 async for item in request_iterator:
                     started = time.perf_counter()
-                    in_flight += 1
-                    try:
-                        check_parsed(item)
-                        no_unknown_fields(item)
-                        ask = self._validate_reserve(item.reserve, tenant)
-                    except errors.ApiError as exc:
-                        fut = asyncio.get_running_loop().create_future()
-                        fut.set_exception(exc)
-                    else:
-                        fut = self._reserver.submit(ask)
-                    fut.add_done_callback(functools.partial(answer, item.tag, started))
+                    check_parsed(item)
+                    no_unknown_fields(item, deep=False)
+                    if len(item.asks) > MAX_STREAM_ASKS:
+                        raise errors.invalid(f"asks: at most {MAX_STREAM_ASKS} per message, got {len(item.asks)}")
+                    for i, ask_msg in enumerate(item.asks):
+                        in_flight += 1
+                        try:
+                            no_unknown_fields(ask_msg, f"asks[{i}]")
+                            ask = self._validate_reserve(ask_msg.reserve, tenant)
+                        except errors.ApiError as exc:
+                            fut = asyncio.get_running_loop().create_future()
+                            fut.set_exception(exc)
+                        else:
+                            fut = self._reserver.submit(ask)
+                        fut.add_done_callback(functools.partial(answer, ask_msg.tag, started))
             finally:
                 reading = False
-                answers.put_nowait(None)
+                wake.set()
 
         reader = asyncio.create_task(read())
         try:
             while reading or in_flight:
-                msg = await answers.get()
-                if msg is None:
-                    continue
-                in_flight -= 1
-                yield msg
+                await wake.wait()
+                wake.clear()
+                if reader.done() and reader.exception() is not None:
+                    raise reader.exception()
+                if ready:
+                    # Everything a group commit answered goes out in one message.
+                    batch, ready[:] = list(ready), []
+                    in_flight -= len(batch)
+                    yield scheduler_pb2.ReserveStreamResponse(answers=batch)
         finally:
             reader.cancel()
 

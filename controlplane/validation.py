@@ -25,11 +25,14 @@ MAX_NIXL_METADATA = 1 << 20
 MAX_QUOTA = 1 << 31
 
 
-def no_unknown_fields(msg: Message, path: str = "") -> None:
-    """Unknown fields mean a client speaks another API version: refuse, do not guess."""
+def no_unknown_fields(msg: Message, path: str = "", deep: bool = True) -> None:
+    """Unknown fields mean a client speaks another API version: refuse, do not guess.
+    ``deep=False`` checks ``msg``'s own fields only (its parts are checked one by one)."""
     unknown = UnknownFieldSet(msg)
     if len(unknown):
         raise invalid(f"unknown field number {unknown[0].field_number} in {path or msg.DESCRIPTOR.name}")
+    if not deep:
+        return
     for field, value in msg.ListFields():
         if field.message_type is None:
             continue

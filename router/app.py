@@ -40,6 +40,7 @@ def build_app(cfg: RouterConfig, counter: TokenCounter | None = None) -> web.App
         app[DISPATCHER] = Dispatcher(cfg, app[COUNTER], app[CP], app[SESSION])
 
     async def on_cleanup(app: web.Application) -> None:
+        await app[DISPATCHER].close()
         await app[SESSION].close()
         await app[CP].close()
 

@@ -1,7 +1,7 @@
 """One request through P/D: reserve, fan out to prefill and decode at once,
 stream decode's answer back, and clean up whatever way it ends.
 
-    client ──▶ router ──Reserve──▶ control plane
+    client ──▶ router ──Reserve (one shared ReserveStream)──▶ control plane
                   ├──▶ prefill engine: max_tokens=1, kvpush role "prefill" (pushes KV)
                   └──▶ decode engine:  the request, kvpush role "decode" (loads KV) ──▶ client
 
@@ -24,6 +24,7 @@ import grpc
 from aiohttp import web
 
 from controlplane.client import ControlPlaneClient
+from controlplane.reserve_stream import ReserveRefused, StreamReserver
 from kvpush import log
 from kvpush.transfer_params import PushParams
 from kvpush.v1 import scheduler_pb2
@@ -49,6 +50,12 @@ class Dispatcher:
         self.session = session
         self.outstanding: dict[str, int] = {u: 0 for u in cfg.prefill_urls}
         self.outstanding.update({d.url: 0 for d in cfg.decode})
+        # One ReserveStream for all requests: cheaper than a call each, for the
+        # router and the control plane, and concurrent requests share messages.
+        self.reserver = StreamReserver(cp)
+
+    async def close(self) -> None:
+        await self.reserver.close()
 
     def _least_loaded(self, urls) -> str:
         return min(urls, key=lambda u: self.outstanding.get(u, 0))
@@ -72,13 +79,13 @@ class Dispatcher:
         """The reservation, or (None, reason) when serving without push."""
         started = time.perf_counter()
         try:
-            res = await self.cp.scheduler.Reserve(
+            res = await self.reserver.reserve(
                 scheduler_pb2.ReserveRequest(request_id=request_id, num_tokens=num_tokens, model=self.cfg.model,
                                              deadline_ms=self.cfg.deadline_ms),
-                metadata=self.cp.metadata, timeout=self.cfg.reserve_timeout_s)
+                timeout=self.cfg.reserve_timeout_s)
             return res, ""
-        except grpc.aio.AioRpcError as exc:
-            return None, exc.code().name.lower()
+        except ReserveRefused as exc:
+            return None, exc.code.name.lower()
         finally:
             metrics.RESERVE_LATENCY.observe(time.perf_counter() - started)
 

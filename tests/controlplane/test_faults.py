@@ -12,6 +12,7 @@ import time
 
 import grpc
 
+from controlplane.reserve_stream import StreamReserver
 from kvpush.simulated import SimulatedEngine
 from kvpush.v1 import registry_pb2, scheduler_pb2, types_pb2
 from tests.conftest import ENGINE_TOKEN, ROOT
@@ -195,14 +196,11 @@ async def test_engine_with_many_reservations_dies(cp, admin, engine_client, etcd
     engine = SimulatedEngine(engine_client, "decode-busy", num_blocks=1000)
     await engine.register()
     tenant = await make_tenant(admin, cp.address, "acme")
-    stream_reqs = [scheduler_pb2.ReserveStreamRequest(tag=i, reserve=scheduler_pb2.ReserveRequest(
-        request_id=f"m{i}", num_tokens=16, model="sim-model")) for i in range(600)]
-
-    async def requests():
-        for r in stream_reqs:
-            yield r
-    answers = [m async for m in tenant.scheduler.ReserveStream(requests(), metadata=tenant.metadata)]
-    assert sum(m.code == 0 for m in answers) == 600
+    reserver = StreamReserver(tenant)
+    granted = await asyncio.gather(*(reserver.reserve(scheduler_pb2.ReserveRequest(
+        request_id=f"m{i}", num_tokens=16, model="sim-model"), timeout=30) for i in range(600)))
+    assert len({r.id for r in granted}) == 600
+    await reserver.close()
     started = time.monotonic()
     await engine.crash()
     report = await settle(etcd.endpoint, until=lambda r: not r.live, timeout=30)

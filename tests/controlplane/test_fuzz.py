@@ -30,10 +30,14 @@ engines = st.builds(types_pb2.Engine, engine_id=texts, role=st.integers(0, 2), m
 # Rotating or deleting the fuzzing tenant itself would leave every later call UNAUTHENTICATED.
 others = texts.filter(lambda name: name != "acme")
 
+reserves = st.builds(scheduler_pb2.ReserveRequest, request_id=texts, num_tokens=u32, model=texts,
+                     preferred_engine_id=texts, deadline_ms=u32, prefill_layout=st.one_of(st.none(), layouts))
+stream_messages = st.lists(st.builds(scheduler_pb2.ReserveStreamRequest, asks=st.lists(st.builds(
+    scheduler_pb2.ReserveAsk, tag=st.integers(0, 2**64 - 1), reserve=reserves), max_size=5)), max_size=3)
+
 CALLS = st.one_of(
-    st.tuples(st.just(("scheduler", "Reserve", "tenant")), st.builds(
-        scheduler_pb2.ReserveRequest, request_id=texts, num_tokens=u32, model=texts,
-        preferred_engine_id=texts, deadline_ms=u32, prefill_layout=st.one_of(st.none(), layouts))),
+    st.tuples(st.just(("scheduler", "Reserve", "tenant")), reserves),
+    st.tuples(st.just(("scheduler", "ReserveStream", "tenant")), stream_messages),
     st.tuples(st.just(("scheduler", "Release", "tenant")), st.builds(
         scheduler_pb2.ReleaseRequest, reservation_id=texts, consumed=st.booleans(), reason=texts)),
     st.tuples(st.just(("scheduler", "GetReservation", "tenant")),
@@ -63,6 +67,14 @@ CALLS = st.one_of(
 )
 
 
+async def stream_answers(stub, messages, client) -> list:
+    async def requests():
+        for msg in messages:
+            yield msg
+    return [a async for msg in stub.ReserveStream(requests(), metadata=client.metadata, timeout=10)
+            for a in msg.answers]
+
+
 async def test_fuzz_every_rpc(cp, admin, engine_client, etcd):
     engine = SimulatedEngine(engine_client, "decode-0", num_blocks=256)
     await engine.register()
@@ -76,7 +88,14 @@ async def test_fuzz_every_rpc(cp, admin, engine_client, etcd):
         client = clients[who]
         stub = getattr(client, service)
         try:
-            await getattr(stub, method)(request, metadata=client.metadata, timeout=10)
+            if method == "ReserveStream":
+                answers = await stream_answers(stub, request, client)
+                for ans in answers:
+                    code = next(c for c in grpc.StatusCode if c.value[0] == ans.code)
+                    assert code == grpc.StatusCode.OK or code in ALLOWED, f"{method}: {code.name}: {ans.message}"
+                assert len(answers) == sum(len(m.asks) for m in request)
+            else:
+                await getattr(stub, method)(request, metadata=client.metadata, timeout=10)
             seen["OK"] = seen.get("OK", 0) + 1
         except grpc.aio.AioRpcError as exc:
             assert exc.code() in ALLOWED, f"{method}: {exc.code().name}: {exc.details()}"

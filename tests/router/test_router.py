@@ -116,10 +116,10 @@ async def test_streaming_passthrough(stack):
     assert s["prefill"].bodies[0]["stream"] is False
 
 
-async def fallbacks(s) -> float:
+async def fallbacks(s, reason: str = "resource_exhausted") -> float:
     import re
     async with s["session"].get(s["url"] + "/metrics") as r:
-        m = re.search(r'kvpush_router_fallbacks_total\{reason="resource_exhausted"\} (\S+)', await r.text())
+        m = re.search(r'kvpush_router_fallbacks_total\{reason="%s"\} (\S+)' % reason, await r.text())
     return float(m.group(1)) if m else 0.0
 
 
@@ -189,3 +189,18 @@ async def test_bad_requests(stack):
         assert (await r.json())["data"][0]["id"] == "tiny"
     async with s["session"].get(s["url"] + "/health") as r:
         assert r.status == 200
+
+
+async def test_control_plane_down_serves_without_push(stack):
+    """The router's shared ReserveStream breaks with the control plane: requests in
+    flight and after are served by decode alone (fallback "unavailable"), none fail."""
+    s = stack
+    async with s["session"].post(s["url"] + "/v1/completions", json={"model": "tiny", "prompt": "a b"}) as r:
+        assert r.status == 200
+    assert "kv_transfer_params" in s["decode"].bodies[-1]
+    await s["cp"].stop(grace=0)
+    for _ in range(2):
+        async with s["session"].post(s["url"] + "/v1/completions", json={"model": "tiny", "prompt": "c d"}) as r:
+            assert r.status == 200
+        assert "kv_transfer_params" not in s["decode"].bodies[-1]
+    assert await fallbacks(s, "unavailable") == 2
