@@ -34,6 +34,7 @@ from controlplane.client import ControlPlaneClient  # noqa: E402
 from controlplane.etcd import EtcdClient, op_delete_prefix, op_put  # noqa: E402
 from controlplane.invariants import check  # noqa: E402
 from controlplane.reserve_stream import ReserveRefused, StreamReserver  # noqa: E402
+from kvpush.aio import freeze_heap  # noqa: E402
 from kvpush.etcd_server import EmbeddedEtcd, free_port  # noqa: E402
 from kvpush.simulated import SimulatedEngine  # noqa: E402
 from kvpush.table import markdown, render  # noqa: E402
@@ -141,7 +142,7 @@ async def paced(rate: float, total: int):
 async def open_loop(call, rate: float, seconds: float, model: str):
     """Send at ``rate``/s whatever is outstanding; latency counts from each request's
     scheduled time, so a stall is not hidden by the sender slowing down."""
-    latencies, errors, tasks = [], 0, []
+    latencies, errors, tasks = [], 0, set()
 
     async def one(scheduled: float):
         nonlocal errors
@@ -153,7 +154,9 @@ async def open_loop(call, rate: float, seconds: float, model: str):
             errors += 1
     start = time.perf_counter()
     async for _, scheduled in paced(rate, int(rate * seconds)):
-        tasks.append(asyncio.create_task(one(scheduled)))
+        task = asyncio.create_task(one(scheduled))
+        tasks.add(task)  # only the outstanding ones: a growing heap makes the generator's own GC pauses longer
+        task.add_done_callback(tasks.discard)
     await asyncio.gather(*tasks)
     return latencies, errors, time.perf_counter() - start
 
@@ -196,6 +199,7 @@ async def run_mode(etcd: EmbeddedEtcd, group_commit: bool, levels, seconds: floa
         reserver = StreamReserver(client) if stream else None
         call = stream_call(reserver) if stream else unary_call(client)
         await closed_loop(call, 8, 0.5, model)  # warm up
+        freeze_heap()  # as the services do: the generator's own GC pauses are not the control plane's latency
         meter = CpuMeter({"controlplane": psutil.Process(plane.proc.pid), "etcd": psutil.Process(etcd.proc.pid),
                           "client": psutil.Process()})
         async def measure(load: str, run) -> None:

@@ -16,3 +16,14 @@ BATCH_SIZE = Histogram("kvpush_reserve_batch_size", "Reservations per group-comm
 BATCH_CONFLICTS = Counter("kvpush_reserve_batch_conflicts_total",
                           "Group commits retried because another replica changed a fence")
 TRANSITIONS = Counter("kvpush_transitions_total", "Lifecycle transitions written", ["to"])
+
+_RESULT_CHILDREN: dict = {}
+
+
+def reserve_answered(seconds: float, code: str) -> None:
+    """One Reserve answered (unary or over the stream): its latency and outcome."""
+    RESERVE_LATENCY.observe(seconds)
+    child = _RESULT_CHILDREN.get(code)
+    if child is None:  # labels() takes a lock and builds a key: once per code, not per call
+        child = _RESULT_CHILDREN[code] = RESERVE_RESULTS.labels(code=code)
+    child.inc()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import random
 import secrets
 
 import grpc
@@ -49,8 +50,14 @@ class ReserveAsk:
         return rec.num_tokens == self.num_tokens and rec.model == self.model
 
 
+# Ids need to be unique across replicas, not secret (every lookup is scoped to the
+# tenant): 96 bits from a generator seeded by the OS, without a getrandom()
+# syscall per reservation.
+_ids = random.Random(secrets.randbits(128))
+
+
 def new_reservation_id() -> str:
-    return "r-" + secrets.token_hex(12)
+    return f"r-{_ids.getrandbits(96):024x}"
 
 
 class Reserver:
@@ -87,6 +94,9 @@ class Reserver:
     async def _run(self) -> None:
         while True:
             batch = [await self._queue.get()]
+            # One loop turn first: asks whose messages arrived with the last commit's
+            # answer are still in the loop's ready queue; let them join this batch.
+            await asyncio.sleep(0)
             limit = self.max_batch if self.batch_all_of_queue else 1
             while len(batch) < limit and not self._queue.empty():
                 batch.append(self._queue.get_nowait())

@@ -51,8 +51,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             code = exc.code.name
             raise
         finally:
-            metrics.RESERVE_LATENCY.observe(time.perf_counter() - started)
-            metrics.RESERVE_RESULTS.labels(code=code).inc()
+            metrics.reserve_answered(time.perf_counter() - started, code)
 
     @streaming
     async def ReserveStream(self, request_iterator, context):
@@ -72,8 +71,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 api = exc if isinstance(exc, errors.ApiError) else errors.unavailable(str(exc))
                 msg = scheduler_pb2.ReserveAnswer(tag=tag, code=api.code.value[0], message=api.message)
                 code = api.code.name
-            metrics.RESERVE_LATENCY.observe(time.perf_counter() - started)
-            metrics.RESERVE_RESULTS.labels(code=code).inc()
+            metrics.reserve_answered(time.perf_counter() - started, code)
             ready.append(msg)
             wake.set()
 
@@ -122,7 +120,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         v.text(request.model, "model", v.MAX_MODEL, v.PRINTABLE)
         deadline = request.deadline_ms or self._default_deadline_ms
         v.in_range(deadline, "deadline_ms", v.MIN_DEADLINE_MS, v.MAX_DEADLINE_MS)
-        if not any(e.record.is_decode and e.record.model == request.model for e in self.view.engines.values()):
+        if not self.view.decode_models.get(request.model):
             raise errors.invalid(f"model {request.model!r} is not served by any registered decode engine")
         if request.preferred_engine_id:
             v.text(request.preferred_engine_id, "preferred_engine_id", 128, v.ENGINE_ID)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import gc
 import os
 import secrets
 
@@ -26,7 +25,7 @@ from controlplane.reserver import Reserver
 from controlplane.scheduler_service import DEFAULT_DEADLINE_MS, SchedulerService
 from controlplane.view import QUARANTINE_MS, View, follow
 from kvpush import log
-from kvpush.aio import until_signalled, write_ready_file
+from kvpush.aio import freeze_heap, until_signalled, write_ready_file
 from kvpush.v1 import admin_pb2, admin_pb2_grpc, registry_pb2, registry_pb2_grpc, scheduler_pb2, \
     scheduler_pb2_grpc
 
@@ -170,11 +169,7 @@ async def serve(cfg: ControlPlaneConfig, ready_file: str | None = None) -> None:
     cp = ControlPlane(cfg)
     await cp.start()
     await cp.view.ready.wait()
-    # Everything alive now (modules, descriptors, the loaded registry) lives for
-    # good: keep it out of every future full collection, which otherwise pauses
-    # the event loop for tens of milliseconds on a large heap.
-    gc.collect()
-    gc.freeze()
+    freeze_heap()
     write_ready_file(ready_file, f"{cp.port}\n")
     await until_signalled()
     _log.info("shutting down")

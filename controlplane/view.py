@@ -66,6 +66,7 @@ class View:
         self.quarantined: list[tuple[int, str, str, str, tuple]] = []  # heap: (release ms, id, engine, incarnation, extents)
         self.revision = 0
         self.engines: dict[str, Entry] = {}
+        self.decode_models: dict[str, int] = {}      # model -> registered decode engines serving it
         self.pool_fences: dict[str, int] = {}
         self.reservations: dict[str, Entry] = {}     # live ones only: ended ones are read from etcd
         self.by_engine: dict[str, set[str]] = {}     # engine -> ids of its live reservations
@@ -246,11 +247,15 @@ class View:
         for rec in affected:
             self._contribute(rec, -1)
         old_entry = self.engines.pop(engine_id, None)
+        if old_entry is not None and old_entry.record.is_decode:
+            self.decode_models[old_entry.record.model] -= 1
         self.allocated.pop(engine_id, None)
         self.free_count.pop(engine_id, None)
         new = None if deleted else EngineRecord.decode(kv.value)
         if new is not None:
             self.engines[engine_id] = Entry(new, revision, kv.lease)
+            if new.is_decode:
+                self.decode_models[new.model] = self.decode_models.get(new.model, 0) + 1
             self.allocated[engine_id] = np.zeros(new.num_blocks, dtype=bool)
             self.free_count[engine_id] = new.num_blocks
         for rec in affected:

@@ -44,6 +44,7 @@ import time
 
 import grpc
 
+from kvpush.aio import freeze_heap, write_ready_file
 from kvpush.layout import KvLayout, LayoutError
 from kvpush.v1 import registry_pb2, types_pb2
 from worker.landing import LandingConfig, LandingEvent, LandingState
@@ -149,14 +150,12 @@ class SidecarService:
             return
         log.info("sidecar %s (%s) registered with %s and serving on %s", self.engine_id, self.sidecar_config.role,
                  self.config.controlplane, self.sidecar_config.socket_path)
+        freeze_heap()
         if self.config.ready_file:
             record = self.sidecar.engine_record().to_dict()
             record.update(role=self.sidecar_config.role, model=self.config.model, lease_id=resp.lease_id,
                           pid=os.getpid(), socket=self.sidecar_config.socket_path)
-            tmp = self.config.ready_file + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(record, f)
-            os.replace(tmp, self.config.ready_file)  # atomic: readers never see half a record
+            write_ready_file(self.config.ready_file, json.dumps(record))
 
     def stats(self) -> dict:
         out = self.sidecar.stats()

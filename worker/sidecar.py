@@ -24,11 +24,10 @@ import asyncio
 import dataclasses
 import json
 import logging
-import os
 import secrets
-import signal
 from typing import Callable
 
+from kvpush.aio import until_signalled, write_ready_file
 from kvpush.layout import KvLayout
 from kvpush.trace import Trace
 from worker import frames as F
@@ -307,18 +306,10 @@ async def _serve(args: argparse.Namespace) -> None:
                            push=PushConfig(transfer_timeout_s=args.transfer_timeout, checksums=args.checksums),
                            **extra)
     sidecar = Sidecar(config)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     await sidecar.start()
     try:
-        if args.record_out:
-            tmp = args.record_out + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(sidecar.engine_record().to_dict(), f)
-            os.replace(tmp, args.record_out)  # atomic: readers never see half a record
-        await stop.wait()
+        write_ready_file(args.record_out, json.dumps(sidecar.engine_record().to_dict()))
+        await until_signalled()
     finally:
         await sidecar.stop()
 
