@@ -33,6 +33,7 @@ from bench.common import ROOT, CpuMeter, pct, update_section, wait_idle  # noqa:
 from controlplane.client import ControlPlaneClient  # noqa: E402
 from controlplane.etcd import EtcdClient, op_delete_prefix, op_put  # noqa: E402
 from controlplane.invariants import check  # noqa: E402
+from controlplane.lifecycle_states import State  # noqa: E402
 from controlplane.reserve_stream import ReserveRefused, StreamReserver  # noqa: E402
 from kvpush.aio import freeze_heap  # noqa: E402
 from kvpush.etcd_server import EmbeddedEtcd, free_port  # noqa: E402
@@ -190,44 +191,47 @@ async def run_mode(etcd: EmbeddedEtcd, group_commit: bool, levels, seconds: floa
     try:
         admin = ControlPlaneClient(plane.address, ADMIN)
         model = f"bench-{'gc' if group_commit else 'single'}{'-stream' if stream else ''}"
-        engines = [SimulatedEngine(admin, f"{model}-d{i}", BLOCKS_PER_ENGINE, model=model, lease_ttl_s=60)
-                   for i in range(ENGINES)]
-        for engine in engines:
-            await engine.register()
         tenant = await admin.admin.CreateTenant(admin_pb2.CreateTenantRequest(name=model), metadata=admin.metadata)
         client = ControlPlaneClient(plane.address, tenant.token)
         reserver = StreamReserver(client) if stream else None
         call = stream_call(reserver) if stream else unary_call(client)
-        await closed_loop(call, 8, 0.5, model)  # warm up
-        freeze_heap()  # as the services do: the generator's own GC pauses are not the control plane's latency
         meter = CpuMeter({"controlplane": psutil.Process(plane.proc.pid), "etcd": psutil.Process(etcd.proc.pid),
                           "client": psutil.Process()})
+        generation = itertools.count()
+        quiet = [psutil.Process(plane.proc.pid), psutil.Process(etcd.proc.pid)]
+
         async def measure(load: str, run) -> None:
+            # Every row starts from an empty registry with fresh engines: reservations of
+            # earlier rows (deadlines are long) would otherwise pile up in the replica.
+            await asyncio.gather(*(asyncio.to_thread(wait_idle, p, window_s=0.5) for p in quiet))
+            engines = [SimulatedEngine(admin, f"{model}-g{next(generation)}-d{i}", BLOCKS_PER_ENGINE, model=model,
+                                       lease_ttl_s=60) for i in range(ENGINES)]
+            for engine in engines:
+                await engine.register()
+            await closed_loop(call, 8, 0.3, model)  # warm up
+            freeze_heap()  # as the services do: the generator's own GC pauses are not the control plane's
             meter.start()
             lat, errs, wall = await run
             cpu = meter.stop()
             rows.append(dict(mode=mode, load=load, ok=len(lat), errors=errs, rate=len(lat) / wall,
                              p50=pct(lat, 50) * 1e3, p99=pct(lat, 99) * 1e3,
                              cpu={k: v / wall for k, v in cpu.items()}))
-            print(f"  {mode:22s} {load:24s} {rows[-1]['rate']:8.0f}/s  p50 {rows[-1]['p50']:.2f} ms"
-                  f"  p99 {rows[-1]['p99']:.2f} ms  errors {errs}", flush=True)
+            # The engines die; the replica's reaper ends their reservations (batched).
+            t0 = time.perf_counter()
+            for engine in engines:
+                await engine.crash()
+            live = await live_count(admin)
+            while await live_count(admin):
+                await asyncio.sleep(0.2)
+            print(f"  {mode:34s} {load:28s} {rows[-1]['rate']:6.0f}/s  p50 {rows[-1]['p50']:6.2f} ms"
+                  f"  p99 {rows[-1]['p99']:7.2f} ms  errors {errs}  ({live} live ended FAILED in "
+                  f"{time.perf_counter() - t0:.1f} s)", flush=True)
 
         for conc in levels:
             await measure(f"closed, {conc} concurrent", closed_loop(call, conc, seconds, model))
         if group_commit:
             await measure(f"one at a time, {IDLE_GAP_S:g} s apart", spaced(call, 4 if seconds < 2 else 16, model))
         await measure(f"open, {rate:.0f}/s", open_loop(call, rate, seconds * 1.5, model))
-        # Leave the shared etcd as we found it: the engines die, the replica's reaper
-        # ends their reservations (batched), then the bench wipes the prefix so the
-        # next mode starts from the same empty registry.
-        t0 = time.perf_counter()
-        for engine in engines:
-            await engine.crash()
-        live = sum(r["ok"] for r in rows)
-        while (await check(etcd.endpoint, allow_orphans=True)).live:
-            await asyncio.sleep(0.2)
-        print(f"  {mode:22s} engines killed: {live} live reservations ended FAILED in "
-              f"{time.perf_counter() - t0:.1f} s", flush=True)
         if reserver is not None:
             await reserver.close()
         await client.close()
@@ -241,6 +245,11 @@ async def run_mode(etcd: EmbeddedEtcd, group_commit: bool, levels, seconds: floa
     waited = await asyncio.to_thread(wait_idle, psutil.Process(etcd.proc.pid))
     print(f"  registry wiped, etcd compacted and idle again after {waited:.1f} s", flush=True)
     return rows
+
+
+async def live_count(admin: ControlPlaneClient) -> int:
+    status = await admin.admin.GetStatus(admin_pb2.GetStatusRequest(), metadata=admin.metadata, timeout=30)
+    return sum(n for state, n in status.reservations_by_state.items() if State[state].live)
 
 
 async def compact_and_defragment(endpoint: str, revision: int) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 
 import grpc
@@ -114,7 +113,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     @unary
     async def GetStatus(self, request, context) -> admin_pb2.StatusResponse:
         self._auth.admin(context)
-        by_state = collections.Counter(e.record.state.name for e in self.view.reservations.values())
+        by_state = self.view.live_by_state()
         by_state.update(self.view.ended)  # ended reservations this replica has seen
         live = sorted((r for r in self.view.live_reservations()), key=lambda r: r.created_ms)
         return admin_pb2.StatusResponse(

@@ -159,10 +159,18 @@ class EtcdClient:
         nested = [r.response_txn.succeeded for r in resp.responses if r.WhichOneof("response") == "response_txn"]
         return TxnResult(resp.succeeded, resp.header.revision, ranges, nested)
 
-    async def get_prefix(self, prefix: bytes, revision: int = 0) -> tuple[list[KV], int]:
-        resp = await self._call(self._kv.Range, rpc.RangeRequest(key=prefix, range_end=prefix_end(prefix),
-                                                                 revision=revision))
-        return [_kv(kv) for kv in resp.kvs], resp.header.revision
+    async def get_prefix(self, prefix: bytes, revision: int = 0, page: int = 5000) -> tuple[list[KV], int]:
+        """Every key under ``prefix`` as of one revision (the first page's, unless given).
+        Read in pages: a registry of 200k reservations is ~100 MB, over gRPC's message limit."""
+        end, start, out = prefix_end(prefix), prefix, []
+        while True:
+            resp = await self._call(self._kv.Range, rpc.RangeRequest(key=start, range_end=end, revision=revision,
+                                                                     limit=page))
+            out += [_kv(kv) for kv in resp.kvs]
+            revision = revision or resp.header.revision
+            if not resp.more or not resp.kvs:
+                return out, revision
+            start = resp.kvs[-1].key + b"\0"
 
     async def get(self, key: bytes) -> KV | None:
         resp = await self._call(self._kv.Range, rpc.RangeRequest(key=key))

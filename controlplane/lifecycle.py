@@ -49,8 +49,7 @@ class Lifecycle:
         Raises ApiError NOT_FOUND (unknown, foreign, or gone), FAILED_PRECONDITION
         (illegal move), UNAVAILABLE (etcd down)."""
         key = keys.reservation(res_id)
-        entry = self._view.reservations.get(res_id)
-        current = (entry.record, entry.mod_revision) if entry else None
+        current = self._view.reservation_at(res_id)
         try:
             if current is None:
                 kv = await self._etcd.get(key)
@@ -85,7 +84,7 @@ class Lifecycle:
                 if result.succeeded:
                     metrics.TRANSITIONS.labels(to=target.name).inc()
                     self._view.apply(KV(key, value, result.revision, result.revision,
-                                        lease if lease is not None else (entry.lease if entry else 0)),
+                                        lease if lease is not None else self._view.reservation_lease(res_id)),
                                      False, result.revision)
                     if target.terminal:
                         self._view.apply(KV(keys.request(rec.tenant, rec.request_id), b"", result.revision,
@@ -95,7 +94,6 @@ class Lifecycle:
                     return new
                 kvs = result.ranges[0] if result.ranges else []
                 current = (ReservationRecord.decode(kvs[0].value), kvs[0].mod_revision) if kvs else None
-                entry = None
             raise errors.unavailable(f"reservation {res_id} changed too often; retry")
         except EtcdUnavailable as exc:
             raise errors.unavailable(f"etcd unavailable: {exc}") from None
@@ -152,18 +150,18 @@ class Lifecycle:
         assert target.terminal
         ended, retry = 0, []
         for chunk in chunks(records, BATCH):
-            entries = [(rec, self._view.reservations.get(rec.id)) for rec in chunk]
-            entries = [(rec, e) for rec, e in entries if e is not None and e.record.state.live]
+            entries = [(rec, self._view.reservation_at(rec.id)) for rec in chunk]
+            entries = [(rec, e) for rec, e in entries if e is not None and e[0].state.live]
             if not entries:
                 continue
             try:
                 lease = await self._leases.tombstone()
                 nested, writes = [], []
-                for rec, entry in entries:
+                for rec, (current, mod_revision) in entries:
                     key = keys.reservation(rec.id)
-                    value = ending(entry.record, target, reason).encode()
+                    value = ending(current, target, reason).encode()
                     req_key = keys.request(rec.tenant, rec.request_id)
-                    nested.append(op_txn([cmp_mod(key, entry.mod_revision)],
+                    nested.append(op_txn([cmp_mod(key, mod_revision)],
                                          [op_put(key, value, lease), op_delete(req_key)]))
                     writes.append((rec, key, value, req_key))
                 result = await self._etcd.txn([], nested)

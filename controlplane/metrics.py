@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import time
+
 from prometheus_client import Counter, Histogram
 
 _LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -27,3 +30,23 @@ def reserve_answered(seconds: float, code: str) -> None:
     if child is None:  # labels() takes a lock and builds a key: once per code, not per call
         child = _RESULT_CHILDREN[code] = RESERVE_RESULTS.labels(code=code)
     child.inc()
+
+
+GC_PAUSE = Histogram("kvpush_gc_pause_seconds", "Garbage-collection pauses of this process (the event loop stops)",
+                     ["generation"], buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25))
+
+
+def watch_gc() -> None:
+    """Time every collection: a full one walks every live reservation, so a replica
+    holding many shows it here first, as tail latency of every call."""
+    if any(getattr(cb, "__name__", "") == "_kvpush_on_gc" for cb in gc.callbacks):
+        return
+    started = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            GC_PAUSE.labels(generation=str(info["generation"])).observe(time.perf_counter() - started[0])
+    on_gc.__name__ = "_kvpush_on_gc"
+    gc.callbacks.append(on_gc)

@@ -16,18 +16,24 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def to_extents(blocks: list[int]) -> list[list[int]]:
-    """Compress sorted-or-not block ids (kept in order) into [start, count] runs."""
+Extents = tuple[tuple[int, int], ...]
+
+
+def to_extents(blocks: list[int]) -> Extents:
+    """Compress sorted-or-not block ids (kept in order) into (start, count) runs.
+    Tuples of ints, not lists: the garbage collector stops tracking them, and a
+    replica holding 100k live reservations pays for every tracked object in each
+    full collection (102 ms with lists, 21 ms without; see view.py)."""
     extents: list[list[int]] = []
     for b in blocks:
         if extents and extents[-1][0] + extents[-1][1] == b:
             extents[-1][1] += 1
         else:
             extents.append([b, 1])
-    return extents
+    return tuple((start, count) for start, count in extents)
 
 
-def from_extents(extents: list[list[int]]) -> list[int]:
+def from_extents(extents: Extents) -> list[int]:
     return [start + i for start, count in extents for i in range(count)]
 
 
@@ -39,7 +45,7 @@ class ReservationRecord:
     engine_id: str
     incarnation: str
     nixl_agent: str
-    extents: list[list[int]]
+    extents: Extents
     block_size: int
     num_tokens: int
     model: str
@@ -75,6 +81,7 @@ class ReservationRecord:
     def decode(cls, raw: bytes) -> "ReservationRecord":
         data = json.loads(raw)
         data["state"] = State[data["state"]]
+        data["extents"] = tuple((start, count) for start, count in data["extents"])
         return cls(**data)
 
     def to_proto(self) -> types_pb2.Reservation:

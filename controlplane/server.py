@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import REGISTRY, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
+from controlplane import metrics
 from controlplane.admin_service import AdminService
 from controlplane.api import add_service
 from controlplane.auth import Auth
@@ -61,10 +62,7 @@ class _ViewCollector:
     def collect(self):
         states = GaugeMetricFamily("kvpush_reservations", "Reservations known to this replica, by state",
                                    labels=["state"])
-        counts: dict[str, int] = {}
-        for entry in self._view.reservations.values():
-            counts[entry.record.state.name] = counts.get(entry.record.state.name, 0) + 1
-        for state, count in sorted(counts.items()):
+        for state, count in sorted(self._view.live_by_state().items()):
             states.add_metric([state], count)
         yield states
         free = GaugeMetricFamily("kvpush_engine_free_blocks", "Free landing blocks per engine", labels=["engine"])
@@ -170,6 +168,7 @@ async def serve(cfg: ControlPlaneConfig, ready_file: str | None = None) -> None:
     await cp.start()
     await cp.view.ready.wait()
     freeze_heap()
+    metrics.watch_gc()
     write_ready_file(ready_file, f"{cp.port}\n")
     await until_signalled()
     _log.info("shutting down")

@@ -68,7 +68,10 @@ class View:
         self.engines: dict[str, Entry] = {}
         self.decode_models: dict[str, int] = {}      # model -> registered decode engines serving it
         self.pool_fences: dict[str, int] = {}
-        self.reservations: dict[str, Entry] = {}     # live ones only: ended ones are read from etcd
+        # Live reservations only (ended ones are read from etcd), one GC-tracked object
+        # each: every full collection walks them all (see records.to_extents).
+        self.reservations: dict[str, ReservationRecord] = {}
+        self.reservation_revs: dict[str, tuple[int, int]] = {}  # id -> (mod revision, lease)
         self.by_engine: dict[str, set[str]] = {}     # engine -> ids of its live reservations
         self.ended: dict[str, int] = {}              # terminal state name -> count seen by this replica
         self.requests: dict[tuple[str, str], str] = {}
@@ -104,8 +107,12 @@ class View:
         return entry.record if entry else None
 
     def reservation(self, res_id: str) -> ReservationRecord | None:
-        entry = self.reservations.get(res_id)
-        return entry.record if entry else None
+        return self.reservations.get(res_id)
+
+    def reservation_at(self, res_id: str) -> tuple[ReservationRecord, int] | None:
+        """A live reservation and the mod revision it was read at (for compare-and-swap)."""
+        rec = self.reservations.get(res_id)
+        return (rec, self.reservation_revs[res_id][0]) if rec is not None else None
 
     def tenant(self, name: str) -> TenantRecord | None:
         entry = self.tenants.get(name)
@@ -122,10 +129,18 @@ class View:
     def live_reservations(self, engine_id: str | None = None, tenant: str | None = None) -> list[ReservationRecord]:
         if engine_id is not None:
             ids = self.by_engine.get(engine_id, ())
-            records = [self.reservations[i].record for i in ids]
+            records = [self.reservations[i] for i in ids]
         else:
-            records = [e.record for e in self.reservations.values()]
+            records = list(self.reservations.values())
         return [r for r in records if tenant is None or r.tenant == tenant]
+
+    def reservation_lease(self, res_id: str) -> int:
+        """The deadline lease of a live reservation (0 when not known)."""
+        revs = self.reservation_revs.get(res_id)
+        return revs[1] if revs else 0
+
+    def live_by_state(self) -> collections.Counter:
+        return collections.Counter(rec.state.name for rec in self.reservations.values())
 
     def counts(self, rec: ReservationRecord) -> bool:
         """Does ``rec`` hold blocks of a registered engine (live, same incarnation)?"""
@@ -193,7 +208,7 @@ class View:
         if not already_marked:
             self._mark(rec.engine_id, rec.incarnation, rec.extents, True)
         heapq.heappush(self.quarantined, (release, rec.id, rec.engine_id, rec.incarnation,
-                                          tuple(map(tuple, rec.extents))))
+                                          rec.extents))
 
     def release_quarantine(self, now: int | None = None) -> None:
         now = now_ms() if now is None else now
@@ -204,8 +219,8 @@ class View:
     def _apply_reservation(self, res_id: str, kv: KV, deleted: bool, revision: int, record=None) -> None:
         # Only live reservations are kept: the view (and the heap the garbage
         # collector walks) stays the size of the work in flight, not of history.
-        old_entry = self.reservations.pop(res_id, None)
-        old = old_entry.record if old_entry else None
+        old = self.reservations.pop(res_id, None)
+        self.reservation_revs.pop(res_id, None)
         new = None if deleted else (record if record is not None else ReservationRecord.decode(kv.value))
         if old is not None:
             self.by_engine[old.engine_id].discard(res_id)
@@ -225,7 +240,8 @@ class View:
                 self._emit(ReservationChange(old, None, revision, expired=True))
             return
         if new.state.live:
-            self.reservations[res_id] = Entry(new, revision, kv.lease)
+            self.reservations[res_id] = new
+            self.reservation_revs[res_id] = (revision, kv.lease)
             self.by_engine.setdefault(new.engine_id, set()).add(res_id)
             self._contribute(new, +1)
         # The EXPIRED tombstone written after a lease ran out was announced already.
@@ -312,7 +328,7 @@ class View:
 
     def load(self, kvs: list[KV], revision: int) -> None:
         """Replace the whole view with a snapshot taken at ``revision``."""
-        old_res = {rid: e.record for rid, e in self.reservations.items()}
+        old_res = dict(self.reservations)
         self.__init_state()
         self._loading = True
         # Engines first so reservations find their engine when they are counted.
@@ -327,10 +343,10 @@ class View:
         for rid, old in old_res.items():
             if rid not in self.reservations:
                 self._emit(ReservationChange(old, None, revision, expired=old.state.live))
-        for rid, entry in self.reservations.items():
+        for rid, rec in self.reservations.items():
             old = old_res.get(rid)
-            if old is None or old.state != entry.record.state:
-                self._emit(ReservationChange(old, entry.record, revision))
+            if old is None or old.state != rec.state:
+                self._emit(ReservationChange(old, rec, revision))
 
     def __init_state(self) -> None:
         listeners, waiters, ready = self._listeners, self._revision_waiters, self.ready

