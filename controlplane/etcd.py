@@ -51,7 +51,6 @@ class KV:
 class WatchEvent:
     deleted: bool
     kv: KV
-    prev: KV | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +217,7 @@ class EtcdClient:
         requests: asyncio.Queue = asyncio.Queue()
         await requests.put(rpc.WatchRequest(create_request=rpc.WatchCreateRequest(
             key=prefix, range_end=prefix_end(prefix), start_revision=start_revision,
-            prev_kv=True, progress_notify=True)))
+            progress_notify=True)))  # no prev_kv: etcd would read every previous value for nothing
 
         async def request_stream():
             while True:
@@ -231,9 +230,7 @@ class EtcdClient:
                     raise WatchCompacted(resp.compact_revision)
                 if resp.canceled:
                     raise EtcdUnavailable(f"watch canceled: {resp.cancel_reason}")
-                events = [WatchEvent(ev.type == rpc.Event.DELETE, _kv(ev.kv),
-                                     _kv(ev.prev_kv) if ev.HasField("prev_kv") else None)
-                          for ev in resp.events]
+                events = [WatchEvent(ev.type == rpc.Event.DELETE, _kv(ev.kv)) for ev in resp.events]
                 yield resp.header.revision, events
         except grpc.aio.AioRpcError as exc:
             raise EtcdUnavailable(f"watch: {exc.code().name}: {exc.details()}") from exc

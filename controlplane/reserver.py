@@ -124,7 +124,12 @@ class Reserver:
                 continue
             try:
                 await plan.attach_records(self._leases)
-                result = await self._etcd.txn(plan.compares, plan.ops)
+                own = {key: (value, rec) for key, value, _, rec in plan.writes if rec is not None}
+                self._view.expect_own_writes(own)
+                try:
+                    result = await self._etcd.txn(plan.compares, plan.ops)
+                finally:
+                    self._view.forget_own_writes(list(own))
             except EtcdUnavailable as exc:
                 for ask in plan.asks:
                     ask.future.set_exception(errors.unavailable(

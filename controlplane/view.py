@@ -85,6 +85,7 @@ class View:
         self._key_revs: dict[bytes, int] = {}         # newest revision applied per key, deletes too
         self._deleted: collections.deque = collections.deque()  # (revision, key) to prune from _key_revs
         self._expired_ids: dict[str, int] = {}        # ids whose EXPIRED we already announced
+        self._own_writes: dict[bytes, tuple[bytes, object]] = {}
         self._listeners: list[Callable[[object], None]] = []
         self._revision_waiters: list[tuple[int, asyncio.Future]] = []
         self.ready = asyncio.Event()
@@ -148,6 +149,17 @@ class View:
         return engine is not None and engine.incarnation == rec.incarnation
 
     # ----- applying changes ------------------------------------------------
+    def expect_own_writes(self, writes: dict[bytes, tuple[bytes, object]]) -> None:
+        """Records this replica is about to write (key -> (value, record)). The watch
+        often brings a write back before the writer has applied it; with the record
+        at hand the view need not decode the JSON it was made from."""
+        self._own_writes.update(writes)
+
+    def forget_own_writes(self, keys_: list[bytes]) -> None:
+        for key in keys_:
+            self._own_writes.pop(key, None)
+
+
     def apply(self, kv: KV, deleted: bool, revision: int, record: object = None) -> None:
         """Apply one put or delete at ``revision`` (idempotent; older ones are ignored).
         ``record``: the decoded value, when the caller wrote it and has it at hand."""
@@ -158,6 +170,10 @@ class View:
             self._deleted.append((revision, kv.key))
         key = kv.key
         if key.startswith(keys.RESERVATIONS):
+            if record is None and not deleted:
+                expected = self._own_writes.get(key)
+                if expected is not None and expected[0] == kv.value:
+                    record = expected[1]
             self._apply_reservation(keys.name_of(key, keys.RESERVATIONS), kv, deleted, revision, record)
         elif key.startswith(keys.ENGINES):
             self._apply_engine(keys.name_of(key, keys.ENGINES), kv, deleted, revision)
