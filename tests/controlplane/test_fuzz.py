@@ -38,6 +38,12 @@ stream_messages = st.lists(st.builds(scheduler_pb2.ReserveStreamRequest, asks=st
 CALLS = st.one_of(
     st.tuples(st.just(("scheduler", "Reserve", "tenant")), reserves),
     st.tuples(st.just(("scheduler", "ReserveStream", "tenant")), stream_messages),
+    st.tuples(st.just(("scheduler", "WatchReservations", "tenant")),
+              st.builds(scheduler_pb2.WatchReservationsRequest, include_snapshot=st.booleans())),
+    st.tuples(st.just(("registry", "WatchEngineReservations", "engine")), st.builds(
+        registry_pb2.WatchEngineReservationsRequest, engine_id=texts, include_snapshot=st.booleans())),
+    st.tuples(st.just(("registry", "Heartbeat", "engine")), st.lists(st.builds(
+        registry_pb2.HeartbeatPing, engine_id=texts, lease_id=st.integers(-2**63, 2**63 - 1)), max_size=3)),
     st.tuples(st.just(("scheduler", "Release", "tenant")), st.builds(
         scheduler_pb2.ReleaseRequest, reservation_id=texts, consumed=st.booleans(), reason=texts)),
     st.tuples(st.just(("scheduler", "GetReservation", "tenant")),
@@ -67,6 +73,21 @@ CALLS = st.one_of(
 )
 
 
+STREAMS_THAT_STAY_OPEN = {"WatchReservations", "WatchEngineReservations", "Heartbeat"}
+
+
+async def drain(stub, method: str, request, client) -> None:
+    if method == "Heartbeat":
+        async def pings():
+            for ping in request:
+                yield ping
+        call = stub.Heartbeat(pings(), metadata=client.metadata, timeout=0.3)
+    else:
+        call = getattr(stub, method)(request, metadata=client.metadata, timeout=0.3)
+    async for _ in call:
+        pass
+
+
 async def stream_answers(stub, messages, client) -> list:
     async def requests():
         for msg in messages:
@@ -88,7 +109,15 @@ async def test_fuzz_every_rpc(cp, admin, engine_client, etcd):
         client = clients[who]
         stub = getattr(client, service)
         try:
-            if method == "ReserveStream":
+            if method in STREAMS_THAT_STAY_OPEN:
+                # A well-formed watch or heartbeat is answered by a stream that stays
+                # open: the client's deadline ends it, which is not an error.
+                try:
+                    await drain(stub, method, request, client)
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                        raise
+            elif method == "ReserveStream":
                 answers = await stream_answers(stub, request, client)
                 for ans in answers:
                     code = next(c for c in grpc.StatusCode if c.value[0] == ans.code)
