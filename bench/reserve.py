@@ -35,7 +35,7 @@ from controlplane.etcd import EtcdClient, op_delete_prefix, op_put  # noqa: E402
 from controlplane.invariants import check  # noqa: E402
 from controlplane.lifecycle_states import State  # noqa: E402
 from controlplane.reserve_stream import ReserveRefused, StreamReserver  # noqa: E402
-from kvpush.aio import freeze_heap  # noqa: E402
+from kvpush.aio import tune_gc  # noqa: E402
 from kvpush.etcd_server import EmbeddedEtcd, free_port  # noqa: E402
 from kvpush.simulated import SimulatedEngine  # noqa: E402
 from kvpush.table import markdown, render  # noqa: E402
@@ -209,7 +209,7 @@ async def run_mode(etcd: EmbeddedEtcd, group_commit: bool, levels, seconds: floa
             for engine in engines:
                 await engine.register()
             await closed_loop(call, 8, 0.3, model)  # warm up
-            freeze_heap()  # as the services do: the generator's own GC pauses are not the control plane's
+            tune_gc()  # as the services do: the generator's own GC pauses are not the control plane's
             meter.start()
             lat, errs, wall = await run
             cpu = meter.stop()

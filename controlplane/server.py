@@ -26,7 +26,7 @@ from controlplane.reserver import Reserver
 from controlplane.scheduler_service import DEFAULT_DEADLINE_MS, SchedulerService
 from controlplane.view import QUARANTINE_MS, View, follow
 from kvpush import log
-from kvpush.aio import freeze_heap, until_signalled, write_ready_file
+from kvpush.aio import tune_gc, until_signalled, write_ready_file
 from kvpush.v1 import admin_pb2, admin_pb2_grpc, registry_pb2, registry_pb2_grpc, scheduler_pb2, \
     scheduler_pb2_grpc
 
@@ -167,7 +167,7 @@ async def serve(cfg: ControlPlaneConfig, ready_file: str | None = None) -> None:
     cp = ControlPlane(cfg)
     await cp.start()
     await cp.view.ready.wait()
-    freeze_heap()
+    tune_gc()
     metrics.watch_gc()
     write_ready_file(ready_file, f"{cp.port}\n")
     await until_signalled()

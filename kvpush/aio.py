@@ -17,13 +17,21 @@ def run(coro):
     return uvloop.run(coro)
 
 
-def freeze_heap() -> None:
-    """Call once a service is set up: everything alive now (modules, descriptors,
-    loaded state) lives for good, so keep it out of every later collection. Without
-    it a full collection walks all of it and pauses the event loop for 10-20 ms
-    (measured in bench/reserve.py's load generator), right on a request's path."""
+GC_THRESHOLDS = (10_000, 10, 10)
+
+
+def tune_gc() -> None:
+    """Call once a service is set up. Everything alive now (modules, descriptors,
+    loaded state) lives for good, so freeze it out of every later collection: without
+    that a full collection walks all of it and pauses the event loop for 10-20 ms
+    (measured in bench/reserve.py's load generator). And collect the young generation
+    every 10,000 allocations rather than 700: a service allocates a few hundred
+    short-lived objects per request, which reference counting frees anyway; at 2,000
+    Reserves/s this took the control plane's p50 from 1.7 to 1.3 ms and its p99 from
+    4.6 to 3.4 ms (median of three runs each)."""
     gc.collect()
     gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
 
 
 def write_ready_file(path: str | None, content: str) -> None:

@@ -12,7 +12,7 @@ from prometheus_client import generate_latest
 
 from controlplane.client import ControlPlaneClient
 from kvpush import log
-from kvpush.aio import freeze_heap, until_signalled, write_ready_file
+from kvpush.aio import tune_gc, until_signalled, write_ready_file
 from router import metrics
 from router.config import RouterConfig
 from router.dispatch import BadRequest, Dispatcher, json_error
@@ -103,7 +103,7 @@ async def serve(cfg: RouterConfig, ready_file: str | None = None) -> None:
     site = web.TCPSite(runner, cfg.listen_host, cfg.listen_port)
     await site.start()
     _log.info("router listening", host=cfg.listen_host, port=cfg.listen_port, model=cfg.model)
-    freeze_heap()
+    tune_gc()
     write_ready_file(ready_file, f"{cfg.listen_port}\n")
     await until_signalled()
     await runner.cleanup()

@@ -44,7 +44,7 @@ import time
 
 import grpc
 
-from kvpush.aio import freeze_heap, write_ready_file
+from kvpush.aio import tune_gc, write_ready_file
 from kvpush.layout import KvLayout, LayoutError
 from kvpush.v1 import registry_pb2, types_pb2
 from worker.landing import LandingConfig, LandingEvent, LandingState
@@ -150,7 +150,7 @@ class SidecarService:
             return
         log.info("sidecar %s (%s) registered with %s and serving on %s", self.engine_id, self.sidecar_config.role,
                  self.config.controlplane, self.sidecar_config.socket_path)
-        freeze_heap()
+        tune_gc()
         if self.config.ready_file:
             record = self.sidecar.engine_record().to_dict()
             record.update(role=self.sidecar_config.role, model=self.config.model, lease_id=resp.lease_id,
