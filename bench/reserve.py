@@ -231,7 +231,11 @@ async def run_mode(etcd: EmbeddedEtcd, group_commit: bool, levels, seconds: floa
             await measure(f"closed, {conc} concurrent", closed_loop(call, conc, seconds, model))
         if group_commit:
             await measure(f"one at a time, {IDLE_GAP_S:g} s apart", spaced(call, 4 if seconds < 2 else 16, model))
-        await measure(f"open, {rate:.0f}/s", open_loop(call, rate, seconds * 2.5, model))  # p99 of ~20k
+        # p99 of ~20k requests, three times over for group commit: it moves run to run.
+        runs = 3 if group_commit else 1
+        for i in range(runs):
+            await measure(f"open, {rate:.0f}/s" + (f" ({i + 1} of {runs})" if runs > 1 else ""),
+                          open_loop(call, rate, seconds * 2.5, model))
         if reserver is not None:
             await reserver.close()
         await client.close()
@@ -327,7 +331,12 @@ async def main() -> None:
 
     def row(mode: str, load: str) -> dict:
         return next(r for r in rows if r["mode"] == mode and r["load"].startswith(load))
-    open_s, open_u = row("group commit, stream client", "open"), row("group commit, unary", "open")
+    def opens(mode: str) -> list[dict]:
+        return [r for r in rows if r["mode"] == mode and r["load"].startswith("open")]
+    open_s, open_u = opens("group commit, stream client"), opens("group commit, unary")
+
+    def p99s(runs: list[dict]) -> str:
+        return " / ".join(f"{r['p99']:.2f}" for r in runs)
     idle_s, idle_u = (row(m, "one at a time") for m in ("group commit, stream client", "group commit, unary"))
     warm_s, warm_u = (row(m, "closed, 1 concurrent") for m in ("group commit, stream client", "group commit, unary"))
     plot(rows, ROOT / "docs" / "reserve.png")
@@ -352,8 +361,11 @@ Reserve (the rows "one at a time, {IDLE_GAP_S:g} s apart") pays {idle_s['p50']:.
 - Best throughput with group commit: **{gcs:.0f}/s** over the stream client, {gcu:.0f}/s unary. One transaction
   per reservation: {singles:.0f}/s (stream client), {singleu:.0f}/s (unary). Group commit over the stream:
   **{gcs / singles:.1f}x** the same client without it.
-- Open loop at {args.rate:.0f}/s with group commit: stream client p50 {open_s['p50']:.2f} ms,
-  p99 **{open_s['p99']:.2f} ms**; unary p50 {open_u['p50']:.2f} ms, p99 {open_u['p99']:.2f} ms (target p99 <= 5 ms).
+- Open loop at {args.rate:.0f}/s with group commit, three runs of {seconds * 2.5:g} s: stream client p99
+  **{p99s(open_s)} ms** (p50 {open_s[0]['p50']:.2f} ms in the first); unary p99 {p99s(open_u)} ms
+  (target p99 <= 5 ms).
+- One transaction per reservation cannot keep up with {args.rate:.0f}/s: its open loop queues without bound
+  (latency grows through the run), and asks older than the client's 10 s timeout count as errors.
 - Invariants checked in etcd after the run: {'all hold' if report.ok else 'VIOLATED'}.
 
 ![Reserve throughput and latency](reserve.png)
