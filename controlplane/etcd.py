@@ -72,6 +72,10 @@ def prefix_end(prefix: bytes) -> bytes:
     return b"\0"
 
 
+def watch_event(ev) -> WatchEvent:
+    return WatchEvent(ev.type == rpc.Event.DELETE, _kv(ev.kv))
+
+
 def _kv(msg) -> KV:
     return KV(msg.key, msg.value, msg.mod_revision, msg.create_revision, msg.lease)
 
@@ -211,9 +215,10 @@ class EtcdClient:
             if exc.code() != grpc.StatusCode.NOT_FOUND:
                 raise
 
-    async def watch_prefix(self, prefix: bytes, start_revision: int) -> AsyncIterator[tuple[int, list[WatchEvent]]]:
-        """Yields (revision, events) from ``start_revision`` on; progress notifications
-        come as empty event lists so idle watchers still learn the current revision."""
+    async def watch_prefix(self, prefix: bytes, start_revision: int) -> AsyncIterator[tuple[int, Sequence]]:
+        """Yields (revision, etcd events) from ``start_revision`` on (``watch_event``
+        turns one into a WatchEvent); progress notifications come as empty event lists
+        so idle watchers still learn the current revision."""
         requests: asyncio.Queue = asyncio.Queue()
         await requests.put(rpc.WatchRequest(create_request=rpc.WatchCreateRequest(
             key=prefix, range_end=prefix_end(prefix), start_revision=start_revision,
@@ -230,8 +235,9 @@ class EtcdClient:
                     raise WatchCompacted(resp.compact_revision)
                 if resp.canceled:
                     raise EtcdUnavailable(f"watch canceled: {resp.cancel_reason}")
-                events = [WatchEvent(ev.type == rpc.Event.DELETE, _kv(ev.kv)) for ev in resp.events]
-                yield resp.header.revision, events
+                # Raw events: one revision can delete tens of thousands of keys (a lease
+                # running out), and the caller converts them a slice at a time.
+                yield resp.header.revision, resp.events
         except grpc.aio.AioRpcError as exc:
             raise EtcdUnavailable(f"watch: {exc.code().name}: {exc.details()}") from exc
         finally:

@@ -119,7 +119,7 @@ class Lifecycle:
         written = 0
         for chunk in chunks(records, BATCH):
             try:
-                lease = await self._leases.tombstone()
+                lease = await self._leases.tombstone(len(chunk))
                 nested, values = [], []
                 for rec in chunk:
                     key = keys.reservation(rec.id)
@@ -155,7 +155,7 @@ class Lifecycle:
             if not entries:
                 continue
             try:
-                lease = await self._leases.tombstone()
+                lease = await self._leases.tombstone(len(entries))
                 nested, writes = [], []
                 for rec, (current, mod_revision) in entries:
                     key = keys.reservation(rec.id)

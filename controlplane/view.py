@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 
 from controlplane import keys
-from controlplane.etcd import KV, EtcdClient, EtcdUnavailable, WatchCompacted
+from controlplane.etcd import KV, EtcdClient, EtcdUnavailable, WatchCompacted, watch_event
 from controlplane.lifecycle_states import State
 from controlplane.records import EngineRecord, ReservationRecord, TenantRecord, now_ms
 from kvpush import log
@@ -31,6 +31,7 @@ _log = log.get("view")
 # long: a prefill sidecar may still have a write in flight into them (its
 # transfer timeout is 2 s), and a late write must never land in someone else's KV.
 QUARANTINE_MS = 5_000
+APPLY_SLICE = 256  # watch events applied per loop turn
 
 
 @dataclasses.dataclass(slots=True)
@@ -382,8 +383,15 @@ async def follow(view: View, etcd: EtcdClient, stop: asyncio.Event) -> None:
             view.ready.set()
             backoff = 0.1
             async for rev, events in etcd.watch_prefix(keys.ROOT, revision + 1):
-                for ev in events:
-                    view.apply(ev.kv, ev.deleted, ev.kv.mod_revision)
+                for first in range(0, len(events), APPLY_SLICE):
+                    if first:
+                        # A lease running out deletes thousands of keys in one revision:
+                        # let Reserves in between (their decisions are fenced in etcd, and
+                        # a view part way through a revision only under-counts frees).
+                        await asyncio.sleep(0)
+                    for raw in events[first:first + APPLY_SLICE]:
+                        ev = watch_event(raw)
+                        view.apply(ev.kv, ev.deleted, ev.kv.mod_revision)
                 view.advance(rev)
                 if stop.is_set():
                     return

@@ -34,3 +34,21 @@ async def test_one_grant_per_second_and_the_next_seconds_ahead():
     assert nxt not in first
     await asyncio.sleep(0.05)
     assert len(etcd.grants) == 4  # and one more ahead (deadline + 3 s)
+
+
+async def test_tombstone_leases_hold_a_bounded_number_of_records(monkeypatch):
+    """etcd deletes a lease's keys in one raft entry that every transaction waits
+    behind, so a second of endings is spread over leases of TOMBSTONE_LEASE_KEYS."""
+    from controlplane import leases as leases_mod
+    etcd = FakeEtcd()
+    leases = LeaseBuckets(etcd)
+    second = 1_000_000
+    monkeypatch.setattr(leases_mod.time, "time", lambda: float(second))
+    got = [await leases.tombstone(100) for _ in range(12)]  # 1,200 records in one second
+    cap = leases_mod.TOMBSTONE_LEASE_KEYS
+    by_lease: dict[int, int] = {}
+    for lease in got:
+        by_lease[lease] = by_lease.get(lease, 0) + 100
+    assert len(by_lease) == -(-1200 // cap) and max(by_lease.values()) <= cap
+    second += 1  # a new second starts a new lease
+    assert await leases.tombstone(1) not in by_lease
