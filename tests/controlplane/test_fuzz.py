@@ -78,10 +78,16 @@ STREAMS_THAT_STAY_OPEN = {"WatchReservations", "WatchEngineReservations", "Heart
 
 async def drain(stub, method: str, request, client) -> None:
     if method == "Heartbeat":
-        async def pings():
-            for ping in request:
-                yield ping
-        call = stub.Heartbeat(pings(), metadata=client.metadata, timeout=0.3)
+        # Ping, then wait for the pong before the next ping, as a sidecar does. (Writing
+        # after the server has refused a ping and ended the call makes grpc's client
+        # record its own failed send, INTERNAL, as the call's status.)
+        call = stub.Heartbeat(metadata=client.metadata, timeout=0.3)
+        for ping in request:
+            await call.write(ping)
+            if await call.read() is grpc.aio.EOF:
+                break
+        else:
+            await call.done_writing()
     else:
         call = getattr(stub, method)(request, metadata=client.metadata, timeout=0.3)
     async for _ in call:

@@ -192,7 +192,12 @@ def test_cancelled_reservation_stops_pending_pushes(sidecars):
             prefill.client.push("c", layer)
         event = wait_state(decode.client, "res-c", 5)
         assert event.state == "FAILED" and "deadline" in event.reason
-        stats = prefill.client.admin("stats")
+        # Staging is freed once NIXL lets go of the writes that were in flight when the
+        # cancel came (push.py: a zombie write must never send a later request's bytes),
+        # which may be a moment after the decode side heard of it.
+        deadline = time.monotonic() + 5
+        while (stats := prefill.client.admin("stats"))["staging_allocations"] and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert stats["staging_allocations"] == 0 and stats.get("cancelled") == 1
         # Layers 2 and 3 were never written.
         for layer in range(2, decode.layout.num_layers):
