@@ -40,6 +40,9 @@ class ReserveRefused(Exception):
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+_STREAM_REFUSALS = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+                    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    grpc.StatusCode.UNIMPLEMENTED}
 
 
 class StreamReserver:
@@ -134,10 +137,11 @@ class StreamReserver:
             reason = "reserver closed"
             raise
         except grpc.aio.AioRpcError as exc:
-            # A refusal of the whole stream (a bad token, say) keeps its code.
-            reason, code = f"stream ended: {exc.details()}", exc.code()
-            if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
-                code = grpc.StatusCode.UNAVAILABLE
+            # A refusal of the whole stream (a bad token, say) keeps its code; anything
+            # else is a broken stream. (A write racing the server's end is reported by
+            # grpc's client as INTERNAL "Internal error from Core".)
+            reason = f"stream ended: {exc.code().name}: {exc.details()}"
+            code = exc.code() if exc.code() in _STREAM_REFUSALS else grpc.StatusCode.UNAVAILABLE
         finally:
             self._broken(call, reason, code)
 
