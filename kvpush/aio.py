@@ -43,10 +43,16 @@ def write_ready_file(path: str | None, content: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-async def until_signalled() -> None:
-    """Return on SIGTERM or SIGINT: the services' shutdown trigger."""
+def stop_on_signals() -> asyncio.Event:
+    """An event set on SIGTERM or SIGINT; install it before slow start-up work so a
+    stop asked for meanwhile is honoured after it, not by the default handler."""
     done = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, done.set)
-    await done.wait()
+    return done
+
+
+async def until_signalled() -> None:
+    """Return on SIGTERM or SIGINT: the services' shutdown trigger."""
+    await stop_on_signals().wait()

@@ -27,7 +27,7 @@ import logging
 import secrets
 from typing import Callable
 
-from kvpush.aio import until_signalled, write_ready_file
+from kvpush.aio import stop_on_signals, write_ready_file
 from kvpush.layout import KvLayout
 from kvpush.trace import Trace
 from worker import frames as F
@@ -306,10 +306,11 @@ async def _serve(args: argparse.Namespace) -> None:
                            push=PushConfig(transfer_timeout_s=args.transfer_timeout, checksums=args.checksums),
                            **extra)
     sidecar = Sidecar(config)
+    stop = stop_on_signals()
     await sidecar.start()
     try:
         write_ready_file(args.record_out, json.dumps(sidecar.engine_record().to_dict()))
-        await until_signalled()
+        await stop.wait()
     finally:
         await sidecar.stop()
 
