@@ -141,7 +141,8 @@ def cmd_router(args) -> None:
     cfg = RouterConfig(controlplane=args.controlplane, token=token, model=args.model,
                        prefill_urls=tuple(u.rstrip("/") for u in args.prefill), decode=parse_decode(args.decode),
                        tokenizer_dir=args.tokenizer or args.model_dir, listen_host=args.host,
-                       listen_port=args.port, deadline_ms=args.deadline_ms)
+                       listen_port=args.port, deadline_ms=args.deadline_ms, max_model_len=args.max_model_len,
+                       max_logprobs=args.max_logprobs)
     aio.run(serve(cfg, args.ready_file))
 
 
@@ -219,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--deadline-ms", type=int, default=30_000)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="the engines' context length (default: asked of the prefill engine)")
+    p.add_argument("--max-logprobs", type=int, default=20, help="the engines' --max-logprobs")
     p.add_argument("--ready-file", default=None)
     p.add_argument("--log-level", default=None)
     p.set_defaults(fn=cmd_router)

@@ -15,7 +15,8 @@ from kvpush import log
 from kvpush.aio import tune_gc, until_signalled, write_ready_file
 from router import metrics
 from router.config import RouterConfig
-from router.dispatch import BadRequest, Dispatcher, json_error
+from router.dispatch import Dispatcher
+from router.errors import ApiError, json_error
 from router.tokens import HFTokenCounter, TokenCounter
 
 _log = log.get("router")
@@ -53,17 +54,20 @@ def build_app(cfg: RouterConfig, counter: TokenCounter | None = None) -> web.App
             outcome = "ok"
             try:
                 try:
-                    body = await request.json()
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    raise BadRequest("body is not JSON")
+                    body = json.loads(await request.read())
+                except web.HTTPRequestEntityTooLarge:
+                    raise ApiError(f"request body is larger than {MAX_BODY} bytes", 413) from None
+                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                    raise ApiError(f"body is not JSON: {exc}") from None
                 if not isinstance(body, dict):
-                    raise BadRequest("body must be a JSON object")
+                    raise ApiError("body must be a JSON object")
                 if "kv_transfer_params" in body:
-                    raise BadRequest("kv_transfer_params is set by the router, not by clients")
+                    raise ApiError("kv_transfer_params is set by the router, not by clients",
+                                   param="kv_transfer_params")
                 return await request.app[DISPATCHER].handle(endpoint, body, request)
-            except BadRequest as exc:
+            except ApiError as exc:
                 outcome = "bad_request"
-                return json_error(str(exc), exc.status)
+                return exc.response()
             except asyncio.CancelledError:
                 outcome = "client_gone"
                 raise

@@ -24,6 +24,8 @@ class RouterConfig:
     reserve_timeout_s: float = 0.5          # past this, serve without push rather than wait
     deadline_ms: int = 30_000               # reservation lifetime
     upstream_timeout_s: float = 600.0
+    max_model_len: int | None = None        # None: asked of the prefill engine (/v1/models)
+    max_logprobs: int = 20                  # the engines' --max-logprobs
 
     def decode_url(self, engine_id: str) -> str | None:
         for engine in self.decode:

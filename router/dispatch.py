@@ -1,15 +1,18 @@
-"""One request through P/D: reserve, fan out to prefill and decode at once,
-stream decode's answer back, and clean up whatever way it ends.
+"""One request through P/D, on the path ``router.ask`` chose for it, cleaned up
+whatever way it ends.
 
-    client ──▶ router ──Reserve (one shared ReserveStream)──▶ control plane
-                  ├──▶ prefill engine: max_tokens=1, kvpush role "prefill" (pushes KV)
-                  └──▶ decode engine:  the request, kvpush role "decode" (loads KV) ──▶ client
+    first_token  Reserve ──▶ prefill (max_tokens=1, pushes KV) ──▶ first token to the client
+                                   └──▶ decode: prompt + that token, loads the KV ──▶ the rest
+    push         Reserve ──▶ prefill (pushes KV) and, at once, decode (loads it, computes every token)
+    prefill_only the prefill engine alone (max_tokens=1)
+    decode_only  a decode engine alone (n > 1, prompt lists, ...)
 
 No reservation (no room, quota, control plane down or slow) never fails the
 request: it goes to a decode engine without kvpush params and decode prefills it
-itself (counted as a fallback). A prefill failure aborts the reservation, so
-decode stops waiting and recomputes. A client disconnect aborts both engine
-requests and the reservation.
+itself (counted as a fallback), and so does a first-token request whose prefill
+engine failed. Every answer that is not a success, a prefill token that ends the
+request, and a client that goes away release the reservation at once: nothing
+waits for its deadline.
 """
 
 from __future__ import annotations
@@ -28,17 +31,14 @@ from controlplane.reserve_stream import ReserveRefused, StreamReserver
 from kvpush import log
 from kvpush.transfer_params import PushParams
 from kvpush.v1 import scheduler_pb2
+from router import ask as asks
 from router import metrics
 from router.config import RouterConfig
+from router.errors import ApiError
+from router.first_token import BadHead, Chunks, Tail, decode_body, final_answer, parse_head, prefill_body
 from router.tokens import TokenCounter
 
 _log = log.get("router")
-
-
-class BadRequest(Exception):
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 class Dispatcher:
@@ -53,6 +53,8 @@ class Dispatcher:
         # One ReserveStream for all requests: cheaper than a call each, for the
         # router and the control plane, and concurrent requests share messages.
         self.reserver = StreamReserver(cp)
+        self._limits: asks.Limits | None = None
+        self._limits_lock = asyncio.Lock()
 
     async def close(self) -> None:
         await self.reserver.close()
@@ -60,20 +62,31 @@ class Dispatcher:
     def _least_loaded(self, urls) -> str:
         return min(urls, key=lambda u: self.outstanding.get(u, 0))
 
-    def count_tokens(self, endpoint: str, body: dict) -> int:
-        try:
-            if endpoint == "chat":
-                messages = body.get("messages")
-                if not isinstance(messages, list) or not messages:
-                    raise BadRequest("messages must be a non-empty list")
-                return self.counter.chat(messages)
-            if "prompt" not in body:
-                raise BadRequest("prompt is required")
-            return self.counter.completion(body["prompt"])
-        except BadRequest:
-            raise
-        except Exception as exc:
-            raise BadRequest(f"cannot tokenize the prompt: {exc}") from None
+    async def limits(self) -> asks.Limits:
+        """The model's context length, from the prefill engine (asked until it answers)."""
+        if self._limits is not None:
+            return self._limits
+        async with self._limits_lock:
+            if self._limits is None:
+                ctx = self.cfg.max_model_len
+                if ctx is None:
+                    ctx = await self._engine_max_model_len()
+                limits = asks.Limits(ctx, self.counter.vocab_size, self.cfg.max_logprobs)
+                if ctx is None:
+                    return limits
+                self._limits = limits
+        return self._limits
+
+    async def _engine_max_model_len(self) -> int | None:
+        for url in self.cfg.prefill_urls:
+            try:
+                async with self.session.get(f"{url}/v1/models", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    for card in (await r.json()).get("data", []):
+                        if card.get("id") == self.cfg.model and card.get("max_model_len"):
+                            return int(card["max_model_len"])
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, TypeError) as exc:
+                _log.warning("cannot read the model's context length", url=url, error=str(exc))
+        return None
 
     async def reserve(self, request_id: str, num_tokens: int):
         """The reservation, or (None, reason) when serving without push."""
@@ -91,7 +104,7 @@ class Dispatcher:
 
     async def release(self, res_id: str, reason: str) -> None:
         try:
-            await self.cp.scheduler.Release(scheduler_pb2.ReleaseRequest(reservation_id=res_id, reason=reason),
+            await self.cp.scheduler.Release(scheduler_pb2.ReleaseRequest(reservation_id=res_id, reason=reason[:500]),
                                             metadata=self.cp.metadata, timeout=5)
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: it ended already
@@ -99,12 +112,19 @@ class Dispatcher:
 
     async def handle(self, endpoint: str, body: dict, request: web.Request) -> web.StreamResponse:
         if body.get("model") not in (None, self.cfg.model):
-            raise BadRequest(f"model {body.get('model')!r} is not served here; try {self.cfg.model!r}", 404)
+            raise ApiError(f"The model `{body.get('model')}` does not exist. Valid aliases: {self.cfg.model}.", 404,
+                           "model")
         started, received_unix = time.perf_counter(), time.time()
-        num_tokens = self.count_tokens(endpoint, body)
-        counted = time.perf_counter()
+        ask = asks.parse(endpoint, body, self.counter, await self.limits())
+        metrics.PATHS.labels(path=ask.path, reason=ask.why or "-").inc()
+        if ask.path == asks.PREFILL_ONLY:
+            return await self._proxy(self._least_loaded(self.cfg.prefill_urls), endpoint, body, request,
+                                     "prefill_only")
+        if ask.path == asks.DECODE_ONLY:
+            return await self._decode_alone(endpoint, body, request, ask.why)
+        timings = {"counted": time.perf_counter()}
         request_id = f"rt-{uuid.uuid4().hex}"
-        res, why = await self.reserve(request_id, num_tokens)
+        res, why = await self.reserve(request_id, ask.num_tokens)
         decode_url = self.cfg.decode_url(res.engine_id) if res is not None else None
         if res is not None and decode_url is None:
             why = "unknown_decode_engine"
@@ -112,48 +132,171 @@ class Dispatcher:
             res = None
         if res is None:
             metrics.FALLBACKS.labels(reason=why).inc()
-            _log.info("serving without push", request_id=request_id, reason=why, num_tokens=num_tokens)
-            return await self._proxy(self._least_loaded([d.url for d in self.cfg.decode]), endpoint, body,
-                                     request, "fallback")
+            _log.info("serving without push", request_id=request_id, reason=why, num_tokens=ask.num_tokens)
+            return await self._decode_alone(endpoint, body, request, why)
+        timings["reserved"] = time.perf_counter()
         params = PushParams.from_reservation(res, "prefill")
-        prefill_url = self._least_loaded(self.cfg.prefill_urls)
-        p_body = prefill_body(body, params)
-        d_body = dict(body, kv_transfer_params=params.for_role("decode").as_kv_transfer_params())
-        timings = {"counted": counted, "reserved": time.perf_counter()}
-        prefill = asyncio.create_task(self._prefill(prefill_url, endpoint, p_body, res.id, timings))
         try:
-            response = await self._proxy(decode_url, endpoint, d_body, request, "push", timings)
-            # One line per request with where its time went: the first place to look
-            # when TTFT is above the prefill's own time.
-            _log.info("served", request_id=request_id, reservation_id=res.id, num_tokens=num_tokens,
-                      received_unix=round(received_unix, 6),
-                      **{f"{k}_ms": round((v - started) * 1e3, 2) for k, v in timings.items()})
-            return response
+            if ask.path == asks.PUSH:
+                response = await self._push(ask, params, decode_url, request, timings)
+            else:
+                response = await self._first_token(ask, params, decode_url, request, timings)
         except BaseException:
-            # Client gone or decode failed: stop the prefill and give the blocks back.
-            prefill.cancel()
-            await asyncio.shield(self.release(res.id, "client disconnected or decode failed"))
+            # Client gone or an engine failed: give the blocks back now, not at the deadline.
+            await asyncio.shield(self.release(res.id, "client disconnected or an engine failed"))
             raise
+        # One line per request with where its time went: the first place to look
+        # when TTFT is above the prefill's own time.
+        _log.info("served", request_id=request_id, reservation_id=res.id, num_tokens=ask.num_tokens, path=ask.path,
+                  received_unix=round(received_unix, 6),
+                  **{f"{k}_ms": round((v - started) * 1e3, 2) for k, v in timings.items()})
+        return response
 
-    async def _prefill(self, url: str, endpoint: str, body: dict, res_id: str, timings: dict) -> None:
-        self.outstanding[url] = self.outstanding.get(url, 0) + 1
-        sent = time.perf_counter()
+    async def _decode_alone(self, endpoint: str, body: dict, request: web.Request, why: str) -> web.StreamResponse:
+        return await self._proxy(self._least_loaded([d.url for d in self.cfg.decode]), endpoint, body, request,
+                                 "fallback" if why not in ("n", "prompt_list", "beam_search", "prompt_embeds")
+                                 else "decode_only")
+
+    # -- push: prefill pushes, decode computes every output token -------------------------------
+    async def _push(self, ask: asks.Ask, params: PushParams, decode_url: str, request: web.Request,
+                    timings: dict) -> web.StreamResponse:
+        prefill_url = self._least_loaded(self.cfg.prefill_urls)
+        p_body = prefill_body(ask.body, params.as_kv_transfer_params(), first_token=False)
+        d_body = dict(ask.body, kv_transfer_params=params.for_role("decode").as_kv_transfer_params())
+        prefill = asyncio.create_task(self._prefill_then_release(prefill_url, ask.endpoint, p_body,
+                                                                 params.reservation_id, timings))
         try:
-            async with self.session.post(f"{url}/v1/{path_of(endpoint)}", json=body) as resp:
-                text = await resp.text()
-                timings["prefill_done"] = time.perf_counter()
-                metrics.PREFILL_LATENCY.observe(timings["prefill_done"] - sent)
-                if resp.status != 200:
-                    raise RuntimeError(f"prefill answered {resp.status}: {text[:200]}")
+            response = await self._proxy(decode_url, ask.endpoint, d_body, request, "push", timings)
+        except BaseException:
+            prefill.cancel()
+            raise
+        if response.status != 200:
+            prefill.cancel()
+            await self.release(params.reservation_id, f"decode answered {response.status}")
+        return response
+
+    async def _prefill_then_release(self, url: str, endpoint: str, body: dict, res_id: str, timings: dict) -> None:
+        try:
+            status, text = await self._post(url, endpoint, body, timings)
+            if status != 200:
+                raise RuntimeError(f"prefill answered {status}: {text[:200]!r}")
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             # Decode is waiting for KV that will not come: end the wait now.
             _log.warning("prefill failed; aborting its reservation", reservation_id=res_id, error=str(exc))
-            await self.release(res_id, f"prefill failed: {exc}"[:500])
+            await self.release(res_id, f"prefill failed: {exc}")
+
+    async def _post(self, url: str, endpoint: str, body: dict, timings: dict) -> tuple[int, bytes]:
+        self.outstanding[url] = self.outstanding.get(url, 0) + 1
+        sent = time.perf_counter()
+        try:
+            async with self.session.post(f"{url}/v1/{path_of(endpoint)}", json=body) as resp:
+                payload = await resp.read()
+                timings["prefill_done"] = time.perf_counter()
+                metrics.PREFILL_LATENCY.observe(timings["prefill_done"] - sent)
+                return resp.status, payload
         finally:
             self.outstanding[url] -= 1
 
+    # -- first token: prefill's token goes out at once, decode continues from it -----------------
+    async def _first_token(self, ask: asks.Ask, params: PushParams, decode_url: str, request: web.Request,
+                           timings: dict) -> web.StreamResponse:
+        res_id = params.reservation_id
+        prefill_url = self._least_loaded(self.cfg.prefill_urls)
+        p_body = prefill_body(ask.body, params.as_kv_transfer_params(), first_token=True)
+        try:
+            status, payload = await self._post(prefill_url, ask.endpoint, p_body, timings)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            status, payload = 502, str(exc).encode()
+        if status != 200:
+            await self.release(res_id, f"prefill answered {status}")
+            if 400 <= status < 500:  # the client's request: decode would refuse it too
+                return web.Response(body=payload, status=status, content_type="application/json")
+            metrics.FALLBACKS.labels(reason="prefill_failed").inc()
+            _log.warning("prefill failed; serving on decode alone", status=status, error=payload[:200])
+            return await self._decode_alone(ask.endpoint, ask.body, request, "prefill_failed")
+        try:
+            head = parse_head(ask.endpoint, json.loads(payload))
+        except (BadHead, ValueError) as exc:
+            await self.release(res_id, "prefill's answer had no token ids")
+            metrics.FALLBACKS.labels(reason="bad_prefill_answer").inc()
+            _log.warning("prefill answer unusable; serving on decode alone", error=str(exc))
+            return await self._decode_alone(ask.endpoint, ask.body, request, "bad_prefill_answer")
+        metrics.TTFT.labels(path="first_token").observe(timings["prefill_done"] - timings["counted"])
+        if head.finished:
+            await self.release(res_id, "the first token ended the request")
+            return await self._head_only(ask, head, request)
+        d_body = decode_body(ask, head, self.cfg.model, params.for_role("decode").as_kv_transfer_params())
+        tail = Tail(ask, head, self.counter.output_text(head.prompt_ids, ask.body.get("skip_special_tokens", True)))
+        return await self._continue(ask, head, tail, decode_url, d_body, request, timings)
+
+    async def _head_only(self, ask: asks.Ask, head, request: web.Request) -> web.StreamResponse:
+        if not ask.stream:
+            return web.json_response(final_answer(ask, head, None))
+        chunks = Chunks(ask, head)
+        out = await _sse(request)
+        usage = head.usage
+        await out.write(chunks.head_events(usage) + chunks.usage_event(usage) + Chunks.DONE)
+        await out.write_eof()
+        return out
+
+    async def _continue(self, ask: asks.Ask, head, tail: Tail, decode_url: str, d_body: dict, request: web.Request,
+                        timings: dict) -> web.StreamResponse:
+        chunks = Chunks(ask, head)
+        self.outstanding[decode_url] += 1
+        call = asyncio.ensure_future(self.session.post(f"{decode_url}/v1/completions", json=d_body))
+        out = None
+        try:
+            if ask.stream:
+                out = await _sse(request)
+                await out.write(chunks.head_events(tail.usage()))
+            resp = await call
+            try:
+                if resp.status != 200:
+                    payload = await resp.read()
+                    await self.release(d_body["kv_transfer_params"]["kvpush"]["reservation_id"],
+                                       f"decode answered {resp.status}")
+                    if out is None:
+                        return web.Response(body=payload, status=resp.status if resp.status < 500 else 502,
+                                            content_type="application/json")
+                    await out.write(chunks.error_event(f"decode answered {resp.status}: {payload[:200]!r}", 502)
+                                    + Chunks.DONE)
+                    await out.write_eof()
+                    return out
+                async for chunk in _events(resp):
+                    if "error" in chunk:
+                        raise _DecodeError(str(chunk["error"]))
+                    piece = tail.add(chunk)
+                    if piece is None:
+                        continue
+                    if "decode_first" not in timings:
+                        timings["decode_first"] = time.perf_counter()
+                        metrics.TOKEN2.observe(timings["decode_first"] - timings["prefill_done"])
+                    if out is not None:
+                        await out.write(chunks.piece(piece, tail.usage()))
+            finally:
+                resp.release()
+            timings["decode_done"] = time.perf_counter()
+            if out is None:
+                return web.json_response(final_answer(ask, head, tail))
+            await out.write(chunks.usage_event(tail.usage()) + Chunks.DONE)
+            await out.write_eof()
+            return out
+        except _DecodeError as exc:
+            await self.release(d_body["kv_transfer_params"]["kvpush"]["reservation_id"], f"decode failed: {exc}")
+            if out is None:
+                return web.json_response({"error": {"message": f"decode failed: {exc}", "type": "BadGatewayError",
+                                                    "param": None, "code": 502}}, status=502)
+            await out.write(chunks.error_event(f"decode failed: {exc}", 502) + Chunks.DONE)
+            await out.write_eof()
+            return out
+        finally:
+            if not call.done():
+                call.cancel()
+            self.outstanding[decode_url] -= 1
+
+    # -- a whole answer from one engine, streamed or not ---------------------------------------
     async def _proxy(self, url: str, endpoint: str, body: dict, request: web.Request, path: str,
                      timings: dict | None = None):
         timings = {} if timings is None else timings
@@ -161,7 +304,7 @@ class Dispatcher:
         self.outstanding[url] = self.outstanding.get(url, 0) + 1
         try:
             async with self.session.post(f"{url}/v1/{path_of(endpoint)}", json=body) as upstream:
-                if not body.get("stream"):
+                if not body.get("stream") or upstream.status != 200:
                     payload = await upstream.read()
                     timings["decode_done"] = time.perf_counter()
                     metrics.TTFT.labels(path=path).observe(timings["decode_done"] - started)
@@ -183,18 +326,29 @@ class Dispatcher:
             self.outstanding[url] -= 1
 
 
-def path_of(endpoint: str) -> str:
-    return "chat/completions" if endpoint == "chat" else "completions"
+class _DecodeError(Exception):
+    pass
 
 
-def prefill_body(body: dict, params: PushParams) -> dict:
-    """The request as the prefill engine gets it: one token, no streaming, push on."""
-    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens", "n")}
-    out.update(max_tokens=1, stream=False, kv_transfer_params=params.as_kv_transfer_params())
+async def _sse(request: web.Request) -> web.StreamResponse:
+    out = web.StreamResponse(status=200)
+    out.content_type = "text/event-stream"
+    out.headers["Cache-Control"] = "no-cache"
+    await out.prepare(request)
     return out
 
 
-def json_error(message: str, status: int) -> web.Response:
-    return web.Response(status=status, content_type="application/json",
-                        text=json.dumps({"error": {"message": message, "type": "invalid_request_error",
-                                                   "code": status}}))
+async def _events(resp: aiohttp.ClientResponse):
+    """The JSON objects of a server-sent event stream, up to ``[DONE]``."""
+    async for line in resp.content:
+        line = line.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return
+        yield json.loads(data)
+
+
+def path_of(endpoint: str) -> str:
+    return "chat/completions" if endpoint == "chat" else "completions"

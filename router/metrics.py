@@ -17,4 +17,8 @@ RESERVE_LATENCY = Histogram("kvpush_router_reserve_seconds", "Reserve round trip
                             registry=REGISTRY)
 PREFILL_LATENCY = Histogram("kvpush_router_prefill_seconds", "Prefill engine's answer (max_tokens=1) as the router "
                             "sees it", buckets=_BUCKETS, registry=REGISTRY)
+PATHS = Counter("kvpush_router_paths_total", "Requests by path (first_token, push, prefill_only, decode_only) and "
+                "why a request is not on the first-token path", ["path", "reason"], registry=REGISTRY)
+TOKEN2 = Histogram("kvpush_router_token2_seconds", "First-token path: the prefill engine's answer to decode's first "
+                   "token (the second token)", buckets=_BUCKETS, registry=REGISTRY)
 IN_FLIGHT = Gauge("kvpush_router_in_flight", "Requests being served", registry=REGISTRY)

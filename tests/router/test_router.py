@@ -29,6 +29,34 @@ class FakeEngine:
         self.stall = asyncio.Event()
         self.stall.set()
         self.cancelled = 0
+        self.answer: tuple[int, dict] | None = None   # a fixed (status, body) answer
+        self.mode = ""          # "token_ids": answer like vLLM with return_token_ids (prefill: one token;
+        self.first = 7          # decode: a stream of ids 10, 11, ... up to max_tokens)
+        self.finish = "length"
+
+    async def _with_token_ids(self, request: web.Request, body: dict):
+        base = {"id": f"cmpl-{self.name}", "created": 1, "model": "tiny"}
+        if not body.get("stream"):
+            choice = {"index": 0, "token_ids": [self.first], "finish_reason": self.finish, "stop_reason": None,
+                      "logprobs": None}
+            if request.path.endswith("/chat/completions"):
+                choice["message"] = {"role": "assistant", "content": f" w{self.first}"}
+                return web.json_response(dict(base, object="chat.completion", usage={"prompt_tokens": 3},
+                                              prompt_token_ids=[1, 2, 3], choices=[choice]))
+            choice.update(text=f" w{self.first}", prompt_token_ids=[1, 2, 3])
+            return web.json_response(dict(base, object="text_completion", usage={"prompt_tokens": 3},
+                                          choices=[choice]))
+        resp = web.StreamResponse()
+        resp.content_type = "text/event-stream"
+        await resp.prepare(request)
+        for i in range(body["max_tokens"]):
+            last = i == body["max_tokens"] - 1
+            chunk = dict(base, choices=[{"index": 0, "text": "(decode's text is not used)", "token_ids": [10 + i],
+                                         "finish_reason": "length" if last else None, "stop_reason": None}])
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        usage = {"prompt_tokens": 4, "completion_tokens": body["max_tokens"]}
+        await resp.write(f"data: {json.dumps(dict(base, choices=[], usage=usage))}\n\ndata: [DONE]\n\n".encode())
+        return resp
 
     def app(self) -> web.Application:
         async def handle(request: web.Request):
@@ -36,8 +64,13 @@ class FakeEngine:
             self.bodies.append(body)
             if self.fail:
                 return web.json_response({"error": "boom"}, status=500)
+            if self.answer is not None:
+                status, payload = self.answer
+                return web.json_response(payload, status=status)
             try:
                 await self.stall.wait()
+                if "token_ids" in self.mode:
+                    return await self._with_token_ids(request, body)
                 if not body.get("stream"):
                     return web.json_response({"object": "text_completion", "engine": self.name,
                                               "choices": [{"text": " hi", "index": 0}]})
@@ -58,6 +91,18 @@ class FakeEngine:
         return app
 
 
+class WordTokenizer(WhitespaceCounter):
+    """A fast-detokenizer stand-in: token id t is the text " w{t}"."""
+    fast = True
+    vocab_size = 1000
+
+    def output_text(self, prompt_ids, skip_special_tokens=True):
+        class Words:
+            def step(self, t):
+                return f" w{t}"
+        return Words()
+
+
 @pytest_asyncio.fixture
 async def stack(cp, admin, engine_client, etcd):
     prefill, decode = FakeEngine("P"), FakeEngine("D")
@@ -71,14 +116,18 @@ async def stack(cp, admin, engine_client, etcd):
     token = tenant.metadata[0][1].split()[1]
     cfg = RouterConfig(controlplane=cp.address, token=token, model="tiny",
                        prefill_urls=(str(servers[0].make_url("")).rstrip("/"),),
-                       decode=(DecodeEngine("decode-0", str(servers[1].make_url("")).rstrip("/")),))
+                       decode=(DecodeEngine("decode-0", str(servers[1].make_url("")).rstrip("/")),),
+                       max_model_len=1000)
     router = TestServer(build_app(cfg, WhitespaceCounter()), handler_cancellation=True)
     await router.start_server()
+    ft = TestServer(build_app(cfg, WordTokenizer()), handler_cancellation=True)
+    await ft.start_server()
     session = aiohttp.ClientSession()
     yield dict(prefill=prefill, decode=decode, url=str(router.make_url("")).rstrip("/"), session=session,
-               tenant=tenant, etcd=etcd, cp=cp)
+               tenant=tenant, etcd=etcd, cp=cp, ft_url=str(ft.make_url("")).rstrip("/"))
     await session.close()
     await router.close()
+    await ft.close()
     for s in servers:
         await s.close()
     await tenant.close()
@@ -175,16 +224,31 @@ async def test_client_disconnect_aborts_everything(stack):
 
 async def test_bad_requests(stack):
     s = stack
-    cases = [({"model": "other", "prompt": "x"}, 404), ({"model": "tiny"}, 400),
+    cases = [({"model": "other", "prompt": "x"}, 404), ({"model": "tiny"}, 400), ({"model": "tiny", "prompt": None}, 400),
+             ({"model": "tiny", "prompt": 5}, 400), ({"model": "tiny", "prompt": "x", "max_tokens": -1}, 400),
+             ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400),
+             ({"model": "tiny", "prompt": "x", "max_tokens": "abc"}, 400),
+             ({"model": "tiny", "prompt": "x", "max_tokens": 10 ** 9}, 400), ({"model": "tiny", "prompt": "x", "n": 0}, 400),
+             ({"model": "tiny", "prompt": " ".join(["w"] * 1000)}, 400),   # longer than the 1000-token context
+             ({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}}, 400),
+             ({"model": "tiny", "prompt": "x", "temperature": -1}, 400), ({"model": "tiny", "prompt": [1, 5000]}, 400),
              ({"model": "tiny", "messages": []}, 400, "/v1/chat/completions"),
              ({"model": "tiny", "prompt": "x", "kv_transfer_params": {}}, 400)]
     for case in cases:
         body, status = case[0], case[1]
         path = case[2] if len(case) > 2 else "/v1/completions"
-        async with s["session"].post(s["url"] + path, json=body) as r:
+        async with s["session"].post(s["ft_url"] + path, json=body) as r:
             assert r.status == status, (body, await r.text())
+            err = (await r.json())["error"]
+            assert err["code"] == status and err["message"], err
     async with s["session"].post(s["url"] + "/v1/completions", data=b"{not json") as r:
-        assert r.status == 400
+        assert r.status == 400 and (await r.json())["error"]["code"] == 400
+    async with s["session"].post(s["url"] + "/v1/completions", data=b" " * (9 << 20)) as r:
+        assert r.status == 413 and (await r.json())["error"]["code"] == 413
+    # Nothing was reserved for any of them, and no engine saw one.
+    assert s["prefill"].bodies == [] and s["decode"].bodies == []
+    report = await settle(s["etcd"].endpoint)
+    assert not report.live, report.summary()
     async with s["session"].get(s["url"] + "/v1/models") as r:
         assert (await r.json())["data"][0]["id"] == "tiny"
     async with s["session"].get(s["url"] + "/health") as r:
@@ -204,3 +268,93 @@ async def test_control_plane_down_serves_without_push(stack):
             assert r.status == 200
         assert "kv_transfer_params" not in s["decode"].bodies[-1]
     assert await fallbacks(s, "unavailable") == 2
+
+
+async def _reservation_state(s, res_id: str, want: int):
+    for _ in range(50):
+        res = await s["tenant"].scheduler.GetReservation(
+            scheduler_pb2.GetReservationRequest(reservation_id=res_id), metadata=s["tenant"].metadata)
+        if res.state == want:
+            break
+        await asyncio.sleep(0.05)
+    return res
+
+
+async def test_first_token_from_prefill_then_decode_continues(stack):
+    s = stack
+    s["prefill"].mode = s["decode"].mode = "token_ids"
+    async with s["session"].post(s["ft_url"] + "/v1/completions", json={
+            "model": "tiny", "prompt": "one two", "max_tokens": 4, "return_token_ids": True}) as r:
+        assert r.status == 200, await r.text()
+        got = await r.json()
+    choice = got["choices"][0]
+    assert choice["text"] == " w7 w10 w11 w12" and choice["token_ids"] == [7, 10, 11, 12]
+    assert got["id"] == "cmpl-P" and choice["finish_reason"] == "length"
+    assert got["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    p, d = s["prefill"].bodies[0], s["decode"].bodies[0]
+    assert p["max_tokens"] == 1 and p["return_token_ids"] is True and p["stream"] is False
+    assert d["prompt"] == [1, 2, 3, 7] and d["max_tokens"] == 3 and d["stream"] is True
+    assert p["kv_transfer_params"]["kvpush"]["reservation_id"] == d["kv_transfer_params"]["kvpush"]["reservation_id"]
+
+    # Streamed: the first event carries prefill's token, then decode's, then usage.
+    async with s["session"].post(s["ft_url"] + "/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True,
+            "stream_options": {"include_usage": True}}) as r:
+        events = [json.loads(line[6:]) for line in (await r.read()).decode().split("\n\n")
+                  if line.startswith("data: {")]
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    content = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
+    assert content == " w7 w10 w11" and events[-1]["usage"]["completion_tokens"] == 3
+    assert all(e["object"] == "chat.completion.chunk" and e["id"] == "cmpl-P" for e in events)
+
+
+async def test_max_tokens_one_is_prefill_alone_and_n_is_decode_alone(stack):
+    s = stack
+    async with s["session"].post(s["ft_url"] + "/v1/completions",
+                                 json={"model": "tiny", "prompt": "a b", "max_tokens": 1}) as r:
+        assert r.status == 200
+    assert len(s["prefill"].bodies) == 1 and "kv_transfer_params" not in s["prefill"].bodies[0]
+    async with s["session"].post(s["ft_url"] + "/v1/completions",
+                                 json={"model": "tiny", "prompt": ["a b", "c"], "max_tokens": 3}) as r:
+        assert r.status == 200
+    async with s["session"].post(s["ft_url"] + "/v1/completions",
+                                 json={"model": "tiny", "prompt": "a b", "max_tokens": 3, "n": 2}) as r:
+        assert r.status == 200
+    assert len(s["decode"].bodies) == 2 and all("kv_transfer_params" not in b for b in s["decode"].bodies)
+    assert len(s["prefill"].bodies) == 1
+    report = await settle(s["etcd"].endpoint)
+    assert not report.live, report.summary()
+
+
+async def test_every_unsuccessful_answer_releases(stack):
+    """Decode refusing what prefill accepted, prefill's token ending the request, prefill
+    refusing: the reservation ends RELEASED at once, never at its deadline."""
+    s = stack
+    s["prefill"].mode = "token_ids"
+    s["decode"].answer = (400, {"error": {"message": "no", "type": "BadRequestError", "param": None, "code": 400}})
+    async with s["session"].post(s["ft_url"] + "/v1/completions",
+                                 json={"model": "tiny", "prompt": "a b", "max_tokens": 5}) as r:
+        assert r.status == 400 and (await r.json())["error"]["message"] == "no"
+    res_id = s["prefill"].bodies[-1]["kv_transfer_params"]["kvpush"]["reservation_id"]
+    assert (await _reservation_state(s, res_id, types_pb2.RELEASED)).state == types_pb2.RELEASED
+    # Today's path too (slow tokenizer): decode's refusal releases.
+    async with s["session"].post(s["url"] + "/v1/completions",
+                                 json={"model": "tiny", "prompt": "a b", "max_tokens": 5}) as r:
+        assert r.status == 400
+    res_id = s["prefill"].bodies[-1]["kv_transfer_params"]["kvpush"]["reservation_id"]
+    assert (await _reservation_state(s, res_id, types_pb2.RELEASED)).state == types_pb2.RELEASED
+    s["decode"].answer = None
+    s["prefill"].finish = "stop"   # the first token is EOS
+    async with s["session"].post(s["ft_url"] + "/v1/completions",
+                                 json={"model": "tiny", "prompt": "a b", "max_tokens": 5}) as r:
+        got = await r.json()
+    assert got["choices"][0]["finish_reason"] == "stop" and got["choices"][0]["text"] == " w7"
+    res_id = s["prefill"].bodies[-1]["kv_transfer_params"]["kvpush"]["reservation_id"]
+    assert (await _reservation_state(s, res_id, types_pb2.RELEASED)).state == types_pb2.RELEASED
+    s["prefill"].answer = (400, {"error": {"message": "bad field", "type": "BadRequestError", "param": "x",
+                                           "code": 400}})
+    async with s["session"].post(s["ft_url"] + "/v1/completions",
+                                 json={"model": "tiny", "prompt": "a b", "max_tokens": 5}) as r:
+        assert r.status == 400 and (await r.json())["error"]["param"] == "x"
+    report = await settle(s["etcd"].endpoint, quiet=True)
+    assert not report.live, report.summary()

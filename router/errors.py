@@ -1,0 +1,28 @@
+"""The router's one error type and its one wire shape: vLLM's OpenAI error object
+(``{"error": {"message", "type", "param", "code"}}``), so a client sees the same
+errors through the router as from an engine."""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLargeError", 502: "BadGatewayError",
+          503: "ServiceUnavailableError"}
+
+
+class ApiError(Exception):
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+    def response(self) -> web.Response:
+        return json_error(str(self), self.status, self.param)
+
+
+def json_error(message: str, status: int, param: str | None = None) -> web.Response:
+    return web.Response(status=status, content_type="application/json",
+                        text=json.dumps({"error": {"message": message, "type": _TYPES.get(status, "Error"),
+                                                   "param": param, "code": status}}))
