@@ -18,7 +18,9 @@ run; each configuration is started, measured and stopped in turn:
                KVPushConnector, and the router (reserve first, prefill and decode at once,
                layer-wise push);
   prefill alone: the limit, measured inside the kvpush stack: the same kind of request
-               with max_tokens=1 straight to the prefill engine, no transfer.
+               with max_tokens=1 straight to the prefill engine, no transfer;
+  decode alone: TPOT's reference: the kvpush stack's decode engine serving plain
+               requests by itself (the same threads as in the pair).
 
 Load, per configuration: for each prompt length, sequential requests, then Poisson
 arrivals at each rate. Every prompt is distinct (no prefix-cache hits); the same
@@ -219,6 +221,11 @@ def measure(name: str, model_dir: str, log_dir: str, prompts: dict, rates: list[
             for length in LENGTHS:
                 say(f"prefill alone: {length}-token prompts, sequential, max_tokens=1")
                 out["phases"][f"prefill-{length}"] = run_sequential(dep.prefill_url, prompts[("p1", length)], 1)
+            # TPOT's reference: the decode engine serving plain requests alone, same threads.
+            for length in LENGTHS:
+                say(f"decode alone: {length}-token prompts, sequential, no transfer")
+                out["phases"][f"decode-{length}"] = run_sequential(dep.stack.decode_url, prompts[("d1", length)],
+                                                                   MAX_TOKENS)
     except Exception as exc:  # noqa: BLE001 - a benchmark reports, it does not crash half-way
         out["status"] = f"error: {type(exc).__name__}: {exc}"
         traceback.print_exc()
@@ -271,6 +278,7 @@ def main() -> None:
         prompts[("warm", L)] = make_prompts(model_dir, L, 1, "warm")
         prompts[("seq", L)] = make_prompts(model_dir, L, n_seq, "seq")
         prompts[("p1", L)] = make_prompts(model_dir, L, n_seq, "p1")
+        prompts[("d1", L)] = make_prompts(model_dir, L, n_seq, "d1")
         for ri, _ in enumerate(rates):
             prompts[("poisson", L, ri)] = make_prompts(model_dir, L, n_poisson, f"poisson{ri}")
     log_dir = tempfile.mkdtemp(prefix="e2e-", dir=str(ROOT / ".kvpush")) if (ROOT / ".kvpush").is_dir() \
@@ -283,7 +291,8 @@ def main() -> None:
         for key, data in results[name]["phases"].items():
             s = summarize(data, 1 if key.startswith("prefill") else MAX_TOKENS)
             say(f"  {name:10s} {key:16s} ok {s['ok']}/{s['n']}  TTFT p50 {fmt(s['ttft_p50_ms'])} ms "
-                f"p90 {fmt(s['ttft_p90_ms'])} ms  TPOT p50 {fmt(s['tpot_p50_ms'], 2)} ms  {fmt(s['req_per_s'], 2)} req/s")
+                f"p90 {fmt(s['ttft_p90_ms'])} ms  token-2 p50 {fmt(s['token2_p50_ms'], 2)} ms  "
+                f"TPOT p50 {fmt(s['tpot_p50_ms'], 2)} ms  {fmt(s['req_per_s'], 2)} req/s")
         say(f"{name}: {results[name]['status']}")
     wall = time.monotonic() - T0
     # Reference texts: the aggregated engine's answer to each prompt, by phase and index.

@@ -64,7 +64,8 @@ def stream_request(url: str, prompt: str, max_tokens: int, timeout: float) -> di
     req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
                                  headers={"content-type": "application/json"})
     started = time.perf_counter()
-    out = {"ok": False, "start": started, "ttft_s": None, "total_s": None, "tokens": 0, "text": "", "error": ""}
+    out = {"ok": False, "start": started, "ttft_s": None, "t2_s": None, "total_s": None, "tokens": 0, "text": "",
+           "error": ""}
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             for line in resp:
@@ -75,6 +76,8 @@ def stream_request(url: str, prompt: str, max_tokens: int, timeout: float) -> di
                 text = "".join(c.get("text", "") for c in chunk.get("choices") or [])
                 if chunk.get("choices") and out["ttft_s"] is None:
                     out["ttft_s"] = time.perf_counter() - started
+                elif chunk.get("choices") and out["t2_s"] is None:
+                    out["t2_s"] = time.perf_counter() - started  # the second token's chunk
                 out["text"] += text
                 if chunk.get("usage"):
                     out["tokens"] = chunk["usage"].get("completion_tokens", 0)
@@ -151,6 +154,9 @@ def summarize(results: list[dict], max_tokens: int) -> dict:
     # percentiles then read "timeout" rather than quietly dropping the slowest requests).
     ttft = [r["ttft_s"] if r.get("ttft_s") is not None else float("inf") for r in results if not r.get("unsent")]
     tpot = [(r["total_s"] - r["ttft_s"]) / max(1, (r["tokens"] or max_tokens) - 1) for r in ok if max_tokens > 1]
+    # Token-2 latency: first token to second. On kvpush's first-token path the first comes
+    # from the prefill engine and the second is decode's first step after the landing.
+    token2 = [r["t2_s"] - r["ttft_s"] for r in ok if r.get("t2_s") is not None]
     span = (max(r["end"] for r in ok) - min(r["start"] for r in ok)) if ok else float("nan")
     return {"n": len(results), "ok": len(ok), "hung": sum(1 for r in results if r.get("hung")),
             "unsent": sum(1 for r in results if r.get("unsent")),
@@ -159,6 +165,7 @@ def summarize(results: list[dict], max_tokens: int) -> dict:
             "errors": sorted({r["error"][:120] for r in results if not r.get("ok")}),
             "ttft_p50_ms": pct_inf(ttft, 50) * 1e3, "ttft_p90_ms": pct_inf(ttft, 90) * 1e3,
             "tpot_p50_ms": pct(tpot, 50) * 1e3 if tpot else float("nan"),
+            "token2_p50_ms": pct(token2, 50) * 1e3 if token2 else float("nan"),
             "req_per_s": len(ok) / span if ok and span > 0 else float("nan"),
             "tok_per_s": sum((r["tokens"] or max_tokens) for r in ok) / span if ok and span > 0 else float("nan"),
             "ttfts_ms": [t * 1e3 for t in ttft if np.isfinite(t)]}

@@ -1,12 +1,14 @@
 """The contract between the router and the connectors: what a request carries in
 vLLM's ``kv_transfer_params`` under the key ``"kvpush"``.
 
-The router reserves decode blocks, then sends the same prompt to both engines:
-the prefill engine gets ``role="prefill"`` (and ``max_tokens=1``): its connector
-pushes the prompt's KV into the reservation; the decode engine gets
-``role="decode"``: its connector waits for the reservation to land and loads it
-instead of recomputing the prompt. Without these params a request is served
-normally (aggregated).
+The router reserves decode blocks, then sends the request to the prefill engine
+with ``role="prefill"`` (and ``max_tokens=1``): its connector pushes the prompt's KV
+into the reservation. The decode engine gets ``role="decode"``: its connector waits
+for the reservation to land and loads it instead of recomputing the prompt. On the
+router's first-token path decode's prompt is the prompt plus the prefill engine's
+sampled token, so the whole reserved prompt is loaded and decode computes one token;
+on its push path decode gets the same prompt and computes the last prompt token
+itself. Without these params a request is served normally (aggregated).
 """
 
 from __future__ import annotations
