@@ -42,9 +42,10 @@ MILESTONES = (
     ("last_layer", "prefill: last layer staged and pushed"),
     ("landed", "decode: LANDED heard by its scheduler"),
     ("prefill_done", "prefill: forward pass over"),
+    ("prefill_answered", "router: prefill's answer in, its token sent to the client (the first token)"),
     ("loaded", "decode: admitted, step prepared, KV copied into vLLM's blocks"),
-    ("decode_forward", "decode: forward pass of the request's first token over"),
-    ("first_chunk", "router: first streamed chunk from decode"),
+    ("decode_forward", "decode: forward pass over the first token (computes the second) over"),
+    ("second_token", "router: decode's first token sent to the client (the second token)"),
 )
 
 
@@ -68,7 +69,7 @@ def timeline(served: dict, events: list, num_layers: int) -> dict[str, float]:
     """Milestones of one request, ms after the router received it."""
     t0, res = served["received_unix"], served["reservation_id"]
     ms = {"counted": served.get("counted_ms"), "reserved": served.get("reserved_ms"),
-          "first_chunk": served.get("first_chunk_ms")}
+          "prefill_answered": served.get("prefill_answered_ms"), "second_token": served.get("second_token_ms")}
     mine = {}
     for t, engine, event, rid, detail in events:
         if rid == res:
@@ -80,7 +81,7 @@ def timeline(served: dict, events: list, num_layers: int) -> dict[str, float]:
     for label, key in pick.items():
         if key in mine:
             ms[label] = (mine[key] - t0) * 1e3
-    if "loaded" in mine:  # the decode engine's next forward pass runs the request's last prompt token
+    if "loaded" in mine:  # the decode engine's next forward pass runs the prefill engine's token
         after = [t for t, engine, event, _, _ in events if engine == "decode-0" and event == "forward_done"
                  and t > mine["loaded"]]
         if after:
@@ -129,6 +130,8 @@ def run(n: int, log_dir: str) -> dict:
             mine = [s for s in served if t_start <= s.get("received_unix", 0) <= t_end]
             r["timelines"] = [timeline(s, events, stack.layout.num_layers) for s in mine]
             r["ttft_ms"] = [x["ttft_s"] * 1e3 for x in r["kv"] if x["ok"]]
+            r["token2_ms"] = [(x["t2_s"] - x["ttft_s"]) * 1e3 for x in r["kv"] if x["ok"] and x.get("t2_s")]
+            r["tpot_ms"] = [(x["total_s"] - x["ttft_s"]) / (MAX_TOKENS - 1) * 1e3 for x in r["kv"] if x["ok"]]
             r["alone_ms"] = [x["ttft_s"] * 1e3 for x in r["alone"] if x["ok"]]
             r["counters"] = stack.stats()
             del r["kv"], r["alone"]
@@ -144,7 +147,7 @@ def med(values) -> float:
 
 def report(results: dict, n: int) -> str:
     lines = [
-        "## TTFT breakdown (issue #4): where a kvpush request's first token waits",
+        "## TTFT breakdown: where a kvpush request's first and second tokens wait",
         "",
         f"`.venv/bin/python bench/ttft_breakdown.py` (one stack, {n} sequential requests per prompt length, "
         f"{MAX_TOKENS} tokens each, {GAP_S:.2f} s apart; the engines' own timeline from `KVPUSH_TRACE_DIR`, the "
@@ -162,7 +165,11 @@ def report(results: dict, n: int) -> str:
     row_ratio = [f"{med(r['ttft_ms']) / med(r['alone_ms']):.2f}x" for r in results.values()]
     lines += ["| client: TTFT through the router | " + " | ".join(row_ttft) + " |",
               "| limit: prefill engine alone (`max_tokens=1`, client TTFT) | " + " | ".join(row_alone) + " |",
-              "| TTFT / prefill alone | " + " | ".join(row_ratio) + " |", ""]
+              "| TTFT / prefill alone | " + " | ".join(row_ratio) + " |",
+              "| client: token-2 latency (second token - first) | "
+              + " | ".join(f"{med(r['token2_ms']):.1f}" for r in results.values()) + " |",
+              "| client: TPOT over the request | " + " | ".join(f"{med(r['tpot_ms']):.1f}" for r in results.values())
+              + " |", ""]
     lines += ["Segments (median of each request's own differences, ms):", "",
               "| segment | " + " | ".join(f"{length}" for length in results) + " |",
               "|---|" + "---:|" * len(results)]
@@ -171,9 +178,12 @@ def report(results: dict, n: int) -> str:
                 ("router -> prefill step start (HTTP, tokenize, schedule)", "reserved", "prefill_started"),
                 ("prefill forward up to the last layer's push", "prefill_started", "last_layer"),
                 ("last layer pushed -> decode hears LANDED", "last_layer", "landed"),
-                ("LANDED -> admitted, step prepared by vLLM, KV copied", "landed", "loaded"),
-                ("copied -> the forward pass of the first token over", "loaded", "decode_forward"),
-                ("decode forward over -> first chunk at the router", "decode_forward", "first_chunk"))
+                ("prefill forward over -> its answer at the router (first token out)", "prefill_done",
+                 "prefill_answered"),
+                ("first token out -> decode admitted, KV copied (router -> decode HTTP, vLLM admission)",
+                 "prefill_answered", "loaded"),
+                ("copied -> decode's forward pass over", "loaded", "decode_forward"),
+                ("decode forward over -> second token out at the router", "decode_forward", "second_token"))
     for what, a, b in segments:
         row = []
         for r in results.values():

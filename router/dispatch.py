@@ -193,8 +193,8 @@ class Dispatcher:
         try:
             async with self.session.post(f"{url}/v1/{path_of(endpoint)}", json=body) as resp:
                 payload = await resp.read()
-                timings["prefill_done"] = time.perf_counter()
-                metrics.PREFILL_LATENCY.observe(timings["prefill_done"] - sent)
+                timings["prefill_answered"] = time.perf_counter()
+                metrics.PREFILL_LATENCY.observe(timings["prefill_answered"] - sent)
                 return resp.status, payload
         finally:
             self.outstanding[url] -= 1
@@ -223,7 +223,7 @@ class Dispatcher:
             metrics.FALLBACKS.labels(reason="bad_prefill_answer").inc()
             _log.warning("prefill answer unusable; serving on decode alone", error=str(exc))
             return await self._decode_alone(ask.endpoint, ask.body, request, "bad_prefill_answer")
-        metrics.TTFT.labels(path="first_token").observe(timings["prefill_done"] - timings["counted"])
+        metrics.TTFT.labels(path="first_token").observe(timings["prefill_answered"] - timings["counted"])
         if head.finished:
             await self.release(res_id, "the first token ended the request")
             return await self._head_only(ask, head, request)
@@ -270,9 +270,9 @@ class Dispatcher:
                     piece = tail.add(chunk)
                     if piece is None:
                         continue
-                    if "decode_first" not in timings:
-                        timings["decode_first"] = time.perf_counter()
-                        metrics.TOKEN2.observe(timings["decode_first"] - timings["prefill_done"])
+                    if "second_token" not in timings:
+                        timings["second_token"] = time.perf_counter()
+                        metrics.TOKEN2.observe(timings["second_token"] - timings["prefill_answered"])
                     if out is not None:
                         await out.write(chunks.piece(piece, tail.usage()))
             finally:
