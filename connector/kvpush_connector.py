@@ -30,10 +30,11 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connector.cache_codec import BlockCodec, CodecError
 from connector.config import ConfigError, ConnectorConfig
+from connector.handover_watch import HandoverWatch
 from connector.landing_watch import LandingWatch
 from connector.metadata import KVPushConnectorMetadata
 from connector.scheduler import DecodeTiming, KVPushScheduler
-from connector.sidecar_link import DECODE, connect, hello_once
+from connector.sidecar_link import DECODE, PREFILL, connect, hello_once
 from connector.worker import KVPushWorker
 from kvpush.trace import Trace
 
@@ -65,18 +66,25 @@ class KVPushConnector(KVConnectorBase_V1):
         self._sched: KVPushScheduler | None = None
         self._worker: KVPushWorker | None = None
         self._watch: LandingWatch | None = None
+        self._handover: HandoverWatch | None = None
         if role == KVConnectorRole.SCHEDULER:
             c = self.config
             info = hello_once(c.sidecar_socket, c.connect_timeout_s, c.channel_timeout_s, name="vllm-scheduler")
+
+            def channel():
+                return connect(c.sidecar_socket, 0.5, c.channel_timeout_s, name="vllm-scheduler")
             if info.role == DECODE and ktc.is_kv_consumer:
                 # The decode scheduler admits a request once its KV has landed: it listens itself.
-                self._watch = LandingWatch(lambda: connect(c.sidecar_socket, 0.5, c.channel_timeout_s,
-                                                           name="vllm-scheduler"))
+                self._watch = LandingWatch(channel)
                 info = self._watch.connect()
+            elif info.role == PREFILL and ktc.is_kv_producer:
+                # The prefill scheduler holds requests sent before their Reserve answered.
+                self._handover = HandoverWatch(channel)
+                info = self._handover.connect()
             self._sched = KVPushScheduler(
                 info, self.block_size, ktc.is_kv_producer, ktc.is_kv_consumer, self._block_ids_of, watch=self._watch,
                 timing=DecodeTiming(c.load_timeout_s, c.deadline_grace_s, c.idle_wait_s),
-                trace=Trace(c.engine_name or info.engine_id))
+                trace=Trace(c.engine_name or info.engine_id), handover=self._handover)
             if self._watch is not None:
                 self._watch.on_landed = lambda res: self._sched.trace("landed", res)
             log.info("KVPushConnector scheduler: sidecar %s (%s)", info.engine_id, info.role)
@@ -151,6 +159,9 @@ class KVPushConnector(KVConnectorBase_V1):
         if self._watch is not None:
             self._watch.close()
             self._watch = None
+        if self._handover is not None:
+            self._handover.close()
+            self._handover = None
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

@@ -11,6 +11,12 @@ Prefill (the engine's sidecar has the prefill role, request role "prefill"):
     reserved))``: under chunked prefill each chunk is pushed as it is
     computed; after a preemption nothing already pushed is pushed again (the
     staging copy holds it). The first spec carries the reservation (BEGIN).
+    A request the router sent before its Reserve answered (``AwaitParams``) is
+    held ("not yet", nothing computed) until the sidecar hands over its
+    reservation (``connector.handover_watch``), or computed without a push after
+    its wait. Either way its answer says whether it pushed (``push_report`` in
+    the response's ``kv_transfer_params``): the router sends decode a load only
+    when it did.
     Blocks are never held after the request ends (``request_finished`` returns
     False): the KV was copied into staging during the forward pass.
 
@@ -44,11 +50,12 @@ import logging
 import time
 from collections.abc import Callable
 
+from connector.handover_watch import HandoverWatch
 from connector.landing_watch import ENDED, LANDED, LandingWatch
 from connector.metadata import KVPushConnectorMetadata, LoadSpec, PushSpec, Target
 from connector.sidecar_link import DECODE, PREFILL, SidecarInfo
 from kvpush.trace import Trace
-from kvpush.transfer_params import PushParams, TransferParamsError
+from kvpush.transfer_params import AwaitParams, PushParams, TransferParamsError, push_report
 from worker.channel import ChannelError
 
 log = logging.getLogger(f"vllm.{__name__}")  # under "vllm": logged with the engine's own handlers
@@ -61,6 +68,14 @@ class _Prefill:
     target: int  # tokens to push (= reserved tokens)
     pushed: int = 0  # tokens [0, pushed) already handed to the worker
     begun: bool = False
+
+
+@dataclasses.dataclass
+class _Awaiting:
+    request: object
+    key: str          # the router's request id: the reservation arrives under it
+    give_up: float    # monotonic: compute without a push if it has not arrived by then
+    since: float      # monotonic
 
 
 @dataclasses.dataclass
@@ -92,7 +107,7 @@ def give_up_time(now: float, timeout_s: float, deadline_unix_ms: int, grace_s: f
 class KVPushScheduler:
     def __init__(self, sidecar: SidecarInfo, block_size: int, produce: bool, consume: bool,
                  block_ids_of: Callable[[str], list[int]], watch: LandingWatch | None = None, timing: DecodeTiming = DecodeTiming(),
-                 trace: Trace | None = None):
+                 trace: Trace | None = None, handover: HandoverWatch | None = None):
         self.sidecar = sidecar
         self.block_size = block_size
         self.produce = produce and sidecar.role == PREFILL
@@ -103,7 +118,10 @@ class KVPushScheduler:
         self.timing = timing
         self.trace = trace or Trace.off()
         self.block_ids_of = block_ids_of
+        self.handover = handover
         self._prefill: dict[str, _Prefill] = {}
+        self._awaiting: dict[str, _Awaiting] = {}
+        self._reports: dict[str, str] = {}  # prefill request -> its reservation ("" none yet): answered on finish
         self._decode: dict[str, _Decode] = {}
         self._meta = KVPushConnectorMetadata()
         self._last_step_tokens = 0  # tokens the last built step ran: 0 = the engine is idle
@@ -120,22 +138,35 @@ class KVPushScheduler:
     def on_new_request(self, request) -> None:
         rid = request.request_id
         try:
-            params = PushParams.from_request(request.kv_transfer_params)
+            pending = AwaitParams.from_request(request.kv_transfer_params)
+            params = None if pending is not None else PushParams.from_request(request.kv_transfer_params)
         except TransferParamsError as exc:
             log.warning("request %s: kvpush params ignored: %s", rid, exc)
             self._count("bad_params")
+            return
+        if pending is not None and self.produce and self.handover is not None:
+            self._reports[rid] = ""
+            try:
+                self.handover.expect(pending.request_id)
+            except ChannelError as exc:
+                log.warning("request %s: cannot ask the sidecar for its reservation (%s); not pushing", rid, exc)
+                self._count("handover_channel")
+                return
+            now = time.monotonic()
+            self._awaiting[rid] = _Awaiting(request, pending.request_id, now + pending.wait_ms / 1000.0, now)
+            self._count("handover_awaited")
+            return
+        if pending is not None:
+            log.warning("request %s: a prefill request awaiting its reservation on an engine that does not push "
+                        "(sidecar role %s)", rid, self.sidecar.role)
+            self._count("role_ignored")
             return
         if params is None:
             self._count("requests_plain")
             return
         prompt = request.num_prompt_tokens
         if params.role == PREFILL and self.produce:
-            if prompt < params.num_tokens:
-                log.warning("request %s: prompt of %d tokens cannot fill reservation %s of %d tokens; not pushing",
-                            rid, prompt, params.reservation_id, params.num_tokens)
-                self._count("refused_short_prompt")
-                return
-            self._prefill[rid] = _Prefill(request, params, params.num_tokens)
+            self._start_prefill(request, params)
         elif params.role == DECODE and self.consume:
             why = self._decode_refusal(params, prompt)
             if why == "wrong_engine" and self._refreshed(params):
@@ -163,6 +194,49 @@ class KVPushScheduler:
                         rid, params.role, self.sidecar.role)
             self._count("role_ignored")
 
+    def _start_prefill(self, request, params: PushParams) -> None:
+        rid = request.request_id
+        self._reports[rid] = params.reservation_id
+        if request.num_prompt_tokens < params.num_tokens:
+            log.warning("request %s: prompt of %d tokens cannot fill reservation %s of %d tokens; not pushing",
+                        rid, request.num_prompt_tokens, params.reservation_id, params.num_tokens)
+            self._count("refused_short_prompt")
+            return
+        self._prefill[rid] = _Prefill(request, params, params.num_tokens)
+
+    # -- prefill: a request sent before its reservation was granted ---------------------------
+    def _await_reservation(self, aw: _Awaiting) -> int | None:
+        """0 once the reservation is here (or given up on: computed without a push), None
+        ("not yet": vLLM keeps the request waiting, nothing computed) until then."""
+        rid = aw.request.request_id
+        data = self.handover.get(aw.key)
+        if data is None and time.monotonic() < aw.give_up and self._may_wait():
+            self._waited = True
+            generation = self.handover.generation
+            data = self.handover.get(aw.key)
+            if data is None:
+                self.handover.wait_change(generation, min(self.timing.idle_wait_s, aw.give_up - time.monotonic()))
+                data = self.handover.get(aw.key)
+        if data is None and time.monotonic() < aw.give_up:
+            return None
+        del self._awaiting[rid]
+        self.handover.forget(aw.key)
+        self._count("handover_wait_us_total", round((time.monotonic() - aw.since) * 1e6))
+        if data is None:
+            log.warning("request %s: no reservation arrived for %s; computing it without a push", rid, aw.key)
+            self._count("handover_timeout")
+            return 0
+        try:
+            params = PushParams.from_dict(data)
+        except TransferParamsError as exc:
+            log.warning("request %s: the sidecar's reservation is unusable (%s); not pushing", rid, exc)
+            self._count("bad_params")
+            return 0
+        self._count("handover_received")
+        self.trace("handover_received", params.reservation_id, rid)
+        self._start_prefill(aw.request, params)
+        return 0
+
     def _refreshed(self, params: PushParams) -> bool:
         """A reservation for this engine but another incarnation: if our sidecar's channel
         closed, it may have restarted (asked at most once a second: a stale reservation
@@ -181,6 +255,9 @@ class KVPushScheduler:
 
     # -- decode: admitted once landed, then a synchronous load ----------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        aw = self._awaiting.get(request.request_id)
+        if aw is not None:
+            return self._await_reservation(aw), False
         st = self._decode.get(request.request_id)
         if st is None or st.decided:
             return 0, False
@@ -305,18 +382,27 @@ class KVPushScheduler:
         return meta
 
     # -- the end of a request -----------------------------------------------------------------
-    def request_finished(self, request) -> tuple[bool, None]:
+    def request_finished(self, request) -> tuple[bool, dict | None]:
         rid = request.request_id
         st = self._prefill.pop(rid, None)
         if st is not None and st.begun and st.pushed < st.target:
             reason = f"request ended ({request.status}) after {st.pushed} of {st.target} tokens"
             self._meta.push_aborts.append((rid, reason))
+        aw = self._awaiting.pop(rid, None)
+        if aw is not None:
+            self.handover.forget(aw.key)
+        report = None
+        if rid in self._reports:
+            # The router reads this from the prefill answer's kv_transfer_params: whether
+            # decode can load the prompt or must compute it.
+            pushed = st is not None and st.begun and st.pushed >= st.target
+            report = push_report(self._reports.pop(rid), pushed)
         dst = self._decode.pop(rid, None)
         if dst is not None and not dst.decided:
             self._count("loads_abandoned")
             self.watch.release(dst.params.reservation_id, dst.give_up)  # consumed if it lands
-        return False, None  # blocks are never held past the request
+        return False, report  # blocks are never held past the request
 
     @property
     def tracked(self) -> int:
-        return len(self._prefill) + len(self._decode)
+        return len(self._prefill) + len(self._decode) + len(self._awaiting) + len(self._reports)

@@ -53,9 +53,9 @@ class ReservationRecord:
     deadline_ms: int
     created_ms: int
     reason: str = ""
-    prefill_engine_id: str = ""   # set by the PUSHING report
+    prefill_engine_id: str = ""   # named in Reserve, or set by the PUSHING report
     ended_ms: int = 0             # set when it reaches a terminal state
-    prefill_incarnation: str = ""  # set by the PUSHING report ("" from sidecars that do not say)
+    prefill_incarnation: str = ""  # with prefill_engine_id ("" from sidecars that do not say)
 
     @property
     def blocks(self) -> list[int]:

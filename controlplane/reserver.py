@@ -44,6 +44,8 @@ class ReserveAsk:
     deadline_ms: int                      # lifetime in ms
     preferred_engine_id: str = ""
     prefill_layout: KvLayout | None = None
+    prefill_engine_id: str = ""           # named by the scheduler: its sidecar hears the grant by watch
+    prefill_incarnation: str = ""
     future: asyncio.Future | None = None
 
     def same_params(self, rec: ReservationRecord) -> bool:
@@ -251,7 +253,8 @@ class Reserver:
             id=new_reservation_id(), tenant=ask.tenant.name, request_id=ask.request_id,
             engine_id=engine.engine_id, incarnation=engine.incarnation, nixl_agent=engine.nixl_agent,
             extents=to_extents(blocks), block_size=engine.layout.block_size, num_tokens=ask.num_tokens,
-            model=ask.model, state=State.RESERVED, deadline_ms=created + ask.deadline_ms, created_ms=created)
+            model=ask.model, state=State.RESERVED, deadline_ms=created + ask.deadline_ms, created_ms=created,
+            prefill_engine_id=ask.prefill_engine_id, prefill_incarnation=ask.prefill_incarnation)
 
     def _apply_own_writes(self, plan: "_Plan", revision: int) -> None:
         # The watch will bring the same writes; applying them now lets the next

@@ -132,9 +132,19 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 layout = layout_from_proto(request.prefill_layout, "prefill_layout")
             except LayoutError as exc:
                 raise errors.invalid(str(exc)) from None
+        prefill = None
+        if request.prefill_engine_id:
+            v.text(request.prefill_engine_id, "prefill_engine_id", 128, v.ENGINE_ID)
+            prefill = self.view.engine(request.prefill_engine_id)
+            if prefill is None or prefill.is_decode:
+                raise errors.invalid(f"prefill_engine_id {request.prefill_engine_id!r} is not a registered "
+                                     "prefill engine")
+            layout = layout or prefill.layout
         return ReserveAsk(tenant=tenant, request_id=request.request_id, num_tokens=request.num_tokens,
                           model=request.model, deadline_ms=deadline,
-                          preferred_engine_id=request.preferred_engine_id, prefill_layout=layout)
+                          preferred_engine_id=request.preferred_engine_id, prefill_layout=layout,
+                          prefill_engine_id=prefill.engine_id if prefill else "",
+                          prefill_incarnation=prefill.incarnation if prefill else "")
 
     @unary
     async def Release(self, request: scheduler_pb2.ReleaseRequest, context) -> types_pb2.Reservation:

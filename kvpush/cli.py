@@ -133,13 +133,14 @@ def cmd_sidecar(args) -> None:
 def cmd_router(args) -> None:
     from kvpush import aio, log
     from router.app import serve
-    from router.config import RouterConfig, parse_decode
+    from router.config import RouterConfig, parse_decode, parse_prefill
     log.configure("router", args.log_level)
     token = args.token or os.environ.get("KVPUSH_TENANT_TOKEN", "")
     if not token:
         sys.exit("kvpush router: --token (or $KVPUSH_TENANT_TOKEN) is required")
+    prefill_urls, prefill_ids = parse_prefill(args.prefill)
     cfg = RouterConfig(controlplane=args.controlplane, token=token, model=args.model,
-                       prefill_urls=tuple(u.rstrip("/") for u in args.prefill), decode=parse_decode(args.decode),
+                       prefill_urls=prefill_urls, prefill_ids=prefill_ids, decode=parse_decode(args.decode),
                        tokenizer_dir=args.tokenizer or args.model_dir, listen_host=args.host,
                        listen_port=args.port, deadline_ms=args.deadline_ms, max_model_len=args.max_model_len,
                        max_logprobs=args.max_logprobs)
@@ -214,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="the served model name")
     p.add_argument("--model-dir", default="", help="local model directory (its tokenizer counts prompt tokens)")
     p.add_argument("--tokenizer", default="", help="tokenizer directory, if not --model-dir")
-    p.add_argument("--prefill", action="append", default=[], required=True, help="prefill engine URL (repeatable)")
+    p.add_argument("--prefill", action="append", default=[], required=True, help="[ENGINE_ID=]URL of a prefill engine (repeatable); with ENGINE_ID (as its "
+                   "sidecar registered it) its requests leave before the Reserve answer")
     p.add_argument("--decode", action="append", default=[], required=True,
                    help="ENGINE_ID=URL of a decode engine (repeatable); ENGINE_ID as its sidecar registered it")
     p.add_argument("--host", default="127.0.0.1")

@@ -128,7 +128,7 @@ class Stack:
         router = self._start("router", [
             python(), "-m", "kvpush.cli", "router", "--controlplane", self.controlplane, "--token",
             self.tenant_token, "--model", spec.served_model, "--model-dir", spec.model_dir, "--prefill",
-            self.prefill_url, "--decode", f"decode-0={self.decode_url}", "--port", str(port),
+            f"prefill-0={self.prefill_url}", "--decode", f"decode-0={self.decode_url}", "--port", str(port),
             "--deadline-ms", str(spec.deadline_ms), "--ready-file", ready])
         router.wait_until(file_exists(ready), 60, "serving", self.say)
         self.router_url = f"http://127.0.0.1:{port}"

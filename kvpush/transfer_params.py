@@ -89,3 +89,53 @@ class PushParams:
                    engine_incarnation=res.engine_incarnation, nixl_agent=res.nixl_agent,
                    block_ids=tuple(res.block_ids), block_size=res.block_size, num_tokens=res.num_tokens,
                    deadline_unix_ms=res.deadline_unix_ms)
+
+
+@dataclasses.dataclass(frozen=True)
+class AwaitParams:
+    """A prefill request sent before its Reserve answered: ``{"kvpush": {"role": "prefill",
+    "await": {"request_id", "wait_ms"}}}``. The router reserved under ``request_id``
+    naming this prefill engine, so the engine's sidecar hears the reservation through
+    its watch; the connector holds the request ("not yet") until it has, and computes
+    it without a push if nothing came within ``wait_ms``. The request id is the
+    handover's key: the router's are 128 random bits, never shown to other tenants."""
+
+    request_id: str
+    wait_ms: int
+
+    def __post_init__(self) -> None:
+        if not self.request_id or len(self.request_id) > 256:
+            raise TransferParamsError("kvpush.await.request_id must be 1..256 characters")
+        if not 0 < self.wait_ms <= 60_000:
+            raise TransferParamsError("kvpush.await.wait_ms must be in 1..60000")
+
+    def as_kv_transfer_params(self) -> dict:
+        return {KEY: {"role": "prefill", "await": {"request_id": self.request_id, "wait_ms": self.wait_ms}}}
+
+    @classmethod
+    def from_request(cls, kv_transfer_params: dict | None) -> "AwaitParams | None":
+        data = (kv_transfer_params or {}).get(KEY)
+        if not isinstance(data, dict) or "await" not in data:
+            return None
+        if data.get("role") != "prefill" or set(data) != {"role", "await"}:
+            raise TransferParamsError("kvpush.await goes with role 'prefill' and nothing else")
+        spec = data["await"]
+        if not isinstance(spec, dict) or set(spec) != {"request_id", "wait_ms"}:
+            raise TransferParamsError("kvpush.await must be {request_id, wait_ms}")
+        try:
+            return cls(str(spec["request_id"]), int(spec["wait_ms"]))
+        except (TypeError, ValueError) as exc:
+            raise TransferParamsError(f"kvpush.await: {exc}") from None
+
+
+def push_report(reservation_id: str, pushed: bool) -> dict:
+    """What the prefill engine's answer carries back (vLLM returns it as the response's
+    ``kv_transfer_params``): whether every reserved token was handed to the push."""
+    return {KEY: {"reservation_id": reservation_id, "pushed": pushed}}
+
+
+def read_push_report(kv_transfer_params) -> tuple[str, bool] | None:
+    data = (kv_transfer_params or {}).get(KEY) if isinstance(kv_transfer_params, dict) else None
+    if not isinstance(data, dict) or "pushed" not in data:
+        return None
+    return str(data.get("reservation_id", "")), bool(data["pushed"])

@@ -18,6 +18,10 @@ class RouterConfig:
     model: str                              # served model name (what clients ask for)
     prefill_urls: tuple[str, ...]
     decode: tuple[DecodeEngine, ...]
+    # The prefill engines' ids as their sidecars registered them ("" where not given),
+    # parallel to prefill_urls. A prefill engine with an id gets its request before the
+    # Reserve answers (the reservation names it; its sidecar hears it by watch).
+    prefill_ids: tuple[str, ...] = ()
     tokenizer_dir: str = ""                 # local model dir for counting prompt tokens
     listen_host: str = "127.0.0.1"
     listen_port: int = 8000
@@ -26,6 +30,12 @@ class RouterConfig:
     upstream_timeout_s: float = 600.0
     max_model_len: int | None = None        # None: asked of the prefill engine (/v1/models)
     max_logprobs: int = 20                  # the engines' --max-logprobs
+
+    def prefill_id(self, url: str) -> str:
+        for i, u in enumerate(self.prefill_urls):
+            if u == url and i < len(self.prefill_ids):
+                return self.prefill_ids[i]
+        return ""
 
     def decode_url(self, engine_id: str) -> str | None:
         for engine in self.decode:
@@ -43,3 +53,17 @@ def parse_decode(specs: list[str]) -> tuple[DecodeEngine, ...]:
             raise ValueError(f"--decode expects ENGINE_ID=http://host:port, got {spec!r}")
         out.append(DecodeEngine(engine_id, url.rstrip("/")))
     return tuple(out)
+
+
+def parse_prefill(specs: list[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``ENGINE_ID=URL`` or ``URL`` items: (urls, ids), ids "" where not given."""
+    urls, ids = [], []
+    for spec in specs:
+        engine_id, sep, url = spec.partition("=")
+        if not sep:
+            engine_id, url = "", spec
+        if not url.startswith("http") or (sep and not engine_id):
+            raise ValueError(f"--prefill expects [ENGINE_ID=]http://host:port, got {spec!r}")
+        urls.append(url.rstrip("/"))
+        ids.append(engine_id)
+    return tuple(urls), tuple(ids)

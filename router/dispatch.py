@@ -29,7 +29,7 @@ from aiohttp import web
 from controlplane.client import ControlPlaneClient
 from controlplane.reserve_stream import ReserveRefused, StreamReserver
 from kvpush import log
-from kvpush.transfer_params import PushParams
+from kvpush.transfer_params import AwaitParams, PushParams, read_push_report
 from kvpush.v1 import scheduler_pb2
 from router import ask as asks
 from router import metrics
@@ -54,6 +54,9 @@ class Dispatcher:
         # router and the control plane, and concurrent requests share messages.
         self.reserver = StreamReserver(cp)
         self._limits: asks.Limits | None = None
+        # How long a prefill engine holds a request for its reservation: past the
+        # Reserve's own timeout the router has given up on it (and taken the request back).
+        self.await_ms = int(cfg.reserve_timeout_s * 1000) + 250
         self._limits_lock = asyncio.Lock()
 
     async def close(self) -> None:
@@ -88,19 +91,22 @@ class Dispatcher:
                 _log.warning("cannot read the model's context length", url=url, error=str(exc))
         return None
 
-    async def reserve(self, request_id: str, num_tokens: int):
-        """The reservation, or (None, reason) when serving without push."""
+    async def reserve(self, request_id: str, num_tokens: int, prefill_engine_id: str = ""):
+        """(The reservation and its decode engine's URL), or (None, reason) when serving without push."""
         started = time.perf_counter()
         try:
             res = await self.reserver.reserve(
                 scheduler_pb2.ReserveRequest(request_id=request_id, num_tokens=num_tokens, model=self.cfg.model,
-                                             deadline_ms=self.cfg.deadline_ms),
+                                             deadline_ms=self.cfg.deadline_ms, prefill_engine_id=prefill_engine_id),
                 timeout=self.cfg.reserve_timeout_s)
-            return res, ""
         except ReserveRefused as exc:
             return None, exc.code.name.lower()
         finally:
             metrics.RESERVE_LATENCY.observe(time.perf_counter() - started)
+        if self.cfg.decode_url(res.engine_id) is None:
+            await self.release(res.id, "router has no address for this decode engine")
+            return None, "unknown_decode_engine"
+        return res, ""
 
     async def release(self, res_id: str, reason: str) -> None:
         try:
@@ -123,32 +129,40 @@ class Dispatcher:
         if ask.path == asks.DECODE_ONLY:
             return await self._decode_alone(endpoint, body, request, ask.why)
         timings = {"counted": time.perf_counter()}
-        request_id = f"rt-{uuid.uuid4().hex}"
-        res, why = await self.reserve(request_id, ask.num_tokens)
-        decode_url = self.cfg.decode_url(res.engine_id) if res is not None else None
-        if res is not None and decode_url is None:
-            why = "unknown_decode_engine"
-            await self.release(res.id, "router has no address for this decode engine")
-            res = None
-        if res is None:
-            metrics.FALLBACKS.labels(reason=why).inc()
-            _log.info("serving without push", request_id=request_id, reason=why, num_tokens=ask.num_tokens)
-            return await self._decode_alone(endpoint, body, request, why)
-        timings["reserved"] = time.perf_counter()
-        params = PushParams.from_reservation(res, "prefill")
+        request_id = f"rt-{uuid.uuid4().hex}"  # 128 random bits: also the prefill handover's key
+        prefill_url = self._least_loaded(self.cfg.prefill_urls)
+        prefill_id = self.cfg.prefill_id(prefill_url)
+        held: list = []  # the reservation once granted: released if anything below fails
         try:
-            if ask.path == asks.PUSH:
-                response = await self._push(ask, params, decode_url, request, timings)
+            if ask.path == asks.FIRST_TOKEN and prefill_id:
+                # The Reserve and the prefill request's HTTP, tokenization and scheduling
+                # run at once: the reservation names the prefill engine, whose sidecar
+                # hears it by watch while its connector holds the request.
+                reserving = asyncio.create_task(self.reserve(request_id, ask.num_tokens, prefill_id))
+                response = await self._first_token(ask, request_id, prefill_url, request, timings, held,
+                                                   reserving=reserving)
             else:
-                response = await self._first_token(ask, params, decode_url, request, timings)
+                res, why = await self.reserve(request_id, ask.num_tokens)
+                if res is None:
+                    metrics.FALLBACKS.labels(reason=why).inc()
+                    _log.info("serving without push", request_id=request_id, reason=why, num_tokens=ask.num_tokens)
+                    return await self._decode_alone(endpoint, body, request, why)
+                held.append(res)
+                timings["reserved"] = time.perf_counter()
+                if ask.path == asks.PUSH:
+                    response = await self._push(ask, PushParams.from_reservation(res, "prefill"),
+                                                self.cfg.decode_url(res.engine_id), request, timings)
+                else:
+                    response = await self._first_token(ask, request_id, prefill_url, request, timings, held)
         except BaseException:
             # Client gone or an engine failed: give the blocks back now, not at the deadline.
-            await asyncio.shield(self.release(res.id, "client disconnected or an engine failed"))
+            if held:
+                await asyncio.shield(self.release(held[0].id, "client disconnected or an engine failed"))
             raise
         # One line per request with where its time went: the first place to look
         # when TTFT is above the prefill's own time.
-        _log.info("served", request_id=request_id, reservation_id=res.id, num_tokens=ask.num_tokens, path=ask.path,
-                  received_unix=round(received_unix, 6),
+        _log.info("served", request_id=request_id, reservation_id=held[0].id if held else "",
+                  num_tokens=ask.num_tokens, path=ask.path, received_unix=round(received_unix, 6),
                   **{f"{k}_ms": round((v - started) * 1e3, 2) for k, v in timings.items()})
         return response
 
@@ -200,36 +214,72 @@ class Dispatcher:
             self.outstanding[url] -= 1
 
     # -- first token: prefill's token goes out at once, decode continues from it -----------------
-    async def _first_token(self, ask: asks.Ask, params: PushParams, decode_url: str, request: web.Request,
-                           timings: dict) -> web.StreamResponse:
-        res_id = params.reservation_id
-        prefill_url = self._least_loaded(self.cfg.prefill_urls)
-        p_body = prefill_body(ask.body, params.as_kv_transfer_params(), first_token=True)
+    async def _first_token(self, ask: asks.Ask, request_id: str, prefill_url: str, request: web.Request,
+                           timings: dict, held: list, reserving: asyncio.Task | None = None) -> web.StreamResponse:
+        """``held`` has the reservation when it was granted before; with ``reserving`` (the
+        Reserve still running) the prefill request goes now and waits for it on the engine."""
+        if reserving is not None:
+            kv = AwaitParams(request_id, self.await_ms).as_kv_transfer_params()
+        else:
+            kv = PushParams.from_reservation(held[0], "prefill").as_kv_transfer_params()
+        prefill = asyncio.create_task(self._post(prefill_url, ask.endpoint, prefill_body(ask.body, kv, True), timings))
         try:
-            status, payload = await self._post(prefill_url, ask.endpoint, p_body, timings)
+            if reserving is not None:
+                res, why = await reserving
+                timings["reserved"] = time.perf_counter()
+                if res is not None:
+                    held.append(res)
+                else:
+                    # Refused (or slow): the prefill engine is holding the request for a
+                    # reservation that will not come. Take it back and have it computed
+                    # plain; decode then computes the prompt itself (the local fallback).
+                    metrics.FALLBACKS.labels(reason=why).inc()
+                    _log.info("first token without push", request_id=request_id, reason=why)
+                    prefill.cancel()
+                    await asyncio.gather(prefill, return_exceptions=True)
+                    prefill = asyncio.create_task(self._post(prefill_url, ask.endpoint,
+                                                             prefill_body(ask.body, None, True), timings))
+            status, payload = await prefill
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             status, payload = 502, str(exc).encode()
+        finally:
+            if not prefill.done():
+                prefill.cancel()
+        res = held[0] if held else None
         if status != 200:
-            await self.release(res_id, f"prefill answered {status}")
+            if res is not None:
+                await self.release(res.id, f"prefill answered {status}")
             if 400 <= status < 500:  # the client's request: decode would refuse it too
                 return web.Response(body=payload, status=status, content_type="application/json")
             metrics.FALLBACKS.labels(reason="prefill_failed").inc()
             _log.warning("prefill failed; serving on decode alone", status=status, error=payload[:200])
             return await self._decode_alone(ask.endpoint, ask.body, request, "prefill_failed")
         try:
-            head = parse_head(ask.endpoint, json.loads(payload))
+            answer = json.loads(payload)
+            head = parse_head(ask.endpoint, answer)
         except (BadHead, ValueError) as exc:
-            await self.release(res_id, "prefill's answer had no token ids")
+            if res is not None:
+                await self.release(res.id, "prefill's answer had no token ids")
             metrics.FALLBACKS.labels(reason="bad_prefill_answer").inc()
             _log.warning("prefill answer unusable; serving on decode alone", error=str(exc))
             return await self._decode_alone(ask.endpoint, ask.body, request, "bad_prefill_answer")
         metrics.TTFT.labels(path="first_token").observe(timings["prefill_answered"] - timings["counted"])
+        if res is not None and head.finished:
+            await self.release(res.id, "the first token ended the request")
         if head.finished:
-            await self.release(res_id, "the first token ended the request")
             return await self._head_only(ask, head, request)
-        d_body = decode_body(ask, head, self.cfg.model, params.for_role("decode").as_kv_transfer_params())
+        if res is not None and read_push_report(answer.get("kv_transfer_params")) != (res.id, True):
+            # The prefill engine computed without pushing (no reservation reached it in
+            # time, or it could not push): decode must not wait for KV that will not land.
+            metrics.FALLBACKS.labels(reason="not_pushed").inc()
+            await self.release(res.id, "the prefill engine did not push")
+            res = None
+        kv = PushParams.from_reservation(res, "decode").as_kv_transfer_params() if res is not None else None
+        d_body = decode_body(ask, head, self.cfg.model, kv)
         tail = Tail(ask, head, self.counter.output_text(head.prompt_ids, ask.body.get("skip_special_tokens", True)))
-        return await self._continue(ask, head, tail, decode_url, d_body, request, timings)
+        decode_url = (self.cfg.decode_url(res.engine_id) if res is not None
+                      else self._least_loaded([d.url for d in self.cfg.decode]))
+        return await self._continue(ask, head, tail, decode_url, d_body, request, timings, res)
 
     async def _head_only(self, ask: asks.Ask, head, request: web.Request) -> web.StreamResponse:
         if not ask.stream:
@@ -242,7 +292,7 @@ class Dispatcher:
         return out
 
     async def _continue(self, ask: asks.Ask, head, tail: Tail, decode_url: str, d_body: dict, request: web.Request,
-                        timings: dict) -> web.StreamResponse:
+                        timings: dict, res) -> web.StreamResponse:
         chunks = Chunks(ask, head)
         self.outstanding[decode_url] += 1
         call = asyncio.ensure_future(self.session.post(f"{decode_url}/v1/completions", json=d_body))
@@ -255,8 +305,8 @@ class Dispatcher:
             try:
                 if resp.status != 200:
                     payload = await resp.read()
-                    await self.release(d_body["kv_transfer_params"]["kvpush"]["reservation_id"],
-                                       f"decode answered {resp.status}")
+                    if res is not None:
+                        await self.release(res.id, f"decode answered {resp.status}")
                     if out is None:
                         return web.Response(body=payload, status=resp.status if resp.status < 500 else 502,
                                             content_type="application/json")
@@ -284,7 +334,8 @@ class Dispatcher:
             await out.write_eof()
             return out
         except _DecodeError as exc:
-            await self.release(d_body["kv_transfer_params"]["kvpush"]["reservation_id"], f"decode failed: {exc}")
+            if res is not None:
+                await self.release(res.id, f"decode failed: {exc}")
             if out is None:
                 return web.json_response({"error": {"message": f"decode failed: {exc}", "type": "BadGatewayError",
                                                     "param": None, "code": 502}}, status=502)

@@ -69,11 +69,14 @@ def parse_head(endpoint: str, answer: dict) -> Head:
         raise BadHead(f"prefill's answer is not a completion: {exc}") from None
 
 
-def prefill_body(body: dict, kv_transfer_params: dict, first_token: bool) -> dict:
-    """The request as the prefill engine gets it: one token, not streamed, push on."""
+def prefill_body(body: dict, kv_transfer_params: dict | None, first_token: bool) -> dict:
+    """The request as the prefill engine gets it: one token, not streamed, push on
+    (``kv_transfer_params`` None: a plain request, the KV is not pushed)."""
     drop = ("stream", "stream_options", "max_completion_tokens", "n", "best_of")
     out = {k: v for k, v in body.items() if k not in drop}
-    out.update(max_tokens=1, stream=False, kv_transfer_params=kv_transfer_params)
+    out.update(max_tokens=1, stream=False)
+    if kv_transfer_params is not None:
+        out["kv_transfer_params"] = kv_transfer_params
     if body.get("min_tokens"):
         out["min_tokens"] = 1  # vLLM refuses min_tokens > max_tokens
     if first_token:
@@ -81,10 +84,13 @@ def prefill_body(body: dict, kv_transfer_params: dict, first_token: bool) -> dic
     return out
 
 
-def decode_body(ask: Ask, head: Head, model: str, kv_transfer_params: dict) -> dict:
+def decode_body(ask: Ask, head: Head, model: str, kv_transfer_params: dict | None) -> dict:
+    """Decode's continuation (``kv_transfer_params`` None: it computes the prompt itself)."""
     out = {k: v for k, v in ask.body.items() if k not in _NOT_FOR_DECODE}
     out.update(model=model, prompt=head.prompt_ids + [head.token_id], stream=True,
-               stream_options={"include_usage": True}, return_token_ids=True, kv_transfer_params=kv_transfer_params)
+               stream_options={"include_usage": True}, return_token_ids=True)
+    if kv_transfer_params is not None:
+        out["kv_transfer_params"] = kv_transfer_params
     if ask.max_tokens is not None:
         out["max_tokens"] = ask.max_tokens - 1
     if ask.min_tokens > 1:

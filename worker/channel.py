@@ -77,6 +77,7 @@ class ChannelHandler(Protocol):
     def on_query(self, conn: Connection, reservation_id: str) -> F.StateEvent: ...
     def on_subscribe(self, conn: Connection, reservation_id: str) -> F.StateEvent: ...
     def on_consumed(self, conn: Connection, reservation_id: str) -> F.StateEvent: ...
+    def on_await(self, conn: Connection, request_id: str) -> dict | None: ...
     def on_admin(self, conn: Connection, request: dict) -> dict | Awaitable[dict]: ...
     def on_disconnect(self, conn: Connection) -> None: ...
 
@@ -138,6 +139,8 @@ class _ServerProtocol(asyncio.Protocol):
                 answer = F.encode_state(h.on_subscribe(conn, F.decode_id(body)))
             elif kind == F.CONSUMED:
                 answer = F.encode_state(h.on_consumed(conn, F.decode_id(body)))
+            elif kind == F.AWAIT:
+                answer = F.encode_json({"params": h.on_await(conn, F.decode_id(body))})
             elif kind == F.HELLO:
                 conn.info = F.decode_json(body)
                 answer = F.encode_json(h.on_hello(conn, conn.info))
@@ -215,6 +218,8 @@ class SidecarClient:
         self.path = path
         self.timeout_s = timeout_s
         self.on_event = on_event
+        # (request id, PushParams dict), on the reader thread: a reservation AWAIT asked for
+        self.on_reservation: Callable[[str, dict], None] | None = None
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout_s)
         self._sock.connect(path)
@@ -255,6 +260,11 @@ class SidecarClient:
 
     def consumed(self, reservation_id: str) -> F.StateEvent:
         return F.decode_state(self._call(F.CONSUMED, F.encode_id(reservation_id)))
+
+    def await_reservation(self, request_id: str) -> dict | None:
+        """Prefill: the reservation the router made under ``request_id`` (PushParams as a
+        dict), or None; then ``on_reservation`` is called once it arrives."""
+        return F.decode_json(self._call(F.AWAIT, F.encode_id(request_id)))["params"]
 
     def consumed_nowait(self, reservation_id: str) -> None:
         """Fire-and-forget CONSUMED: the engine copied the landing out and moves on
@@ -387,6 +397,13 @@ class SidecarClient:
                     if slot is not None:
                         slot[1], slot[2] = body[:1] == bytes([F.OK]), body[1:]
                         slot[0].set()
+                elif kind == F.RESERVATION:
+                    data = F.decode_json(body)
+                    if self.on_reservation is not None:
+                        try:
+                            self.on_reservation(data["request_id"], data["params"])
+                        except Exception:
+                            log.exception("reservation callback failed")
                 elif kind == F.EVENT:
                     event = F.decode_state(body)
                     with self._event_cv:

@@ -24,9 +24,12 @@ HEADER = struct.Struct("<IBI")
 MAX_BODY = 16 << 20  # a frame larger than this is a bug or an attack
 
 # client -> sidecar
-HELLO, BEGIN, PUSH, END, QUERY, SUBSCRIBE, CONSUMED, PING, ADMIN = range(1, 10)
+HELLO, BEGIN, PUSH, END, QUERY, SUBSCRIBE, CONSUMED, PING, ADMIN, AWAIT = range(1, 11)
 # sidecar -> client
-REPLY, EVENT = 100, 101
+REPLY, EVENT, RESERVATION = 100, 101, 102
+# AWAIT (prefill): body a request id; the reply (JSON) is {"params": the reservation's
+# PushParams dict, or null}; when null, one RESERVATION frame (JSON {"request_id",
+# "params"}) follows as soon as the sidecar hears of the reservation.
 
 OK, ERROR = 0, 1
 

@@ -1,5 +1,6 @@
 """Follows ``Registry.WatchEngineReservations`` and cancels the local pushes and
-landings of reservations that end (RELEASED, EXPIRED, FAILED). After a break it
+landings of reservations that end (RELEASED, EXPIRED, FAILED); on a prefill engine
+it also hands the reservations named for it to the handover (``worker/handover.py``). After a break it
 subscribes again with a snapshot and checks every local reservation missing
 from it (``LookupReservation``).
 """
@@ -23,13 +24,15 @@ log = logging.getLogger("kvpush.sidecar")
 # -- the reservation watch -------------------------------------------------------------------------
 class ReservationWatch:
     def __init__(self, link: ControlPlaneLink, config: ServiceConfig, engine_id: str, membership: Membership,
-                 live_reservations: Callable[[], list[str]], on_ended: Callable[[str, str], None]):
+                 live_reservations: Callable[[], list[str]], on_ended: Callable[[str, str], None],
+                 on_reserved: Callable[[types_pb2.Reservation], None] | None = None):
         self.link = link
         self.config = config
         self.engine_id = engine_id
         self.membership = membership
         self.live_reservations = live_reservations
         self.on_ended = on_ended
+        self.on_reserved = on_reserved  # prefill: a reservation named for this engine, not yet pushed
         self.subscribed = asyncio.Event()  # the snapshot is in: changes from here on are seen
         self.subscriptions = 0
         self.events = 0
@@ -89,6 +92,8 @@ class ReservationWatch:
                 w.cancel()
 
     def _apply(self, reservation: types_pb2.Reservation) -> None:
+        if reservation.state == types_pb2.RESERVED and self.on_reserved is not None:
+            self.on_reserved(reservation)
         if reservation.state in ENDED_BY_CONTROL_PLANE:
             state = S.ReservationState.Name(reservation.state)
             self.on_ended(reservation.id, f"reservation {state}" + (f": {reservation.reason}"

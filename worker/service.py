@@ -46,6 +46,7 @@ import grpc
 
 from kvpush.aio import tune_gc, write_ready_file
 from kvpush.layout import KvLayout, LayoutError
+from kvpush.transfer_params import PushParams
 from kvpush.v1 import registry_pb2, types_pb2
 from worker.landing import LandingConfig, LandingEvent, LandingState
 from worker.peers import EngineRecord, PeerUnavailable
@@ -113,6 +114,13 @@ class SidecarService:
             hold = self.config.report_hold_s if state in (S.LANDED, S.CONSUMED) else 0.0
             self.reporter.report(event.reservation_id, state, reason, hold_s=hold)
 
+    def _reserved(self, res: types_pb2.Reservation) -> None:
+        """A reservation the router named this prefill engine for: hold it for the request."""
+        if self._started:
+            params = PushParams.from_reservation(res, "prefill").to_dict()
+            self.sidecar.handover.offer(res.request_id, params, res.deadline_unix_ms)
+            self.sidecar.handover_trace(res.id, res.request_id)
+
     def _ended(self, reservation_id: str, reason: str) -> None:
         """The control plane says the reservation is over: stop local work for it."""
         self._ended_remotely[reservation_id] = None
@@ -178,7 +186,8 @@ class SidecarService:
                                  incarnation=self.sidecar_config.incarnation)
         self.membership = Membership(self.link, self.config, self.engine_proto, self._on_ready)
         self.watch = ReservationWatch(self.link, self.config, self.engine_id, self.membership,
-                                      self.sidecar.live_reservations, self._ended)
+                                      self.sidecar.live_reservations, self._ended,
+                                      self._reserved if self.sidecar.config.role == PREFILL else None)
         original_admin = self.sidecar.on_admin
 
         def on_admin(conn, request):  # the channel's ADMIN "service" op: our own state

@@ -33,6 +33,7 @@ from kvpush.trace import Trace
 from worker import frames as F
 from worker.agent import AgentConfig, NixlAgent
 from worker.channel import ChannelServer, Connection
+from worker.handover import Handover
 from worker.landing import LandingConfig, LandingEvent, LandingTable
 from worker.memory import sweep_stale_segments
 from worker.peers import EngineRecord, PeerRegistry, RemotePeer, Resolver
@@ -90,6 +91,7 @@ class Sidecar:
         self.server: ChannelServer | None = None
         self._request_owner: dict[str, Connection] = {}
         self._subscriptions: dict[str, list[tuple[str, Callable]]] = {}
+        self.handover = Handover()
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -172,6 +174,7 @@ class Sidecar:
                "incarnation": self.config.incarnation, "polls": self.driver.polls,
                "inflight": self.driver.inflight}
         if self.pusher is not None:
+            out.update(self.handover.stats())
             out.update(active=self.pusher.active, staging_free_units=self.pool.free_units,
                        staging_units=self.pool.num_units, staging_allocations=self.pool.live_allocations,
                        peer_loads=self.peers.loads, **dict(self.pusher.counters))
@@ -240,6 +243,14 @@ class Sidecar:
         self._subscriptions.setdefault(conn.owner, []).append((reservation_id, deliver))
         return self._state(self.landing.subscribe(reservation_id, deliver))
 
+    def handover_trace(self, reservation_id: str, request_id: str) -> None:
+        if self.pusher is not None:
+            self.pusher.trace("handover_heard", reservation_id, request_id)
+
+    def on_await(self, conn: Connection, request_id: str) -> dict | None:
+        self._need(self.pusher, "AWAIT")
+        return self.handover.ask(request_id, conn)
+
     def on_consumed(self, conn: Connection, reservation_id: str) -> F.StateEvent:
         self._need(self.landing, "CONSUMED")
         self.landing.consume(reservation_id)
@@ -271,6 +282,7 @@ class Sidecar:
                 del self._request_owner[rid]
         for rid, callback in self._subscriptions.pop(conn.owner, []):
             self.landing.unsubscribe(rid, callback)
+        self.handover.forget(conn)
 
     @staticmethod
     def _state(event: LandingEvent) -> F.StateEvent:

@@ -14,7 +14,7 @@ from connector.metadata import Target
 from connector.scheduler import DecodeTiming, KVPushScheduler
 from connector.sidecar_link import SidecarInfo
 from kvpush.layout import KvLayout
-from kvpush.transfer_params import PushParams
+from kvpush.transfer_params import AwaitParams, PushParams
 from worker.frames import StateEvent
 from worker.pools import PoolInfo
 
@@ -152,7 +152,8 @@ def test_prefill_whole_prompt_in_one_step_is_one_final_piece_with_begin():
     assert spec.begin == Target("res-1", "D1", "inc1", (100, 101, 102), BS, 70)
     # The next step (its one output token) pushes nothing; the request ends without holding blocks.
     assert not step(sched, [(r, 1)]).pushes
-    assert sched.request_finished(r) == (False, None)
+    # Its answer tells the router the whole reservation was pushed.
+    assert sched.request_finished(r) == (False, {"kvpush": {"reservation_id": "res-1", "pushed": True}})
     assert not sched.build_connector_meta(Out({})).push_aborts
 
 
@@ -400,3 +401,93 @@ def test_decode_asks_its_sidecar_again_when_a_reservation_names_a_newer_incarnat
     assert sched.get_num_new_matched_tokens(waiting, 0) == (0, False)
     counts = sched.build_connector_meta(Out({})).counts
     assert counts["refused_wrong_engine"] == 5 and counts["load_error_restarted"] == 1
+
+
+# -- prefill: a request sent before its Reserve answered -----------------------------------------
+class FakeHandover:
+    """The prefill sidecar's AWAIT as HandoverWatch sees it: known now, later, or never."""
+
+    def __init__(self):
+        self.known: dict[str, dict] = {}
+        self.asked: list[str] = []
+        self.forgotten: list[str] = []
+        self.generation = 0
+        self.waits = 0
+
+    def expect(self, key):
+        self.asked.append(key)
+
+    def get(self, key):
+        return self.known.get(key)
+
+    def forget(self, key):
+        self.forgotten.append(key)
+
+    def wait_change(self, generation, timeout_s):
+        self.waits += 1
+
+
+def awaiting(key: str, wait_ms: int = 500) -> dict:
+    return AwaitParams(key, wait_ms).as_kv_transfer_params()
+
+
+def handover_sched():
+    table = BlockTable()
+    ho = FakeHandover()
+    sched = KVPushScheduler(info("prefill", "P1"), BS, produce=True, consume=False, block_ids_of=table, handover=ho,
+                            timing=DecodeTiming(idle_wait_s=0.001))
+    return sched, table, ho
+
+
+def test_request_waits_for_its_reservation_then_pushes():
+    sched, table, ho = handover_sched()
+    r = Req("a", 70, awaiting("rt-1"))
+    sched.on_new_request(r)
+    assert ho.asked == ["rt-1"]
+    # Not here yet: vLLM is told "not yet" and computes nothing for it (an idle engine waits a little).
+    assert sched.get_num_new_matched_tokens(r, 0) == (None, False) and ho.waits == 1
+    ho.known["rt-1"] = params("prefill", 70)["kvpush"]
+    assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert ho.forgotten == ["rt-1"]
+    table.tables["a"] = [7, 3, 9]
+    meta = step(sched, [(r, 70)])
+    (spec,) = meta.pushes
+    assert spec.begin == Target("res-1", "D1", "inc1", (100, 101, 102), BS, 70) and spec.final
+    assert meta.counts["handover_awaited"] == 1 and meta.counts["handover_received"] == 1
+    assert sched.request_finished(r) == (False, {"kvpush": {"reservation_id": "res-1", "pushed": True}})
+    assert sched.tracked == 0
+
+
+def test_no_reservation_in_time_is_computed_without_a_push():
+    sched, table, ho = handover_sched()
+    r = Req("a", 40, awaiting("rt-2", wait_ms=1))
+    sched.on_new_request(r)
+    time.sleep(0.005)
+    assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    table.tables["a"] = [1, 2]
+    meta = step(sched, [(r, 40)])
+    assert not meta.pushes and meta.counts["handover_timeout"] == 1
+    # The router reads "not pushed" and has decode compute the prompt itself.
+    assert sched.request_finished(r) == (False, {"kvpush": {"reservation_id": "", "pushed": False}})
+    assert sched.tracked == 0
+
+
+def test_request_gone_while_waiting_leaves_nothing():
+    sched, table, ho = handover_sched()
+    r = Req("a", 40, awaiting("rt-3"))
+    sched.on_new_request(r)
+    assert sched.get_num_new_matched_tokens(r, 0) == (None, False)
+    assert sched.request_finished(r) == (False, {"kvpush": {"reservation_id": "", "pushed": False}})
+    assert ho.forgotten == ["rt-3"] and sched.tracked == 0
+
+
+def test_malformed_await_params_are_ignored():
+    sched, table, ho = handover_sched()
+    for bad in ({"kvpush": {"role": "prefill", "await": {"request_id": "", "wait_ms": 5}}},
+                {"kvpush": {"role": "decode", "await": {"request_id": "x", "wait_ms": 5}}},
+                {"kvpush": {"role": "prefill", "await": {"request_id": "x"}}}):
+        r = Req("a", 40, bad)
+        sched.on_new_request(r)
+        assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+        assert sched.request_finished(r) == (False, None)
+    assert ho.asked == [] and sched.tracked == 0

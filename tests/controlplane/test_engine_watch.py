@@ -125,3 +125,32 @@ async def test_unconsumed_blocks_are_quarantined(etcd):
     finally:
         await admin.close()
         await plane.stop(0.1)
+
+
+async def test_reserve_naming_the_prefill_engine_reaches_its_watch_at_once(cp, admin, engine_client):
+    """The router may send the prefill request before its Reserve answers: a reservation
+    that names the prefill engine is on that engine's watch the moment it is granted."""
+    decode = SimulatedEngine(engine_client, "decode-0", num_blocks=32)
+    prefill = SimulatedEngine(engine_client, "prefill-0", num_blocks=32, role=types_pb2.PREFILL)
+    await decode.register()
+    await prefill.register()
+    tenant = await make_tenant(admin, cp.address, "acme")
+    p_watch = engine_client.registry.WatchEngineReservations(
+        registry_pb2.WatchEngineReservationsRequest(engine_id="prefill-0", include_snapshot=True),
+        metadata=engine_client.metadata)
+    assert (await asyncio.wait_for(p_watch.read(), 5)).kind == scheduler_pb2.ReservationEvent.SNAPSHOT_END
+    res = await reserve(tenant, "rt-handover", 40, prefill_engine_id="prefill-0")
+    assert res.prefill_engine_id == "prefill-0" and res.prefill_engine_incarnation
+    seen = await read_until(p_watch, lambda r: r.id == res.id)
+    assert seen.state == types_pb2.RESERVED and seen.request_id == "rt-handover"
+    assert list(seen.block_ids) == list(res.block_ids) and seen.engine_id == "decode-0"
+    # Not a prefill engine, or none at all: refused, naming the field; nothing is reserved.
+    for bad in ("decode-0", "ghost", "bad id!"):
+        details = await expect_code(grpc.StatusCode.INVALID_ARGUMENT,
+                                    reserve(tenant, f"rt-{len(bad)}", 8, prefill_engine_id=bad))
+        assert "prefill_engine_id" in details
+    await release(tenant, res.id)
+    p_watch.cancel()
+    await tenant.close()
+    await decode.stop()
+    await prefill.stop()

@@ -12,6 +12,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from kvpush.simulated import SimulatedEngine
+from kvpush.transfer_params import push_report
 from kvpush.v1 import scheduler_pb2, types_pb2
 from router.app import build_app
 from router.config import DecodeEngine, RouterConfig
@@ -33,6 +34,7 @@ class FakeEngine:
         self.mode = ""          # "token_ids": answer like vLLM with return_token_ids (prefill: one token;
         self.first = 7          # decode: a stream of ids 10, 11, ... up to max_tokens)
         self.finish = "length"
+        self.pushes = True      # what the prefill answer's push report says
 
     async def _with_token_ids(self, request: web.Request, body: dict):
         base = {"id": f"cmpl-{self.name}", "created": 1, "model": "tiny"}
@@ -44,8 +46,10 @@ class FakeEngine:
                 return web.json_response(dict(base, object="chat.completion", usage={"prompt_tokens": 3},
                                               prompt_token_ids=[1, 2, 3], choices=[choice]))
             choice.update(text=f" w{self.first}", prompt_token_ids=[1, 2, 3])
+            kv = (body.get("kv_transfer_params") or {}).get("kvpush") or {}
+            report = push_report(kv["reservation_id"], self.pushes) if "reservation_id" in kv else None
             return web.json_response(dict(base, object="text_completion", usage={"prompt_tokens": 3},
-                                          choices=[choice]))
+                                          choices=[choice], kv_transfer_params=report))
         resp = web.StreamResponse()
         resp.content_type = "text/event-stream"
         await resp.prepare(request)

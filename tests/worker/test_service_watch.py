@@ -84,3 +84,46 @@ async def test_landing_timeout_fails_the_reservation(stack):
     finally:
         decode.close()
         await sched.close(), await etcd.close()
+
+
+async def test_prefill_hears_a_reservation_that_names_it(stack):
+    """The router's Reserve names the prefill engine; its sidecar hears the grant by watch
+    and hands it to the engine's AWAIT, whether the engine asked before or after; one
+    never granted is never answered."""
+    dec = stack.sidecar("decode", "D1", LAYOUT, 64)
+    pre = stack.sidecar("prefill", "P1", LAYOUT, 256)
+    dec.ready(), pre.ready()
+    sched, etcd = await Scheduler(stack.cp.address).setup(), Etcd(stack.etcd.endpoint)
+    engine = pre.client()
+    heard: list = []
+    engine.on_reservation = lambda key, params: heard.append((key, params))
+    try:
+        assert engine.await_reservation("rt-first") is None          # asked before the Reserve
+        t0 = time.monotonic()
+        first = await sched.reserve("rt-first", 40, prefill_engine_id="P1")
+        while not heard and time.monotonic() - t0 < 5:
+            time.sleep(0.001)
+        granted_to_heard = time.monotonic() - t0
+        (key, params), = heard
+        assert key == "rt-first" and params["reservation_id"] == first.id and params["engine_id"] == "D1"
+        assert params["block_ids"] == list(first.block_ids) and params["role"] == "prefill"
+        later = await sched.reserve("rt-later", 40, prefill_engine_id="P1")
+        for _ in range(200):                                           # asked after the watch brought it
+            got = engine.await_reservation("rt-later")
+            if got is not None:
+                break
+            time.sleep(0.01)
+        assert got is not None and got["reservation_id"] == later.id
+        assert engine.await_reservation("rt-never") is None
+        time.sleep(0.2)
+        assert [k for k, _ in heard] == ["rt-first"]
+        stats = engine.admin("stats")
+        assert stats["handover_delivered"] == 2 and stats["handover_waiting"] == 1
+        print(f"\nReserve naming the prefill engine -> its engine heard it: {granted_to_heard * 1e3:.1f} ms "
+              "after the Reserve was sent")
+        for r in (first, later):
+            await release(sched.tenant, r.id)
+        await settle(stack.etcd.endpoint, quiet=True)
+    finally:
+        engine.close()
+        await sched.close(), await etcd.close()

@@ -1,0 +1,63 @@
+"""Prefill: the reservations the router named this engine for, by the router's request
+id, until the engine's connector asks for them (the channel's AWAIT).
+
+The router sends the prefill request without waiting for its Reserve answer; the
+control plane's watch (``WatchEngineReservations``) brings the reservation here,
+usually before vLLM has parsed, tokenized and scheduled the request, but not always,
+so either may come first.
+"""
+
+from __future__ import annotations
+
+import time
+
+from worker import frames as F
+from worker.channel import Connection
+
+
+class Handover:
+    """Prefill: reservations named for this engine, by the router's request id, until
+    the engine asks for them (AWAIT). Either may come first: the watch usually brings
+    the reservation before the request has been parsed and scheduled, but not always.
+    Unasked ones are kept until their deadline, at most ``limit`` of them."""
+
+    def __init__(self, limit: int = 50_000) -> None:
+        self.limit = limit
+        self._known: dict[str, tuple[dict, float]] = {}   # request id -> (params, expiry, monotonic)
+        self._waiting: dict[str, list[Connection]] = {}
+        self.offered = self.delivered = self.dropped = 0
+
+    def offer(self, request_id: str, params: dict, deadline_unix_ms: int) -> None:
+        self.offered += 1
+        waiting = self._waiting.pop(request_id, None)
+        if waiting:
+            body = F.encode_json({"request_id": request_id, "params": params})
+            for conn in waiting:
+                conn.send(F.frame(F.RESERVATION, 0, body))
+            self.delivered += 1
+            return
+        now = time.monotonic()
+        if len(self._known) >= self.limit:
+            self._known = {k: v for k, v in self._known.items() if v[1] > now}
+            while len(self._known) >= self.limit:
+                self._known.pop(next(iter(self._known)))
+                self.dropped += 1
+        self._known[request_id] = (params, now + max(0.0, deadline_unix_ms / 1000.0 - time.time()))
+
+    def ask(self, request_id: str, conn: Connection) -> dict | None:
+        known = self._known.pop(request_id, None)
+        if known is not None and known[1] > time.monotonic():
+            self.delivered += 1
+            return known[0]
+        self._waiting.setdefault(request_id, []).append(conn)
+        return None
+
+    def forget(self, conn: Connection) -> None:
+        for rid in [r for r, conns in self._waiting.items() if conn in conns]:
+            self._waiting[rid].remove(conn)
+            if not self._waiting[rid]:
+                del self._waiting[rid]
+
+    def stats(self) -> dict:
+        return {"handover_offered": self.offered, "handover_delivered": self.delivered,
+                "handover_known": len(self._known), "handover_waiting": len(self._waiting)}
