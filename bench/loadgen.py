@@ -157,6 +157,9 @@ def summarize(results: list[dict], max_tokens: int) -> dict:
     # Token-2 latency: first token to second. On kvpush's first-token path the first comes
     # from the prefill engine and the second is decode's first step after the landing.
     token2 = [r["t2_s"] - r["ttft_s"] for r in ok if r.get("t2_s") is not None]
+    # The steady decode rate, without the token-2 gap (which is reported by itself above).
+    tpot2 = [(r["total_s"] - r["t2_s"]) / max(1, (r["tokens"] or max_tokens) - 2) for r in ok
+             if r.get("t2_s") is not None and max_tokens > 2]
     span = (max(r["end"] for r in ok) - min(r["start"] for r in ok)) if ok else float("nan")
     return {"n": len(results), "ok": len(ok), "hung": sum(1 for r in results if r.get("hung")),
             "unsent": sum(1 for r in results if r.get("unsent")),
@@ -166,6 +169,7 @@ def summarize(results: list[dict], max_tokens: int) -> dict:
             "ttft_p50_ms": pct_inf(ttft, 50) * 1e3, "ttft_p90_ms": pct_inf(ttft, 90) * 1e3,
             "tpot_p50_ms": pct(tpot, 50) * 1e3 if tpot else float("nan"),
             "token2_p50_ms": pct(token2, 50) * 1e3 if token2 else float("nan"),
+            "tpot_after2_p50_ms": pct(tpot2, 50) * 1e3 if tpot2 else float("nan"),
             "req_per_s": len(ok) / span if ok and span > 0 else float("nan"),
             "tok_per_s": sum((r["tokens"] or max_tokens) for r in ok) / span if ok and span > 0 else float("nan"),
             "ttfts_ms": [t * 1e3 for t in ttft if np.isfinite(t)]}

@@ -16,8 +16,8 @@ The paths (``Ask.path``):
                  the prompt's KV pushed into its reservation (computes one token);
 ``push``         prefill pushes the KV, decode computes every output token (the
                  request uses something whose state would not carry over from the
-                 prefill engine's token: stop strings, output penalties, structured
-                 output, chat logprobs, ...);
+                 prefill engine's token: output penalties, structured output, chat
+                 logprobs, ...);
 ``prefill_only`` ``max_tokens`` of 1: the prefill engine's answer is the answer,
                  nothing is reserved;
 ``decode_only``  what one reservation cannot serve (``n > 1``, a list of prompts,
@@ -209,8 +209,6 @@ _STRUCTURED = ("structured_outputs", "guided_json", "guided_regex", "guided_choi
 
 
 def _why_not_first_token(body: dict, endpoint: str, fast_detokenizer: bool) -> str:
-    if body.get("stop"):
-        return "stop_strings"  # vLLM matches them on the output text, across the first token
     if any(_num(body, k) for k in ("presence_penalty", "frequency_penalty")):
         return "output_penalties"
     if any(body.get(k) for k in _HISTORY):

@@ -287,7 +287,7 @@ class Dispatcher:
         chunks = Chunks(ask, head)
         out = await _sse(request)
         usage = head.usage
-        await out.write(chunks.head_events(usage) + chunks.usage_event(usage) + Chunks.DONE)
+        await out.write(chunks.head_events(usage, head.text) + chunks.usage_event(usage) + Chunks.DONE)
         await out.write_eof()
         return out
 
@@ -300,7 +300,7 @@ class Dispatcher:
         try:
             if ask.stream:
                 out = await _sse(request)
-                await out.write(chunks.head_events(tail.usage()))
+                await out.write(chunks.head_events(tail.usage(), tail.head_text()))
             resp = await call
             try:
                 if resp.status != 200:
@@ -325,6 +325,9 @@ class Dispatcher:
                         metrics.TOKEN2.observe(timings["second_token"] - timings["prefill_answered"])
                     if out is not None:
                         await out.write(chunks.piece(piece, tail.usage()))
+                    if tail.stopped_here:
+                        resp.close()  # a stop string ended it: decode's request is aborted
+                        break
             finally:
                 resp.release()
             timings["decode_done"] = time.perf_counter()

@@ -15,6 +15,7 @@ ids); the client's endpoint decides the shape of what goes back. The response's 
 
 from __future__ import annotations
 
+import bisect
 import copy
 import dataclasses
 import json
@@ -29,7 +30,7 @@ _NOT_FOR_DECODE = frozenset((
     "truncation_side", "suffix", "chat_template", "chat_template_kwargs", "add_generation_prompt",
     "continue_final_message", "documents", "tools", "tool_choice", "parallel_tool_calls", "reasoning_effort",
     "include_reasoning", "mm_processor_kwargs", "media_io_kwargs", "kv_transfer_params", "request_id",
-    "response_format", "functions", "function_call"))
+    "response_format", "functions", "function_call", "stop"))
 
 
 class BadHead(ValueError):
@@ -111,41 +112,82 @@ class Piece:
 
 
 class Tail:
-    """Decode's continuation, joined onto the head as it streams in."""
+    """Decode's continuation, joined onto the head as it streams in, and the generated
+    text as vLLM's detokenizer keeps it (``vllm/v1/engine/detokenizer.py``): stop
+    strings are matched here, on the whole generated text, because only here are the
+    prefill engine's token and decode's tokens one text (decode is not given them: it
+    could not see a stop string that begins in the first token). While streaming,
+    the last ``max(len(stop)) - 1`` characters are held back, as vLLM holds them."""
 
     def __init__(self, ask: Ask, head: Head, output_text) -> None:
         self.ask = ask
         self.head = head
         self.out = output_text
-        self.out.step(head.token_id)  # the head's text is prefill's own; this only advances the stream
-        self.text = ""
-        self.token_ids: list[int] = []
+        first = self.out.step(head.token_id)  # the same text prefill made of its token
+        # The head's text is the echoed prompt (if asked) and the first token's text.
+        self.echo = head.text[:len(head.text) - len(first)] if head.text.endswith(first) else head.text
+        self.gen = first if head.text.endswith(first) else ""   # all generated text so far
+        stop = ask.body.get("stop") or []
+        self.stop = [stop] if isinstance(stop, str) else list(stop)
+        self.include_stop = bool(ask.body.get("include_stop_str_in_output"))
+        self.hold = max(len(x) for x in self.stop) - 1 if self.stop and not self.include_stop else 0
+        self.sent = 0                           # characters of gen already streamed
+        self.token_ids: list[int] = []          # decode's, after the head's
         self.finish_reason: str | None = None
         self.stop_reason = None
+        self.stopped_here = False               # a stop string ended it: decode is to be closed
         self.logprobs: dict | None = None
         lp = head.logprobs
         # Completion logprobs' text offsets count the tokens' strings from the answer's start.
         self._offset = (lp["text_offset"][-1] + len(lp["tokens"][-1] or "")) if lp and lp.get("tokens") else 0
         self.decode_usage: dict = {}
 
+    @property
+    def text(self) -> str:
+        """The generated text after the head's (what the whole answer adds to it)."""
+        return self.gen[len(self.head.text) - len(self.echo):] if self.gen.startswith(
+            self.head.text[len(self.echo):]) else self.gen
+
+    def head_text(self) -> str:
+        """What the first streamed event may show: the echo and the first token's text,
+        less what a stop string could still claim."""
+        self.sent = max(0, len(self.gen) - self.hold)
+        return self.echo + self.gen[:self.sent]
+
     def add(self, chunk: dict) -> Piece | None:
         if chunk.get("usage"):
             self.decode_usage = chunk["usage"]
         choices = chunk.get("choices") or []
-        if not choices:
+        if not choices or self.finish_reason is not None:
             return None
         c = choices[0]
         ids = [int(t) for t in (c.get("token_ids") or [])]
-        finish = c.get("finish_reason")
-        texts = []
-        for i, t in enumerate(ids):
-            # vLLM does not detokenize the token that stopped a request (EOS or a stop token id)
-            # unless the stop string is to be included.
-            last_stop = finish == "stop" and i == len(ids) - 1 and not self.ask.body.get("include_stop_str_in_output")
-            texts.append("" if last_stop else self.out.step(t))
-        text = "".join(texts)
-        self.text += text
-        self.token_ids += ids
+        finish, stop_reason = c.get("finish_reason"), c.get("stop_reason")
+        # vLLM does not detokenize the token that stopped a request (EOS or a stop token
+        # id) unless stop strings are to be included in the output.
+        skipped = ids[-1] if ids and finish == "stop" and not self.include_stop else None
+        new = ids[:-1] if skipped is not None else ids
+        before = 1 + len(self.token_ids)  # output tokens so far, the head's included
+        offsets = [len(self.gen)]
+        for t in new:
+            self.gen += self.out.step(t)
+            offsets.append(len(self.gen))
+        if skipped is not None:
+            offsets.append(len(self.gen))
+        kept = ids
+        if self.stop and before + len(ids) > self.ask.min_tokens:
+            check_from = offsets[max(self.ask.min_tokens - before, 0)]
+            hit = _find_stop(self.gen, len(self.gen) - check_from, self.stop, self.include_stop)
+            if hit is not None:
+                stop_str, cut = hit
+                end = len(self.gen) if cut == -1 else cut
+                if not self.include_stop:
+                    end += len(stop_str)
+                kept = ids[:bisect.bisect_left(offsets, end, lo=1)]
+                if cut != -1:
+                    self.gen = self.gen[:cut]
+                finish, stop_reason, self.stopped_here = "stop", stop_str, True
+        self.token_ids += kept
         logprobs = c.get("logprobs")
         if logprobs:
             logprobs = dict(logprobs, text_offset=[o + self._offset for o in logprobs.get("text_offset") or []])
@@ -154,8 +196,11 @@ class Tail:
             for k in self.logprobs:
                 self.logprobs[k] += logprobs.get(k) or []
         if finish is not None:
-            self.finish_reason, self.stop_reason = finish, c.get("stop_reason")
-        return Piece(text, ids, logprobs, finish, c.get("stop_reason") if finish is not None else None)
+            self.finish_reason, self.stop_reason = finish, stop_reason
+        upto = len(self.gen) - (0 if finish is not None else self.hold)
+        text = self.gen[self.sent:upto] if upto > self.sent else ""
+        self.sent = max(self.sent, upto)
+        return Piece(text, kept, logprobs, finish, stop_reason if finish is not None else None)
 
     @property
     def completion_tokens(self) -> int:
@@ -187,7 +232,7 @@ def final_answer(ask: Ask, head: Head, tail: Tail | None) -> dict:
     out.pop("kv_transfer_params", None)
     choice = out["choices"][0]
     token_ids = [head.token_id] + (tail.token_ids if tail else [])
-    text = head.text + (tail.text if tail else "")
+    text = (tail.echo + tail.gen) if tail else head.text
     if ask.endpoint == "completions":
         choice["text"] = text
         choice["logprobs"] = _joined_logprobs(head, tail)
@@ -237,7 +282,7 @@ class Chunks:
             obj["usage"] = usage
         return self._event(obj)
 
-    def head_events(self, usage: dict) -> bytes:
+    def head_events(self, usage: dict, text: str) -> bytes:
         h = self.head
         out = b""
         if self.ask.endpoint == "chat":
@@ -247,7 +292,7 @@ class Chunks:
                 obj["prompt_token_ids"] = h.prompt_ids
             out += self._event(obj)
         finish = h.finish_reason if h.finished or self.ask.max_tokens == 1 else None
-        out += self.chunk(self._choice(h.text, [h.token_id], h.logprobs, finish, h.stop_reason if finish else None,
+        out += self.chunk(self._choice(text, [h.token_id], h.logprobs, finish, h.stop_reason if finish else None,
                                        first=True), usage)
         return out
 
@@ -261,3 +306,21 @@ class Chunks:
         return self._event({"error": {"message": message, "type": "BadGatewayError", "param": None, "code": status}})
 
     DONE = b"data: [DONE]\n\n"
+
+
+def _find_stop(text: str, new_chars: int, stop: list[str], include: bool) -> tuple[str, int] | None:
+    """vLLM's stop-string rule: among the stop strings found in the last ``new_chars``
+    characters (plus what a string could straddle), the one that ends first, then the
+    first in the list; returns it and where the text is cut (-1: not at all)."""
+    if not new_chars:
+        return None
+    best, best_at, best_end = None, 0, None
+    for s in stop:
+        at = text.find(s, max(0, len(text) - new_chars - len(s) + 1))
+        if at != -1 and (best_end is None or at + len(s) < best_end):
+            best, best_at, best_end = s, at, at + len(s)
+    if best is None:
+        return None
+    if include:
+        return best, (-1 if best_end >= len(text) else best_end)
+    return best, best_at

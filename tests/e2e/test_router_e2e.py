@@ -207,6 +207,36 @@ def test_character_split_between_first_and_second_token(system):
     settled(stack)
 
 
+def test_stop_strings_answered_as_one_engine_answers(system):
+    """Stop strings cut from the aggregated engine's own output, at several places (one
+    across the first and second tokens when the first token's text is short): the
+    router's text, tokens, finish and stop reasons and usage equal that engine's."""
+    stack, agg = system
+    base = {"model": "tiny", "prompt": "Stop strings: " + PROMPTS["medium"], "max_tokens": MAX_TOKENS,
+            "temperature": 0.0, "return_token_ids": True}
+    _, free = post(agg, "/v1/completions", base)
+    whole = free["choices"][0]["text"]
+    from transformers import AutoTokenizer
+    first_len = len(AutoTokenizer.from_pretrained(stack.spec.model_dir).decode(free["choices"][0]["token_ids"][:1]))
+    cuts = [whole[max(0, first_len - 1):first_len + 2], whole[len(whole) // 2:len(whole) // 2 + 3],
+            [whole[-2:], "never in it"]]
+    for stop in cuts:
+        for extra in ({}, {"include_stop_str_in_output": True}):
+            body = dict(base, stop=stop, **extra)
+            _, want = post(agg, "/v1/completions", body)
+            w = want["choices"][0]
+            assert w["finish_reason"] == "stop", (stop, w)   # each cut is in the output: the engine stops
+            _, got = post(stack.router_url, "/v1/completions", body)
+            g = got["choices"][0]
+            assert (g["text"], g["token_ids"], g["finish_reason"], g["stop_reason"], usage(got)) == \
+                (w["text"], w["token_ids"], w["finish_reason"], w["stop_reason"], usage(want)), (stop, extra)
+            _, events = post(stack.router_url, "/v1/completions", dict(body, stream=True))
+            st = streamed(events)
+            assert (st["text"], st["token_ids"], st["finish_reason"]) == (w["text"], w["token_ids"],
+                                                                          w["finish_reason"]), (stop, extra)
+    settled(stack)
+
+
 def test_sampled_request_is_one_consistent_sequence(system):
     """temperature 1 with a seed: prefill samples the first token, decode continues from the
     prompt plus that token; the client gets exactly that sequence.

@@ -362,3 +362,35 @@ async def test_every_unsuccessful_answer_releases(stack):
         assert r.status == 400 and (await r.json())["error"]["param"] == "x"
     report = await settle(s["etcd"].endpoint, quiet=True)
     assert not report.live, report.summary()
+
+
+async def test_stop_strings_across_the_first_and_second_tokens(stack):
+    """Stop strings are matched on the whole generated text in the router (decode is not
+    given them): one that starts in the prefill engine's token and ends in decode's cuts
+    there, with vLLM's truncation, token count and streaming hold-back."""
+    s = stack
+    s["prefill"].mode = s["decode"].mode = "token_ids"
+    cases = [({"stop": " w11"}, " w7 w10", [7, 10, 11], " w11"),        # inside decode's text
+             ({"stop": ["zzz", "7 w1"]}, " w", [7, 10], "7 w1"),        # starts in the first token's text
+             ({"stop": "7 w1", "include_stop_str_in_output": True}, " w7 w1", [7, 10], "7 w1")]
+    for extra, text, ids, reason in cases:
+        for stream in (False, True):
+            body = {"model": "tiny", "prompt": "a b", "max_tokens": 6, "return_token_ids": True, **extra}
+            async with s["session"].post(s["ft_url"] + "/v1/completions", json=dict(body, stream=stream)) as r:
+                assert r.status == 200
+                if stream:
+                    events = [json.loads(line[6:]) for line in (await r.read()).decode().split("\n\n")
+                              if line.startswith("data: {")]
+                    got_text = "".join(c["text"] for e in events for c in e["choices"])
+                    got_ids = [t for e in events for c in e["choices"] for t in c.get("token_ids") or []]
+                    last = [c for e in events for c in e["choices"]][-1]
+                else:
+                    last = (await r.json())["choices"][0]
+                    got_text, got_ids = last["text"], last["token_ids"]
+            assert (got_text, got_ids, last["finish_reason"], last["stop_reason"]) == (text, ids, "stop", reason), \
+                (extra, stream)
+            assert "stop" not in s["decode"].bodies[-1]
+    # The stand-in decode never consumes its reservations (a real one does on admission):
+    # they stay live here, and the registry must still be sound.
+    report = await settle(s["etcd"].endpoint)
+    assert len(report.live) == 6
