@@ -35,7 +35,9 @@ GAP_S = 0.25  # between requests: each one's timeline is its own
 
 # (label, how it is found), in the order they happen; times are ms after the router received it.
 MILESTONES = (
-    ("reserved", "router: Reserve answered"),
+    ("handover_heard", "prefill sidecar: the reservation heard by its watch"),
+    ("reserved", "router: Reserve answered (the prefill request left before it)"),
+    ("handover_received", "prefill: its scheduler has the reservation (the request was held until then)"),
     ("prefill_started", "prefill: the step with the request began (BEGIN)"),
     ("decode_planned", "decode: the request is waiting for its KV (no blocks yet)"),
     ("first_layer", "prefill: layer 0 staged and pushed"),
@@ -75,7 +77,8 @@ def timeline(served: dict, events: list, num_layers: int) -> dict[str, float]:
         if rid == res:
             key = (event, detail) if event == "layer_staged" else event
             mine.setdefault(key, t)
-    pick = {"prefill_started": "push_begin", "decode_planned": "load_planned", "landed": "landed",
+    pick = {"handover_heard": "handover_heard", "handover_received": "handover_received",
+            "prefill_started": "push_begin", "decode_planned": "load_planned", "landed": "landed",
             "prefill_done": "push_end", "loaded": "loaded", "first_layer": ("layer_staged", "0"),
             "last_layer": ("layer_staged", str(num_layers - 1))}
     for label, key in pick.items():
@@ -92,7 +95,8 @@ def timeline(served: dict, events: list, num_layers: int) -> dict[str, float]:
 def run(n: int, log_dir: str) -> dict:
     model_dir = ensure_model()
     trace_dir = os.path.join(log_dir, "traces")
-    stack = Stack(StackSpec(model_dir=model_dir, log_dir=log_dir, engine_env={TRACE_ENV: trace_dir}), progress=say)
+    stack = Stack(StackSpec(model_dir=model_dir, log_dir=log_dir, engine_env={TRACE_ENV: trace_dir},
+                            sidecar_env={TRACE_ENV: trace_dir}), progress=say)
     stack.start()
     try:
         procs = {"prefill engine+": stack.process("vllm-prefill"), "decode engine+": stack.process("vllm-decode"),
@@ -174,8 +178,13 @@ def report(results: dict, n: int) -> str:
               "| segment | " + " | ".join(f"{length}" for length in results) + " |",
               "|---|" + "---:|" * len(results)]
     segments = (("router: count prompt tokens", None, "counted"),
-                ("router: Reserve (gRPC to the control plane, one etcd transaction)", "counted", "reserved"),
-                ("router -> prefill step start (HTTP, tokenize, schedule)", "reserved", "prefill_started"),
+                ("router: Reserve (gRPC to the control plane, one etcd transaction), beside the prefill request",
+                 "counted", "reserved"),
+                ("router -> the prefill sidecar hears the reservation (Reserve, then the watch)", "counted",
+                 "handover_heard"),
+                ("router -> prefill scheduler has the reservation", "counted", "handover_received"),
+                ("router -> prefill step start (HTTP, tokenize, schedule, the reservation)", "counted",
+                 "prefill_started"),
                 ("prefill forward up to the last layer's push", "prefill_started", "last_layer"),
                 ("last layer pushed -> decode hears LANDED", "last_layer", "landed"),
                 ("prefill forward over -> its answer at the router (first token out)", "prefill_done",

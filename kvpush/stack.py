@@ -31,6 +31,7 @@ class StackSpec:
     engine_env: dict = dataclasses.field(default_factory=dict)
     prefill_env: dict = dataclasses.field(default_factory=dict)
     decode_env: dict = dataclasses.field(default_factory=dict)
+    sidecar_env: dict = dataclasses.field(default_factory=dict)   # added to both sidecars' environment
     max_num_seqs: int = 8
     prefill_args: tuple[str, ...] = ()   # extra vLLM flags for the prefill engine
     deadline_ms: int = 30_000
@@ -101,7 +102,8 @@ class Stack:
                 python(), "-m", "kvpush.cli", "sidecar", "--role", role, "--engine-id", engine_id,
                 "--controlplane", self.controlplane, "--token", self.engine_token, "--kv-layout", layout,
                 "--num-blocks", str(blocks), "--model", spec.served_model, "--socket", sockets[role],
-                "--ready-file", ready]), ready))
+                "--ready-file", ready], env=spec.sidecar_env or None),
+                             ready))
         for proc, ready in sidecars:
             proc.wait_until(file_exists(ready), 60, "registered", self.say)
         self.say("sidecars registered (decode landing pool, prefill staging pool)")
