@@ -105,40 +105,50 @@ def run(n: int, log_dir: str) -> dict:
         meter_procs = {k: psutil.Process(p.proc.pid) for k, p in procs.items()}
         if stack.etcd is not None and getattr(stack.etcd, "proc", None) is not None:
             meter_procs["etcd"] = psutil.Process(stack.etcd.proc.pid)
-        for length in LENGTHS:  # warm both paths
+        # The same stack behind a second router that reserves before it sends the prefill
+        # request (the prefill engine given as a bare URL): the handover's A/B, interleaved.
+        seq_url = stack.add_router("router-seq", handover=False)
+        for length in LENGTHS:  # warm every path
             for i, prompt in enumerate(make_prompts(model_dir, length, 3, "bd-warm")):
                 stream_request(stack.router_url, prompt, MAX_TOKENS, 30)
+                stream_request(seq_url, prompt + " seq", MAX_TOKENS, 30)
                 stream_request(stack.prefill_url, prompt + f" {i}", 1, 30)
         results = {}
         for length in LENGTHS:
-            say(f"{length}-token prompts: {n} through the router, then {n} to the prefill engine alone")
+            say(f"{length}-token prompts: {n} each through the router (handover), the router that reserves first, "
+                "and the prefill engine alone, interleaved")
             meter = CpuMeter(meter_procs)
-            meter.start()
+            cpu: dict = {}
+            kv, seq, alone = [], [], []
             t_start = time.time()
-            kv = []
-            for prompt in make_prompts(model_dir, length, n, "bd-kv"):
-                kv.append(stream_request(stack.router_url, prompt, MAX_TOKENS, 30))
+            for a, b, c in zip(make_prompts(model_dir, length, n, "bd-kv"), make_prompts(model_dir, length, n, "bd-seq"),
+                               make_prompts(model_dir, length, n, "bd-alone")):
+                meter.start()
+                kv.append(stream_request(stack.router_url, a, MAX_TOKENS, 30))
                 time.sleep(GAP_S)
-            cpu = meter.stop()
-            t_end = time.time()
-            alone = []
-            for prompt in make_prompts(model_dir, length, n, "bd-alone"):
-                alone.append(stream_request(stack.prefill_url, prompt, 1, 30))
+                for k, v in meter.stop().items():
+                    cpu[k] = cpu.get(k, 0.0) + v
+                seq.append(stream_request(seq_url, b, MAX_TOKENS, 30))
                 time.sleep(GAP_S)
-            results[length] = {"kv": kv, "alone": alone, "window": (t_start, t_end), "cpu": cpu}
+                alone.append(stream_request(stack.prefill_url, c, 1, 30))
+                time.sleep(GAP_S)
+            results[length] = {"kv": kv, "seq": seq, "alone": alone, "window": (t_start, time.time()), "cpu": cpu}
         time.sleep(0.5)
         served = served_lines(os.path.join(log_dir, "router.log"))
+        served_seq = served_lines(os.path.join(log_dir, "router-seq.log"))
         events = read_traces(trace_dir)
         for length, r in results.items():
             t_start, t_end = r["window"]
             mine = [s for s in served if t_start <= s.get("received_unix", 0) <= t_end]
             r["timelines"] = [timeline(s, events, stack.layout.num_layers) for s in mine]
-            r["ttft_ms"] = [x["ttft_s"] * 1e3 for x in r["kv"] if x["ok"]]
+            r["seq_timelines"] = [timeline(s, events, stack.layout.num_layers) for s in served_seq
+                                  if t_start <= s.get("received_unix", 0) <= t_end]
+            for key, data in (("ttft_ms", r["kv"]), ("seq_ttft_ms", r["seq"]), ("alone_ms", r["alone"])):
+                r[key] = [x["ttft_s"] * 1e3 for x in data if x["ok"]]
             r["token2_ms"] = [(x["t2_s"] - x["ttft_s"]) * 1e3 for x in r["kv"] if x["ok"] and x.get("t2_s")]
             r["tpot_ms"] = [(x["total_s"] - x["ttft_s"]) / (MAX_TOKENS - 1) * 1e3 for x in r["kv"] if x["ok"]]
-            r["alone_ms"] = [x["ttft_s"] * 1e3 for x in r["alone"] if x["ok"]]
             r["counters"] = stack.stats()
-            del r["kv"], r["alone"]
+            del r["kv"], r["seq"], r["alone"]
         return results
     finally:
         stack.stop()
@@ -167,9 +177,18 @@ def report(results: dict, n: int) -> str:
     row_ttft = [f"**{med(r['ttft_ms']):.1f}**" for r in results.values()]
     row_alone = [f"{med(r['alone_ms']):.1f}" for r in results.values()]
     row_ratio = [f"{med(r['ttft_ms']) / med(r['alone_ms']):.2f}x" for r in results.values()]
+
+    def seg(tls, a, b):
+        return med([t[b] - t[a] for t in tls if t.get(a) is not None and t.get(b) is not None])
     lines += ["| client: TTFT through the router | " + " | ".join(row_ttft) + " |",
+              "| client: TTFT through the router that reserves first (same stack, interleaved) | "
+              + " | ".join(f"{med(r['seq_ttft_ms']):.1f}" for r in results.values()) + " |",
               "| limit: prefill engine alone (`max_tokens=1`, client TTFT) | " + " | ".join(row_alone) + " |",
               "| TTFT / prefill alone | " + " | ".join(row_ratio) + " |",
+              "| TTFT / prefill alone, reserving first | "
+              + " | ".join(f"{med(r['seq_ttft_ms']) / med(r['alone_ms']):.2f}x" for r in results.values()) + " |",
+              "| reserving first: its Reserve segment (ms) | "
+              + " | ".join(f"{seg(r['seq_timelines'], 'counted', 'reserved'):.1f}" for r in results.values()) + " |",
               "| client: token-2 latency (second token - first) | "
               + " | ".join(f"{med(r['token2_ms']):.1f}" for r in results.values()) + " |",
               "| client: TPOT over the request | " + " | ".join(f"{med(r['tpot_ms']):.1f}" for r in results.values())
@@ -204,7 +223,7 @@ def report(results: dict, n: int) -> str:
               "| process | " + " | ".join(f"{length}" for length in results) + " |",
               "|---|" + "---:|" * len(results)]
     names = list(next(iter(results.values()))["cpu"])
-    for name in names:
+    for name in names:  # metered around the handover router's requests only
         row = [f"{r['cpu'][name] * 1e3 / max(1, len(r['timelines'])):.1f}" for r in results.values()]
         lines.append(f"| {name} | " + " | ".join(row) + " |")
     return "\n".join(lines)

@@ -125,28 +125,41 @@ class Stack:
         self.prefill_url, self.decode_url = urls["prefill"], urls["decode"]
         self.say(f"engines serving: prefill {self.prefill_url}, decode {self.decode_url}")
 
-        port = free_port()
-        ready = os.path.join(self.run_dir, "router.ready")
-        router = self._start("router", [
-            python(), "-m", "kvpush.cli", "router", "--controlplane", self.controlplane, "--token",
-            self.tenant_token, "--model", spec.served_model, "--model-dir", spec.model_dir, "--prefill",
-            f"prefill-0={self.prefill_url}", "--decode", f"decode-0={self.decode_url}", "--port", str(port),
-            "--deadline-ms", str(spec.deadline_ms), "--ready-file", ready])
-        router.wait_until(file_exists(ready), 60, "serving", self.say)
-        self.router_url = f"http://127.0.0.1:{port}"
+        self.router_url = self.add_router("router")
         self.say(f"router serving on {self.router_url}")
 
-    def _create_tenant(self) -> str:
+    def add_router(self, name: str, handover: bool = True, token: str = "") -> str:
+        """Start a router in front of the engines (the tenant's token unless ``token``);
+        ``handover=False`` gives it the prefill engine as a bare URL, so it reserves
+        before it sends the prefill request. Returns its URL."""
+        spec = self.spec
+        port = free_port()
+        ready = os.path.join(self.run_dir, f"{name}.ready")
+        prefill = f"prefill-0={self.prefill_url}" if handover else self.prefill_url
+        router = self._start(name, [
+            python(), "-m", "kvpush.cli", "router", "--controlplane", self.controlplane, "--token",
+            token or self.tenant_token, "--model", spec.served_model, "--model-dir", spec.model_dir, "--prefill",
+            prefill, "--decode", f"decode-0={self.decode_url}", "--port", str(port),
+            "--deadline-ms", str(spec.deadline_ms), "--ready-file", ready])
+        router.wait_until(file_exists(ready), 60, "serving", self.say)
+        return f"http://127.0.0.1:{port}"
+
+    def _create_tenant(self, name: str = "demo", quota_blocks: int = 0) -> str:
         import asyncio
         from controlplane.client import ControlPlaneClient
         from kvpush.v1 import admin_pb2
 
         async def create() -> str:
             async with ControlPlaneClient(self.controlplane, self.admin_token) as admin:
-                tenant = await admin.admin.CreateTenant(admin_pb2.CreateTenantRequest(name="demo"),
-                                                        metadata=admin.metadata, timeout=10)
+                tenant = await admin.admin.CreateTenant(
+                    admin_pb2.CreateTenantRequest(name=name, quota_blocks=quota_blocks), metadata=admin.metadata,
+                    timeout=10)
                 return tenant.token
         return asyncio.run(create())
+
+    def create_tenant(self, name: str, quota_blocks: int = 0) -> str:
+        """Another tenant (its token), e.g. one with a small quota."""
+        return self._create_tenant(name, quota_blocks)
 
     def stats(self) -> dict[str, dict]:
         """The connectors' counters, by engine name."""

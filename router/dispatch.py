@@ -245,6 +245,9 @@ class Dispatcher:
         finally:
             if not prefill.done():
                 prefill.cancel()
+            if reserving is not None and not reserving.done():
+                # The client went away first: the reserver releases a grant nobody waits for.
+                reserving.cancel()
         res = held[0] if held else None
         if status != 200:
             if res is not None:
@@ -301,7 +304,16 @@ class Dispatcher:
             if ask.stream:
                 out = await _sse(request)
                 await out.write(chunks.head_events(tail.usage(), tail.head_text()))
-            resp = await call
+            try:
+                resp = await call
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                if res is not None:
+                    await self.release(res.id, f"decode unreachable: {exc}")
+                if out is None:
+                    raise
+                await out.write(chunks.error_event(f"decode unreachable: {exc}", 502) + Chunks.DONE)
+                await out.write_eof()
+                return out
             try:
                 if resp.status != 200:
                     payload = await resp.read()
@@ -393,15 +405,19 @@ async def _sse(request: web.Request) -> web.StreamResponse:
 
 
 async def _events(resp: aiohttp.ClientResponse):
-    """The JSON objects of a server-sent event stream, up to ``[DONE]``."""
-    async for line in resp.content:
-        line = line.strip()
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            return
-        yield json.loads(data)
+    """The JSON objects of a server-sent event stream, up to ``[DONE]``; a stream that
+    breaks or does not parse is a failed decode (``_DecodeError``)."""
+    try:
+        async for line in resp.content:
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                return
+            yield json.loads(data)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        raise _DecodeError(f"decode's stream broke: {type(exc).__name__}: {exc}") from None
 
 
 def path_of(endpoint: str) -> str:

@@ -22,7 +22,7 @@ import pytest
 from controlplane.invariants import check
 from kvpush import engines
 from kvpush.etcd_server import free_port
-from kvpush.procs import ManagedProcess, http_ok, python
+from kvpush.procs import ManagedProcess, http_ok
 from kvpush.stack import Stack, StackSpec, complete
 from kvpush.tiny_model import DEFAULT_DIR, ensure_model
 
@@ -333,30 +333,14 @@ def test_hostile_inputs_get_engine_errors_and_pin_nothing(system):
     settled(stack)
 
 
-def test_reserve_refused_after_the_prefill_started_is_still_answered(system, tmp_path):
+def test_reserve_refused_after_the_prefill_started_is_still_answered(system):
     """The router sends the prefill request without waiting for the Reserve; here the
     Reserve is refused (the tenant's quota is one block) while the prefill engine holds
     the request for it. The prefill engine still answers the first token (computed
     plain), decode computes the prompt itself, and the text equals one engine's."""
     stack, agg = system
-    from controlplane.client import ControlPlaneClient
-    from kvpush.v1 import admin_pb2
-
-    async def tenant() -> str:
-        async with ControlPlaneClient(stack.controlplane, stack.admin_token) as admin:
-            t = await admin.admin.CreateTenant(admin_pb2.CreateTenantRequest(name="tight", quota_blocks=1),
-                                               metadata=admin.metadata, timeout=10)
-            return t.token
-    port = free_port()
-    ready = str(tmp_path / "router.ready")
-    router = ManagedProcess("router-tight", [
-        python(), "-m", "kvpush.cli", "router", "--controlplane", stack.controlplane, "--token",
-        asyncio.run(tenant()), "--model", "tiny", "--model-dir", stack.spec.model_dir, "--prefill",
-        f"prefill-0={stack.prefill_url}", "--decode", f"decode-0={stack.decode_url}", "--port", str(port),
-        "--ready-file", ready], str(tmp_path / "router-tight.log"), cwd=engines.ROOT)
+    url = stack.add_router("router-tight", token=stack.create_tenant("tight", quota_blocks=1))
     try:
-        router.wait_until(lambda: os.path.exists(ready), 60, "serving")
-        url = f"http://127.0.0.1:{port}"
         before_d, before_p = counters(stack, "decode-0"), counters(stack, "prefill-0")
         for stream in (False, True):
             body = {"model": "tiny", "prompt": f"Over quota ({stream}): " + PROMPTS["long"], "max_tokens": MAX_TOKENS,
@@ -377,7 +361,7 @@ def test_reserve_refused_after_the_prefill_started_is_still_answered(system, tmp
         metrics = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
         assert 'kvpush_router_fallbacks_total{reason="resource_exhausted"} 2.0' in metrics
     finally:
-        router.stop()
+        stack.process("router-tight").stop()
     settled(stack)
 
 

@@ -128,7 +128,8 @@ async def stack(cp, admin, engine_client, etcd):
     await ft.start_server()
     session = aiohttp.ClientSession()
     yield dict(prefill=prefill, decode=decode, url=str(router.make_url("")).rstrip("/"), session=session,
-               tenant=tenant, etcd=etcd, cp=cp, ft_url=str(ft.make_url("")).rstrip("/"))
+               tenant=tenant, etcd=etcd, cp=cp, ft_url=str(ft.make_url("")).rstrip("/"), token=token,
+               prefill_url=str(servers[0].make_url("")).rstrip("/"))
     await session.close()
     await router.close()
     await ft.close()
@@ -394,3 +395,29 @@ async def test_stop_strings_across_the_first_and_second_tokens(stack):
     # they stay live here, and the registry must still be sound.
     report = await settle(s["etcd"].endpoint)
     assert len(report.live) == 6
+
+
+async def test_decode_unreachable_after_the_first_token(stack):
+    """The first token is out; then decode cannot be reached: a streamed answer ends with
+    an error event, a whole one is a 502 error object, and the reservation is released."""
+    s = stack
+    s["prefill"].mode = "token_ids"
+    cfg = RouterConfig(controlplane=s["cp"].address, token=s["token"], model="tiny", prefill_urls=(s["prefill_url"],),
+                       decode=(DecodeEngine("decode-0", "http://127.0.0.1:9"),), max_model_len=1000)
+    router = TestServer(build_app(cfg, WordTokenizer()), handler_cancellation=True)
+    await router.start_server()
+    try:
+        url = str(router.make_url("")).rstrip("/")
+        async with s["session"].post(url + "/v1/completions",
+                                     json={"model": "tiny", "prompt": "a b", "max_tokens": 4, "stream": True}) as r:
+            text = (await r.read()).decode()
+        events = [json.loads(line[6:]) for line in text.split("\n\n") if line.startswith("data: {")]
+        assert events[0]["choices"][0]["text"] == " w7" and "error" in events[-1] and text.endswith("[DONE]\n\n")
+        async with s["session"].post(url + "/v1/completions",
+                                     json={"model": "tiny", "prompt": "a b", "max_tokens": 4}) as r:
+            assert r.status == 502 and (await r.json())["error"]["code"] == 502
+        for body in s["prefill"].bodies[-2:]:
+            res_id = body["kv_transfer_params"]["kvpush"]["reservation_id"]
+            assert (await _reservation_state(s, res_id, types_pb2.RELEASED)).state == types_pb2.RELEASED
+    finally:
+        await router.close()
