@@ -183,15 +183,16 @@ def write_report(results: dict, rates: list[float], ref_texts: dict, counts: dic
                       "phase): " + "; ".join(cells) + "."]
     lines += ["", "Reading this: vLLM's NIXL connectors (pull and push) create their NIXL agents with the progress "
               "thread on, and it busy-polls (the idle column: most of a core per engine with no requests); "
-              "kvpush's sidecars drive NIXL progress themselves and idle at ~0%. Until this run every engine "
-              "also ran vLLM's CPU default (one bound, spin-waiting OpenMP thread per core), so the two engines "
-              "of a pair oversubscribed the 2 cores and stalled each other: that inflated the baselines most "
-              "(pull then measured 417 / 574 ms at 128 / 1024 tokens, kvpush 51 / 101 ms). With one thread "
-              "per engine, the stand-in for separate machines, pull at 128 tokens is about as fast as kvpush: "
-              "both are dominated by fixed per-request costs (see the TTFT breakdown below), and the pulled "
-              "bytes are few. kvpush's lead grows with the prompt (0.4x pull at 1024 tokens) and under load. "
-              "With a few requests per phase, single runs on this machine move by 20-50%, so read small "
-              "differences as noise.",
+              "kvpush's sidecars drive NIXL progress themselves and idle at ~0%. Every P/D pair runs one OpenMP "
+              "thread per engine, the stand-in for separate machines. kvpush's first token is the prefill "
+              "engine's own: its TTFT is the prefill engine's time plus the router's hop and whatever of the "
+              "Reserve and handover the prefill's own HTTP, tokenization and scheduling does not hide, and "
+              "the push work the prefill engine does during its forward pass (staging each layer); the "
+              "second token pays decode's admission of a new request, its forward pass over the first token "
+              "and the way back (the TTFT breakdown below has each step). On 2 cores every process the "
+              "handover wakes competes with the prefill engine it is meant to run beside. With a few "
+              "requests per phase, single runs on this machine move by 20-50%, so read small differences "
+              "as noise.",
               "",
               "![TTFT CDF per configuration](e2e.png)", ""]
     update_section("e2e", "\n".join(lines))

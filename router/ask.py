@@ -17,7 +17,7 @@ The paths (``Ask.path``):
 ``push``         prefill pushes the KV, decode computes every output token (the
                  request uses something whose state would not carry over from the
                  prefill engine's token: output penalties, structured output, chat
-                 logprobs, ...);
+                 logprobs, echo, ...);
 ``prefill_only`` ``max_tokens`` of 1: the prefill engine's answer is the answer,
                  nothing is reserved;
 ``decode_only``  what one reservation cannot serve (``n > 1``, a list of prompts,
@@ -224,6 +224,8 @@ def _why_not_first_token(body: dict, endpoint: str, fast_detokenizer: bool) -> s
         return "chat_logprobs"
     if body.get("suffix"):
         return "suffix"
+    if endpoint == "completions" and body.get("echo"):
+        return "echo"  # vLLM echoes no prompt text when token ids are asked for, as the first-token path does
     if body.get("spaces_between_special_tokens") is False or body.get("skip_special_tokens") is False:
         return "special_tokens"
     if not fast_detokenizer:

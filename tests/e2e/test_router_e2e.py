@@ -207,6 +207,28 @@ def test_character_split_between_first_and_second_token(system):
     settled(stack)
 
 
+def test_logprobs_echo_and_usage_as_one_engine_answers(system):
+    """Completion logprobs (the first token's from prefill, the rest from decode, text
+    offsets continued), echo (on the push path: decode answers it whole), and usage: as
+    one engine answers them (logprob values to float32 rounding: the engines compute
+    them in different batches)."""
+    stack, agg = system
+    for extra in ({"logprobs": 2}, {"echo": True}, {"echo": True, "logprobs": 1}):
+        body = {"model": "tiny", "prompt": f"Logprobs {sorted(extra)}: " + PROMPTS["medium"], "max_tokens": 6,
+                "temperature": 0.0, **extra}
+        _, want = post(agg, "/v1/completions", body)
+        _, got = post(stack.router_url, "/v1/completions", body)
+        w, g = want["choices"][0], got["choices"][0]
+        assert g["text"] == w["text"] and usage(got) == usage(want), extra
+        if "logprobs" in extra:
+            wl, gl = w["logprobs"], g["logprobs"]
+            assert gl["tokens"] == wl["tokens"] and gl["text_offset"] == wl["text_offset"], extra
+            assert [set(t or {}) for t in gl["top_logprobs"]] == [set(t or {}) for t in wl["top_logprobs"]]
+            assert all((a is None and b is None) or abs(a - b) < 1e-3
+                       for a, b in zip(gl["token_logprobs"], wl["token_logprobs"])), extra
+    settled(stack)
+
+
 def test_stop_strings_answered_as_one_engine_answers(system):
     """Stop strings cut from the aggregated engine's own output, at several places (one
     across the first and second tokens when the first token's text is short): the
