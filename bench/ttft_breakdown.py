@@ -35,6 +35,7 @@ GAP_S = 0.25  # between requests: each one's timeline is its own
 
 # (label, how it is found), in the order they happen; times are ms after the router received it.
 MILESTONES = (
+    ("handover_awaited", "prefill: the request reached the prefill scheduler (HTTP, tokenize) and awaits its reservation"),
     ("handover_heard", "prefill sidecar: the reservation heard by its watch"),
     ("reserved", "router: Reserve answered (the prefill request left before it)"),
     ("handover_received", "prefill: its scheduler has the reservation (the request was held until then)"),
@@ -69,15 +70,16 @@ def served_lines(path: str) -> list[dict]:
 
 def timeline(served: dict, events: list, num_layers: int) -> dict[str, float]:
     """Milestones of one request, ms after the router received it."""
-    t0, res = served["received_unix"], served["reservation_id"]
+    t0, res, key = served["received_unix"], served["reservation_id"], served.get("request_id")
     ms = {"counted": served.get("counted_ms"), "reserved": served.get("reserved_ms"),
           "prefill_answered": served.get("prefill_answered_ms"), "second_token": served.get("second_token_ms")}
     mine = {}
     for t, engine, event, rid, detail in events:
-        if rid == res:
+        if rid == res or rid == key:
             key = (event, detail) if event == "layer_staged" else event
             mine.setdefault(key, t)
-    pick = {"handover_heard": "handover_heard", "handover_received": "handover_received",
+    pick = {"handover_awaited": "handover_awaited", "handover_heard": "handover_heard",
+            "handover_received": "handover_received",
             "prefill_started": "push_begin", "decode_planned": "load_planned", "landed": "landed",
             "prefill_done": "push_end", "loaded": "loaded", "first_layer": ("layer_staged", "0"),
             "last_layer": ("layer_staged", str(num_layers - 1))}
@@ -201,7 +203,11 @@ def report(results: dict, n: int) -> str:
                  "counted", "reserved"),
                 ("router -> the prefill sidecar hears the reservation (Reserve, then the watch)", "counted",
                  "handover_heard"),
+                ("router -> the request at the prefill scheduler (its HTTP, tokenization)", "counted",
+                 "handover_awaited"),
                 ("router -> prefill scheduler has the reservation", "counted", "handover_received"),
+                ("the request held for its reservation (about 0 when the reservation came first)", "handover_awaited",
+                 "handover_received"),
                 ("router -> prefill step start (HTTP, tokenize, schedule, the reservation)", "counted",
                  "prefill_started"),
                 ("prefill forward up to the last layer's push", "prefill_started", "last_layer"),

@@ -11,43 +11,30 @@ arrives instead of stepping through empty steps.
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable
 
-from worker.channel import ChannelError, SidecarClient
+from connector.sidecar_link import SchedulerChannel
+from worker.channel import SidecarClient
 
-log = logging.getLogger(f"vllm.{__name__}")  # under "vllm": logged with the engine's own handlers
 
 
-class HandoverWatch:
+class HandoverWatch(SchedulerChannel):
     def __init__(self, connect: Callable[[], tuple[SidecarClient, object]]):
-        self._connect = connect
-        self._client: SidecarClient | None = None
+        super().__init__(connect)
         self._cv = threading.Condition()
         self._params: dict[str, dict] = {}     # request id -> PushParams dict, once heard
         self._expected: set[str] = set()
         self.generation = 0                    # bumped on every reservation heard
 
-    def connect(self):
-        client, info = self._connect()
+    def _attach(self, client: SidecarClient) -> None:
         client.on_reservation = self._on_reservation
-        old, self._client = self._client, client
-        if old is not None:
-            old.close()
-        return info
-
-    @property
-    def broken(self) -> bool:
-        return self._client is None or self._client.broken
 
     def expect(self, request_id: str) -> None:
         """Ask the sidecar for the reservation made under ``request_id``."""
         with self._cv:
             self._expected.add(request_id)
-        if self.broken:
-            self.connect()
-        params = self._client.await_reservation(request_id)
+        params = self._client_or_reconnect().await_reservation(request_id)
         if params is not None:
             self._on_reservation(request_id, params)
 
@@ -72,11 +59,3 @@ class HandoverWatch:
         with self._cv:
             if self.generation == generation and timeout_s > 0:
                 self._cv.wait(timeout_s)
-
-    def close(self) -> None:
-        if self._client is not None:
-            try:
-                self._client.close()
-            except (ChannelError, OSError):
-                pass
-            self._client = None

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from connector.sidecar_link import SidecarInfo
+from connector.sidecar_link import SchedulerChannel, SidecarInfo
 from worker.channel import ChannelError, SidecarClient
 
 log = logging.getLogger(f"vllm.{__name__}")  # under "vllm": logged with the engine's own handlers
@@ -29,45 +29,15 @@ LANDED, FAILED, CANCELLED, CONSUMED = "LANDED", "FAILED", "CANCELLED", "CONSUMED
 ENDED = (FAILED, CANCELLED, CONSUMED)
 
 
-class LandingWatch:
+class LandingWatch(SchedulerChannel):
     def __init__(self, connect: Callable[[], tuple[SidecarClient, SidecarInfo]]):
-        self._connect = connect
+        super().__init__(connect)
         self.on_landed: Callable[[str], None] | None = None  # (reservation id), on the reader thread: tracing
-        self._client: SidecarClient | None = None
         self._cv = threading.Condition()
         self._states: dict[str, tuple[str, int]] = {}  # reservation -> (last state heard, tokens)
         self._released: dict[str, float] = {}  # reservation -> give-up time (monotonic)
         self._generation = 0  # bumped on every LANDED or end heard
         self._consumed_releases = 0  # released reservations consumed since the last take
-        self._next_connect = 0.0
-
-    # -- connection ----------------------------------------------------------------------------
-    def connect(self) -> SidecarInfo:
-        """(Re)connect and HELLO; the sidecar may have restarted (a new incarnation)."""
-        client, info = self._connect()
-        client.on_event = self._on_event
-        old, self._client = self._client, client
-        if old is not None:
-            old.close()
-        return info
-
-    @property
-    def broken(self) -> bool:
-        """The channel closed (the sidecar stopped or restarted): nothing more will be heard on it."""
-        return self._client is None or self._client.broken
-
-    def reconnect(self) -> SidecarInfo:
-        """``connect`` at most once a second while the sidecar is away (``ChannelError`` otherwise)."""
-        now = time.monotonic()
-        if now < self._next_connect:
-            raise ChannelError("the sidecar's channel is closed")
-        self._next_connect = now + 1.0
-        return self.connect()
-
-    def _client_or_reconnect(self) -> SidecarClient:
-        if self.broken:
-            self.reconnect()
-        return self._client
 
     # -- the reservations a request waits for ---------------------------------------------------------
     def watch(self, reservation_id: str) -> tuple[str, int]:
@@ -126,12 +96,10 @@ class LandingWatch:
         with self._cv:
             return len(self._released)
 
-    def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
-
     # -- events (the client's reader thread) -------------------------------------------------------
+    def _attach(self, client: SidecarClient) -> None:
+        client.on_event = self._on_event
+
     def _on_event(self, event) -> None:
         if not event.request_id:
             self._record(event.reservation_id, event.state, event.num_tokens)

@@ -155,6 +155,7 @@ class KVPushScheduler:
             now = time.monotonic()
             self._awaiting[rid] = _Awaiting(request, pending.request_id, now + pending.wait_ms / 1000.0, now)
             self._count("handover_awaited")
+            self.trace("handover_awaited", pending.request_id, rid)  # keyed by the router's id: no reservation yet
             return
         if pending is not None:
             log.warning("request %s: a prefill request awaiting its reservation on an engine that does not push "

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 
 from kvpush.layout import KvLayout
 from worker.channel import ChannelError, SidecarClient
@@ -66,3 +67,50 @@ def hello_once(path: str, connect_timeout_s: float, channel_timeout_s: float, na
     client, info = connect(path, connect_timeout_s, channel_timeout_s, name)
     client.close()
     return info
+
+
+class SchedulerChannel:
+    """One channel client held by the scheduler's process (the decode scheduler's
+    landing watch, the prefill scheduler's handover), reconnected at most once a
+    second while the sidecar is away. Subclasses wire the client's callbacks in
+    ``_attach``; they run on its reader thread."""
+
+    def __init__(self, connect: Callable[[], tuple[SidecarClient, SidecarInfo]]):
+        self._connect = connect
+        self._client: SidecarClient | None = None
+        self._next_connect = 0.0
+
+    def _attach(self, client: SidecarClient) -> None:
+        raise NotImplementedError
+
+    def connect(self) -> SidecarInfo:
+        """(Re)connect and HELLO; the sidecar may have restarted (a new incarnation)."""
+        client, info = self._connect()
+        self._attach(client)
+        old, self._client = self._client, client
+        if old is not None:
+            old.close()
+        return info
+
+    @property
+    def broken(self) -> bool:
+        """The channel closed (the sidecar stopped or restarted): nothing more will be heard on it."""
+        return self._client is None or self._client.broken
+
+    def reconnect(self) -> SidecarInfo:
+        """``connect`` at most once a second while the sidecar is away (``ChannelError`` otherwise)."""
+        now = time.monotonic()
+        if now < self._next_connect:
+            raise ChannelError("the sidecar's channel is closed")
+        self._next_connect = now + 1.0
+        return self.connect()
+
+    def _client_or_reconnect(self) -> SidecarClient:
+        if self.broken:
+            self.reconnect()
+        return self._client
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
