@@ -134,7 +134,14 @@ def run(n: int, log_dir: str) -> dict:
                 time.sleep(GAP_S)
                 alone.append(stream_request(stack.prefill_url, c, 1, 30))
                 time.sleep(GAP_S)
-            results[length] = {"kv": kv, "seq": seq, "alone": alone, "window": (t_start, time.time()), "cpu": cpu}
+            # Token 2 is a new request on decode: the least any new request costs there is a
+            # one-token prompt answered with one token, sent straight to the decode engine.
+            floor = []
+            for i in range(n):
+                floor.append(stream_request(stack.decode_url, [1 + i % 50], 1, 30))
+                time.sleep(GAP_S)
+            results[length] = {"kv": kv, "seq": seq, "alone": alone, "floor": floor, "window": (t_start, time.time()),
+                               "cpu": cpu}
         time.sleep(0.5)
         served = served_lines(os.path.join(log_dir, "router.log"))
         served_seq = served_lines(os.path.join(log_dir, "router-seq.log"))
@@ -145,12 +152,13 @@ def run(n: int, log_dir: str) -> dict:
             r["timelines"] = [timeline(s, events, stack.layout.num_layers) for s in mine]
             r["seq_timelines"] = [timeline(s, events, stack.layout.num_layers) for s in served_seq
                                   if t_start <= s.get("received_unix", 0) <= t_end]
-            for key, data in (("ttft_ms", r["kv"]), ("seq_ttft_ms", r["seq"]), ("alone_ms", r["alone"])):
+            for key, data in (("ttft_ms", r["kv"]), ("seq_ttft_ms", r["seq"]), ("alone_ms", r["alone"]),
+                              ("floor_ms", r["floor"])):
                 r[key] = [x["ttft_s"] * 1e3 for x in data if x["ok"]]
             r["token2_ms"] = [(x["t2_s"] - x["ttft_s"]) * 1e3 for x in r["kv"] if x["ok"] and x.get("t2_s")]
             r["tpot_ms"] = [(x["total_s"] - x["ttft_s"]) / (MAX_TOKENS - 1) * 1e3 for x in r["kv"] if x["ok"]]
             r["counters"] = stack.stats()
-            del r["kv"], r["seq"], r["alone"]
+            del r["kv"], r["seq"], r["alone"], r["floor"]
         return results
     finally:
         stack.stop()
@@ -194,7 +202,9 @@ def report(results: dict, n: int) -> str:
               "| client: token-2 latency (second token - first) | "
               + " | ".join(f"{med(r['token2_ms']):.1f}" for r in results.values()) + " |",
               "| client: TPOT over the request | " + " | ".join(f"{med(r['tpot_ms']):.1f}" for r in results.values())
-              + " |", ""]
+              + " |",
+              "| floor of token 2: any new request on decode (a one-token prompt, one token, straight to it) | "
+              + " | ".join(f"{med(r['floor_ms']):.1f}" for r in results.values()) + " |", ""]
     lines += ["Segments (median of each request's own differences, ms):", "",
               "| segment | " + " | ".join(f"{length}" for length in results) + " |",
               "|---|" + "---:|" * len(results)]
