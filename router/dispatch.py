@@ -127,7 +127,7 @@ class Dispatcher:
             return await self._proxy(self._least_loaded(self.cfg.prefill_urls), endpoint, body, request,
                                      "prefill_only")
         if ask.path == asks.DECODE_ONLY:
-            return await self._decode_alone(endpoint, body, request, ask.why)
+            return await self._decode_alone(endpoint, body, request, "decode_only")
         timings = {"counted": time.perf_counter()}
         request_id = f"rt-{uuid.uuid4().hex}"  # 128 random bits: also the prefill handover's key
         prefill_url = self._least_loaded(self.cfg.prefill_urls)
@@ -146,7 +146,7 @@ class Dispatcher:
                 if res is None:
                     metrics.FALLBACKS.labels(reason=why).inc()
                     _log.info("serving without push", request_id=request_id, reason=why, num_tokens=ask.num_tokens)
-                    return await self._decode_alone(endpoint, body, request, why)
+                    return await self._decode_alone(endpoint, body, request)
                 held.append(res)
                 timings["reserved"] = time.perf_counter()
                 if ask.path == asks.PUSH:
@@ -166,10 +166,10 @@ class Dispatcher:
                   **{f"{k}_ms": round((v - started) * 1e3, 2) for k, v in timings.items()})
         return response
 
-    async def _decode_alone(self, endpoint: str, body: dict, request: web.Request, why: str) -> web.StreamResponse:
-        return await self._proxy(self._least_loaded([d.url for d in self.cfg.decode]), endpoint, body, request,
-                                 "fallback" if why not in ("n", "prompt_list", "beam_search", "prompt_embeds")
-                                 else "decode_only")
+    async def _decode_alone(self, endpoint: str, body: dict, request: web.Request,
+                            path: str = "fallback") -> web.StreamResponse:
+        """The request served by a decode engine by itself (``path`` labels its TTFT)."""
+        return await self._proxy(self._least_loaded([d.url for d in self.cfg.decode]), endpoint, body, request, path)
 
     # -- push: prefill pushes, decode computes every output token -------------------------------
     async def _push(self, ask: asks.Ask, params: PushParams, decode_url: str, request: web.Request,
@@ -256,7 +256,7 @@ class Dispatcher:
                 return web.Response(body=payload, status=status, content_type="application/json")
             metrics.FALLBACKS.labels(reason="prefill_failed").inc()
             _log.warning("prefill failed; serving on decode alone", status=status, error=payload[:200])
-            return await self._decode_alone(ask.endpoint, ask.body, request, "prefill_failed")
+            return await self._decode_alone(ask.endpoint, ask.body, request)
         try:
             answer = json.loads(payload)
             head = parse_head(ask.endpoint, answer)
@@ -265,7 +265,7 @@ class Dispatcher:
                 await self.release(res.id, "prefill's answer had no token ids")
             metrics.FALLBACKS.labels(reason="bad_prefill_answer").inc()
             _log.warning("prefill answer unusable; serving on decode alone", error=str(exc))
-            return await self._decode_alone(ask.endpoint, ask.body, request, "bad_prefill_answer")
+            return await self._decode_alone(ask.endpoint, ask.body, request)
         metrics.TTFT.labels(path="first_token").observe(timings["prefill_answered"] - timings["counted"])
         if res is not None and head.finished:
             await self.release(res.id, "the first token ended the request")

@@ -5,7 +5,7 @@ decode's continuation (the tail) made into the one answer a single engine would 
              (its prompt ids, first token, text, logprobs, id/created/model)
     decode : /v1/completions, prompt = head.prompt_ids + [head.token_id],
              max_tokens - 1, streamed, return_token_ids ──▶ Tail, chunk by chunk
-    client : head.text first, then the tail's text, made here from decode's token ids
+    client : the first token's text, then the tail's, made here from decode's token ids
              (router/tokens.py says why), usage and logprobs joined
 
 Completions and chats share it: decode always runs a completion (its prompt is token
@@ -42,7 +42,7 @@ class Head:
     raw: dict                     # the prefill engine's answer
     prompt_ids: list[int]
     token_id: int
-    text: str                     # completions: the choice's text (with the echoed prompt); chat: the content
+    text: str                     # completions: the choice's text; chat: the content
     logprobs: dict | None         # completions' logprobs object
     finish_reason: str | None
     stop_reason: object
@@ -123,10 +123,7 @@ class Tail:
         self.ask = ask
         self.head = head
         self.out = output_text
-        first = self.out.step(head.token_id)  # the same text prefill made of its token
-        # The head's text is the echoed prompt (if asked) and the first token's text.
-        self.echo = head.text[:len(head.text) - len(first)] if head.text.endswith(first) else head.text
-        self.gen = first if head.text.endswith(first) else ""   # all generated text so far
+        self.gen = self.out.step(head.token_id)  # all generated text so far: prefill's token's, first
         stop = ask.body.get("stop") or []
         self.stop = [stop] if isinstance(stop, str) else list(stop)
         self.include_stop = bool(ask.body.get("include_stop_str_in_output"))
@@ -140,23 +137,14 @@ class Tail:
         lp = head.logprobs
         # Completion logprobs' text offsets count the tokens' strings from the answer's start.
         self._offset = (lp["text_offset"][-1] + len(lp["tokens"][-1] or "")) if lp and lp.get("tokens") else 0
-        self.decode_usage: dict = {}
-
-    @property
-    def text(self) -> str:
-        """The generated text after the head's (what the whole answer adds to it)."""
-        return self.gen[len(self.head.text) - len(self.echo):] if self.gen.startswith(
-            self.head.text[len(self.echo):]) else self.gen
 
     def head_text(self) -> str:
-        """What the first streamed event may show: the echo and the first token's text,
-        less what a stop string could still claim."""
+        """What the first streamed event may show: the first token's text, less what a
+        stop string could still claim."""
         self.sent = max(0, len(self.gen) - self.hold)
-        return self.echo + self.gen[:self.sent]
+        return self.gen[:self.sent]
 
     def add(self, chunk: dict) -> Piece | None:
-        if chunk.get("usage"):
-            self.decode_usage = chunk["usage"]
         choices = chunk.get("choices") or []
         if not choices or self.finish_reason is not None:
             return None
@@ -232,7 +220,7 @@ def final_answer(ask: Ask, head: Head, tail: Tail | None) -> dict:
     out.pop("kv_transfer_params", None)
     choice = out["choices"][0]
     token_ids = [head.token_id] + (tail.token_ids if tail else [])
-    text = (tail.echo + tail.gen) if tail else head.text
+    text = tail.gen if tail else head.text
     if ask.endpoint == "completions":
         choice["text"] = text
         choice["logprobs"] = _joined_logprobs(head, tail)
