@@ -19,12 +19,15 @@ class Handover:
     """Prefill: reservations named for this engine, by the router's request id, until
     the engine asks for them (AWAIT). Either may come first: the watch usually brings
     the reservation before the request has been parsed and scheduled, but not always.
-    Unasked ones are kept until their deadline, at most ``limit`` of them."""
+    Unasked ones are kept until their deadline, at most ``limit`` of them; an ask
+    that no reservation answers (the Reserve was refused) is dropped after
+    ``ask_ttl_s``, past any engine's wait (``AwaitParams.wait_ms`` is at most 60 s)."""
 
-    def __init__(self, limit: int = 50_000) -> None:
+    def __init__(self, limit: int = 50_000, ask_ttl_s: float = 60.0) -> None:
         self.limit = limit
+        self.ask_ttl_s = ask_ttl_s
         self._known: dict[str, tuple[dict, float]] = {}   # request id -> (params, expiry, monotonic)
-        self._waiting: dict[str, list[Connection]] = {}
+        self._waiting: dict[str, list[tuple[Connection, float]]] = {}  # request id -> (asker, expiry)
         self.offered = self.delivered = self.dropped = 0
 
     def offer(self, request_id: str, params: dict, deadline_unix_ms: int) -> None:
@@ -32,7 +35,7 @@ class Handover:
         waiting = self._waiting.pop(request_id, None)
         if waiting:
             body = F.encode_json({"request_id": request_id, "params": params})
-            for conn in waiting:
+            for conn, _ in waiting:
                 conn.send(F.frame(F.RESERVATION, 0, body))
             self.delivered += 1
             return
@@ -45,17 +48,27 @@ class Handover:
         self._known[request_id] = (params, now + max(0.0, deadline_unix_ms / 1000.0 - time.time()))
 
     def ask(self, request_id: str, conn: Connection) -> dict | None:
+        now = time.monotonic()
         known = self._known.pop(request_id, None)
-        if known is not None and known[1] > time.monotonic():
+        if known is not None and known[1] > now:
             self.delivered += 1
             return known[0]
-        self._waiting.setdefault(request_id, []).append(conn)
+        if len(self._waiting) >= self.limit:
+            self._waiting = {r: alive for r, asks in self._waiting.items()
+                             if (alive := [a for a in asks if a[1] > now])}
+            while len(self._waiting) >= self.limit:
+                self._waiting.pop(next(iter(self._waiting)))
+                self.dropped += 1
+        self._waiting.setdefault(request_id, []).append((conn, now + self.ask_ttl_s))
         return None
 
     def forget(self, conn: Connection) -> None:
-        for rid in [r for r, conns in self._waiting.items() if conn in conns]:
-            self._waiting[rid].remove(conn)
-            if not self._waiting[rid]:
+        """An engine's channel closed: its asks go with it."""
+        for rid in list(self._waiting):
+            alive = [a for a in self._waiting[rid] if a[0] is not conn]
+            if alive:
+                self._waiting[rid] = alive
+            else:
                 del self._waiting[rid]
 
     def stats(self) -> dict:

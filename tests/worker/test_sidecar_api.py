@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -210,3 +211,33 @@ def test_stalled_decode_fails_within_the_transfer_timeout_never_lands(sidecars):
         assert wait_state(prefill.client, "res-s2", 5).state == "PUSHED"
     finally:
         prefill.close(), decode.close()
+
+
+def test_handover_keeps_asks_and_grants_bounded():
+    """The prefill sidecar's handover: a grant waits for its ask and an ask for its grant;
+    asks no grant answers (refused Reserves) and unasked grants are bounded."""
+    from worker.handover import Handover
+
+    class Conn:
+        def __init__(self):
+            self.sent = []
+
+        def send(self, data):
+            self.sent.append(data)
+    h, a, b = Handover(limit=4, ask_ttl_s=60.0), Conn(), Conn()
+    h.offer("early", {"reservation_id": "r1"}, int(time.time() * 1000) + 30_000)
+    assert h.ask("early", a) == {"reservation_id": "r1"} and not a.sent
+    assert h.ask("late", b) is None
+    h.offer("late", {"reservation_id": "r2"}, int(time.time() * 1000) + 30_000)
+    assert len(b.sent) == 1 and b"r2" in b.sent[0]
+    for i in range(10):                           # asks never answered: at most `limit` kept
+        h.ask(f"refused-{i}", a)
+    assert h.stats()["handover_waiting"] <= 4
+    for i in range(10):                           # grants never asked for: at most `limit` kept
+        h.offer(f"orphan-{i}", {}, int(time.time() * 1000) + 30_000)
+    assert h.stats()["handover_known"] <= 4
+    h.forget(a)                                   # its channel closed
+    assert h.stats()["handover_waiting"] == 0
+    expired = Handover(ask_ttl_s=0.0)
+    expired.offer("gone", {}, int(time.time() * 1000) - 1)   # past its deadline: not handed out
+    assert expired.ask("gone", a) is None
