@@ -18,7 +18,6 @@ from connector.sidecar_link import SchedulerChannel
 from worker.channel import SidecarClient
 
 
-
 class HandoverWatch(SchedulerChannel):
     def __init__(self, connect: Callable[[], tuple[SidecarClient, object]]):
         super().__init__(connect)

@@ -210,14 +210,12 @@ class KVPushScheduler:
         """0 once the reservation is here (or given up on: computed without a push), None
         ("not yet": vLLM keeps the request waiting, nothing computed) until then."""
         rid = aw.request.request_id
+        generation = self.handover.generation  # read first: an arrival after it ends the wait below
         data = self.handover.get(aw.key)
         if data is None and time.monotonic() < aw.give_up and self._may_wait():
             self._waited = True
-            generation = self.handover.generation
+            self.handover.wait_change(generation, min(self.timing.idle_wait_s, aw.give_up - time.monotonic()))
             data = self.handover.get(aw.key)
-            if data is None:
-                self.handover.wait_change(generation, min(self.timing.idle_wait_s, aw.give_up - time.monotonic()))
-                data = self.handover.get(aw.key)
         if data is None and time.monotonic() < aw.give_up:
             return None
         del self._awaiting[rid]

@@ -109,26 +109,27 @@ def _range(name: str, value, lo=None, hi=None, lo_open=False, what="") -> None:
         raise ApiError(f"{name} must be {what}, got {value}.", param=name)
 
 
-def check_prompt(prompt, limits: Limits) -> int:
-    """How many prompts a completion request carries (a list of prompts is a batch)."""
+def check_prompt(prompt, limits: Limits) -> list:
+    """The prompts a completion request carries (more than one: a batch), each a string
+    or a list of token ids."""
     if isinstance(prompt, str):
         if not prompt:
             raise ApiError("prompt must be a non-empty string, a list of strings or a list of token ids",
                            param="prompt")
-        return 1
+        return [prompt]
     if not isinstance(prompt, list) or not prompt:
         raise ApiError("prompt must be a non-empty string, a list of strings or a list of token ids, "
                        f"got {type(prompt).__name__}", param="prompt")
     if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
         _check_ids(prompt, limits)
-        return 1
+        return [prompt]
     if all(isinstance(p, str) and p for p in prompt):
-        return len(prompt)
+        return prompt
     if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
            for p in prompt):
         for p in prompt:
             _check_ids(p, limits)
-        return len(prompt)
+        return prompt
     raise ApiError("prompt must be a non-empty string, a list of non-empty strings, a list of token ids or a "
                    "list of lists of token ids", param="prompt")
 
@@ -252,22 +253,17 @@ def parse(endpoint: str, body: dict, counter, limits: Limits) -> Ask:
                        param="best_of")
     _check_sampling(body, endpoint, limits)
 
-    batch = 1
+    prompts: list = []
     if endpoint == "chat":
         _check_messages(body.get("messages"))
     elif body.get("prompt_embeds") is None:
-        batch = check_prompt(body.get("prompt"), limits)
+        prompts = check_prompt(body.get("prompt"), limits)
+    batch = len(prompts) or 1
     try:
         if endpoint == "chat":
             num_tokens = counter.chat(body["messages"])
-        elif batch == 1 and body.get("prompt_embeds") is None:
-            prompt = body["prompt"]
-            num_tokens = counter.completion(prompt[0] if isinstance(prompt, list) and isinstance(prompt[0], (str, list))
-                                            else prompt)
-        else:
-            num_tokens = max(counter.completion(p) for p in body["prompt"]) if batch > 1 else 1
-    except ApiError:
-        raise
+        else:  # the longest prompt of a batch (prompt embeddings: unknown here)
+            num_tokens = max((counter.completion(p) for p in prompts), default=1)
     except Exception as exc:
         raise ApiError(f"cannot tokenize the prompt: {type(exc).__name__}: {exc}",
                        param="messages" if endpoint == "chat" else "prompt") from None

@@ -34,11 +34,12 @@ from kvpush.v1 import scheduler_pb2
 from router import ask as asks
 from router import metrics
 from router.config import RouterConfig
-from router.errors import ApiError
+from router.errors import ApiError, json_error
 from router.first_token import BadHead, Chunks, Tail, decode_body, final_answer, parse_head, prefill_body
 from router.tokens import TokenCounter
 
 _log = log.get("router")
+LIMITS_RETRY_S = 5.0
 
 
 class Dispatcher:
@@ -54,6 +55,7 @@ class Dispatcher:
         # router and the control plane, and concurrent requests share messages.
         self.reserver = StreamReserver(cp)
         self._limits: asks.Limits | None = None
+        self._limits_asked = -1e9  # monotonic: when the prefill engine was last asked for them
         # How long a prefill engine holds a request for its reservation: past the
         # Reserve's own timeout the router has given up on it (and taken the request back).
         self.await_ms = int(cfg.reserve_timeout_s * 1000) + 250
@@ -66,19 +68,18 @@ class Dispatcher:
         return min(urls, key=lambda u: self.outstanding.get(u, 0))
 
     async def limits(self) -> asks.Limits:
-        """The model's context length, from the prefill engine (asked until it answers)."""
+        """The model's context length, from the prefill engine. Until it answers, asked
+        again at most every LIMITS_RETRY_S, not by every request (the engines check the
+        context themselves meanwhile)."""
         if self._limits is not None:
             return self._limits
         async with self._limits_lock:
-            if self._limits is None:
-                ctx = self.cfg.max_model_len
-                if ctx is None:
-                    ctx = await self._engine_max_model_len()
-                limits = asks.Limits(ctx, self.counter.vocab_size, self.cfg.max_logprobs)
-                if ctx is None:
-                    return limits
-                self._limits = limits
-        return self._limits
+            if self._limits is None and time.monotonic() - self._limits_asked >= LIMITS_RETRY_S:
+                self._limits_asked = time.monotonic()
+                ctx = self.cfg.max_model_len or await self._engine_max_model_len()
+                if ctx is not None:
+                    self._limits = asks.Limits(ctx, self.counter.vocab_size, self.cfg.max_logprobs)
+        return self._limits or asks.Limits(None, self.counter.vocab_size, self.cfg.max_logprobs)
 
     async def _engine_max_model_len(self) -> int | None:
         for url in self.cfg.prefill_urls:
@@ -92,7 +93,8 @@ class Dispatcher:
         return None
 
     async def reserve(self, request_id: str, num_tokens: int, prefill_engine_id: str = ""):
-        """(The reservation and its decode engine's URL), or (None, reason) when serving without push."""
+        """The reservation (its decode engine one the router can reach), or (None, reason)
+        when serving without push."""
         started = time.perf_counter()
         try:
             res = await self.reserver.reserve(
@@ -267,9 +269,9 @@ class Dispatcher:
             _log.warning("prefill answer unusable; serving on decode alone", error=str(exc))
             return await self._decode_alone(ask.endpoint, ask.body, request)
         metrics.TTFT.labels(path="first_token").observe(timings["prefill_answered"] - timings["counted"])
-        if res is not None and head.finished:
-            await self.release(res.id, "the first token ended the request")
         if head.finished:
+            if res is not None:
+                await self.release(res.id, "the first token ended the request")
             return await self._head_only(ask, head, request)
         if res is not None and read_push_report(answer.get("kv_transfer_params")) != (res.id, True):
             # The prefill engine computed without pushing (no reservation reached it in
@@ -300,6 +302,17 @@ class Dispatcher:
         self.outstanding[decode_url] += 1
         call = asyncio.ensure_future(self.session.post(f"{decode_url}/v1/completions", json=d_body))
         out = None
+
+        async def failed(message: str, whole: web.Response | None = None) -> web.StreamResponse:
+            """Decode failed after the first token: release; a stream already begun ends
+            with an error event, a whole answer is ``whole`` or a 502 error object."""
+            if res is not None:
+                await self.release(res.id, message)
+            if out is None:
+                return whole if whole is not None else json_error(message, 502)
+            await out.write(chunks.error_event(message, 502) + Chunks.DONE)
+            await out.write_eof()
+            return out
         try:
             if ask.stream:
                 out = await _sse(request)
@@ -307,25 +320,17 @@ class Dispatcher:
             try:
                 resp = await call
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                if res is not None:
-                    await self.release(res.id, f"decode unreachable: {exc}")
                 if out is None:
+                    if res is not None:
+                        await self.release(res.id, f"decode unreachable: {exc}")
                     raise
-                await out.write(chunks.error_event(f"decode unreachable: {exc}", 502) + Chunks.DONE)
-                await out.write_eof()
-                return out
+                return await failed(f"decode unreachable: {exc}")
             try:
                 if resp.status != 200:
                     payload = await resp.read()
-                    if res is not None:
-                        await self.release(res.id, f"decode answered {resp.status}")
-                    if out is None:
-                        return web.Response(body=payload, status=resp.status if resp.status < 500 else 502,
-                                            content_type="application/json")
-                    await out.write(chunks.error_event(f"decode answered {resp.status}: {payload[:200]!r}", 502)
-                                    + Chunks.DONE)
-                    await out.write_eof()
-                    return out
+                    return await failed(f"decode answered {resp.status}: {payload[:200]!r}",
+                                        web.Response(body=payload, status=resp.status if resp.status < 500 else 502,
+                                                     content_type="application/json"))
                 async for chunk in _events(resp):
                     if "error" in chunk:
                         raise _DecodeError(str(chunk["error"]))
@@ -349,14 +354,7 @@ class Dispatcher:
             await out.write_eof()
             return out
         except _DecodeError as exc:
-            if res is not None:
-                await self.release(res.id, f"decode failed: {exc}")
-            if out is None:
-                return web.json_response({"error": {"message": f"decode failed: {exc}", "type": "BadGatewayError",
-                                                    "param": None, "code": 502}}, status=502)
-            await out.write(chunks.error_event(f"decode failed: {exc}", 502) + Chunks.DONE)
-            await out.write_eof()
-            return out
+            return await failed(f"decode failed: {exc}")
         finally:
             if not call.done():
                 call.cancel()

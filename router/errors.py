@@ -22,7 +22,11 @@ class ApiError(Exception):
         return json_error(str(self), self.status, self.param)
 
 
+def error_body(message: str, status: int, param: str | None = None) -> dict:
+    """The error object itself: a response's body, or an event in a stream already begun."""
+    return {"error": {"message": message, "type": _TYPES.get(status, "Error"), "param": param, "code": status}}
+
+
 def json_error(message: str, status: int, param: str | None = None) -> web.Response:
     return web.Response(status=status, content_type="application/json",
-                        text=json.dumps({"error": {"message": message, "type": _TYPES.get(status, "Error"),
-                                                   "param": param, "code": status}}))
+                        text=json.dumps(error_body(message, status, param)))

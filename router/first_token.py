@@ -21,6 +21,7 @@ import dataclasses
 import json
 
 from router.ask import Ask
+from router.errors import error_body
 
 # Fields of the client's request that decode does not get as they are: the prompt is
 # the prefill engine's tokens plus its first token; the rest is set by decode_body.
@@ -31,6 +32,9 @@ _NOT_FOR_DECODE = frozenset((
     "continue_final_message", "documents", "tools", "tool_choice", "parallel_tool_calls", "reasoning_effort",
     "include_reasoning", "mm_processor_kwargs", "media_io_kwargs", "kv_transfer_params", "request_id",
     "response_format", "functions", "function_call", "stop"))
+
+
+_LOGPROB_KEYS = ("text_offset", "token_logprobs", "tokens", "top_logprobs")  # a completion's logprobs object
 
 
 class BadHead(ValueError):
@@ -180,7 +184,7 @@ class Tail:
         if logprobs:
             logprobs = dict(logprobs, text_offset=[o + self._offset for o in logprobs.get("text_offset") or []])
             if self.logprobs is None:
-                self.logprobs = {k: [] for k in ("text_offset", "token_logprobs", "tokens", "top_logprobs")}
+                self.logprobs = {k: [] for k in _LOGPROB_KEYS}
             for k in self.logprobs:
                 self.logprobs[k] += logprobs.get(k) or []
         if finish is not None:
@@ -207,7 +211,7 @@ class Tail:
 def _joined_logprobs(head: Head, tail: Tail | None) -> dict | None:
     if head.logprobs is None:
         return None
-    out = {k: list(head.logprobs.get(k) or []) for k in ("text_offset", "token_logprobs", "tokens", "top_logprobs")}
+    out = {k: list(head.logprobs.get(k) or []) for k in _LOGPROB_KEYS}
     if tail is not None and tail.logprobs:
         for k in out:
             out[k] += tail.logprobs[k]
@@ -291,7 +295,7 @@ class Chunks:
         return self._event(dict(self._base, choices=[], usage=usage)) if self.ask.include_usage else b""
 
     def error_event(self, message: str, status: int) -> bytes:
-        return self._event({"error": {"message": message, "type": "BadGatewayError", "param": None, "code": status}})
+        return self._event(error_body(message, status))
 
     DONE = b"data: [DONE]\n\n"
 

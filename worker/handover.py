@@ -40,11 +40,7 @@ class Handover:
             self.delivered += 1
             return
         now = time.monotonic()
-        if len(self._known) >= self.limit:
-            self._known = {k: v for k, v in self._known.items() if v[1] > now}
-            while len(self._known) >= self.limit:
-                self._known.pop(next(iter(self._known)))
-                self.dropped += 1
+        self._known = self._room(self._known, lambda known: known if known[1] > now else None)
         self._known[request_id] = (params, now + max(0.0, deadline_unix_ms / 1000.0 - time.time()))
 
     def ask(self, request_id: str, conn: Connection) -> dict | None:
@@ -53,14 +49,20 @@ class Handover:
         if known is not None and known[1] > now:
             self.delivered += 1
             return known[0]
-        if len(self._waiting) >= self.limit:
-            self._waiting = {r: alive for r, asks in self._waiting.items()
-                             if (alive := [a for a in asks if a[1] > now])}
-            while len(self._waiting) >= self.limit:
-                self._waiting.pop(next(iter(self._waiting)))
-                self.dropped += 1
+        self._waiting = self._room(self._waiting, lambda asks: [a for a in asks if a[1] > now] or None)
         self._waiting.setdefault(request_id, []).append((conn, now + self.ask_ttl_s))
         return None
+
+    def _room(self, entries: dict, alive) -> dict:
+        """``entries`` with room for one more: when full, what ``alive`` keeps (None: an
+        expired entry), then the oldest dropped."""
+        if len(entries) < self.limit:
+            return entries
+        entries = {k: kept for k, v in entries.items() if (kept := alive(v)) is not None}
+        while len(entries) >= self.limit:
+            entries.pop(next(iter(entries)))
+            self.dropped += 1
+        return entries
 
     def forget(self, conn: Connection) -> None:
         """An engine's channel closed: its asks go with it."""

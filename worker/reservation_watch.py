@@ -1,8 +1,8 @@
 """Follows ``Registry.WatchEngineReservations`` and cancels the local pushes and
 landings of reservations that end (RELEASED, EXPIRED, FAILED); on a prefill engine
-it also hands the reservations named for it to the handover (``worker/handover.py``). After a break it
-subscribes again with a snapshot and checks every local reservation missing
-from it (``LookupReservation``).
+it also hands the reservations named for it to the handover (``worker/handover.py``).
+After a break it subscribes again with a snapshot and checks every local reservation
+missing from it (``LookupReservation``).
 """
 
 from __future__ import annotations
