@@ -44,12 +44,12 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import update_section  # noqa: E402
-from kvpush.layout import KvLayout  # noqa: E402
-from worker import frames as F  # noqa: E402
-from worker.channel import SidecarClient, measure_rtt  # noqa: E402
-from worker.geometry import DestGeometry, blocks_segment_map, pair_descriptors, staging_segment_map  # noqa: E402
-from worker.memory import ShmMemory, sweep_stale_segments  # noqa: E402
-from worker.pools import PoolInfo  # noqa: E402
+from kvpush.contract.layout import KvLayout  # noqa: E402
+from engine import frames as F  # noqa: E402
+from engine.channel import SidecarClient, measure_rtt  # noqa: E402
+from engine.geometry import DestGeometry, blocks_segment_map, pair_descriptors, staging_segment_map  # noqa: E402
+from engine.memory import ShmMemory, sweep_stale_segments  # noqa: E402
+from sidecar.pools import PoolInfo  # noqa: E402
 
 MODELS = {
     # name: (layout, prefill tokens/s). Rates: an 8B model at ~15k tokens/s is an
@@ -83,7 +83,7 @@ class Pair:
         self.procs = []
         for role, eid, blocks in (("decode", f"D-{tag}", landing_blocks), ("prefill", f"P-{tag}", staging_units)):
             log = open(workdir / f"{eid}.log", "w")
-            cmd = [sys.executable, "-m", "worker.sidecar", "--role", role, "--engine-id", eid, "--layout", layout,
+            cmd = [sys.executable, "-m", "sidecar.sidecar", "--role", role, "--engine-id", eid, "--layout", layout,
                    "--blocks", str(blocks), "--socket", str(workdir / f"{eid}.sock"),
                    "--record-out", str(workdir / f"{eid}.json"), "--transfer-timeout", "10", *extra_args]
             self.procs.append(subprocess.Popen(cmd, cwd=str(ROOT), env=env, stdout=log, stderr=subprocess.STDOUT))

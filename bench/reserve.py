@@ -30,17 +30,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from aetcd import rpc  # noqa: E402
 
 from bench.common import ROOT, CpuMeter, pct, update_section, wait_idle  # noqa: E402
-from controlplane.client import ControlPlaneClient  # noqa: E402
+from client.control_plane import ControlPlaneClient  # noqa: E402
 from controlplane.etcd import EtcdClient, op_delete_prefix, op_put  # noqa: E402
 from controlplane import keys  # noqa: E402
 from controlplane.invariants import check  # noqa: E402
 from controlplane.lifecycle_states import State  # noqa: E402
-from controlplane.reserve_stream import ReserveRefused, StreamReserver  # noqa: E402
+from client.reserve_stream import ReserveRefused, StreamReserver  # noqa: E402
 from kvpush.aio import tune_gc  # noqa: E402
-from kvpush.etcd_server import EmbeddedEtcd, free_port  # noqa: E402
-from kvpush.simulated import SimulatedEngine  # noqa: E402
-from kvpush.table import markdown, render  # noqa: E402
-from kvpush.v1 import admin_pb2, scheduler_pb2  # noqa: E402
+from app.etcd_server import EmbeddedEtcd, free_port  # noqa: E402
+from app.simulated import SimulatedEngine  # noqa: E402
+from app.table import markdown, render  # noqa: E402
+from kvpush.contract.v1 import admin_pb2, scheduler_pb2  # noqa: E402
 
 ADMIN = "bench-admin-token-0123456789"
 BLOCKS_PER_ENGINE = 60_000
@@ -53,7 +53,7 @@ class Plane:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         ready = tempfile.mktemp(prefix="kvpush-bench-ready-")
-        cmd = [sys.executable, "-m", "kvpush.cli", "controlplane", "--listen", self.address, "--etcd", etcd,
+        cmd = [sys.executable, "-m", "app.cli", "controlplane", "--listen", self.address, "--etcd", etcd,
                "--admin-token", ADMIN, "--max-batch", "500", "--default-deadline-ms", "600000",
                "--ready-file", ready, "--log-level", "warning"]
         if not group_commit:
@@ -350,7 +350,7 @@ async def main() -> None:
 
 Command: `.venv/bin/python bench/reserve.py` (one run, same etcd, same 2-core machine; etcd with fsync on;
 {ENGINES} simulated decode engines of {BLOCKS_PER_ENGINE} blocks per mode; each Reserve takes one block).
-Two clients: **stream client** is `controlplane/reserve_stream.py` (what the router uses: one ReserveStream,
+Two clients: **stream client** is `client/reserve_stream.py` (what the router uses: one ReserveStream,
 every ask that is ready goes out in one message); **unary** is one `Reserve` call per reservation. "closed, C
 concurrent" is C callers each reserving back to back; "open" sends at a fixed rate whatever is outstanding and
 counts latency from each request's scheduled time. CPU columns are cores used (CPU seconds per wall second)

@@ -15,7 +15,7 @@ from controlplane.lifecycle_states import State
 from controlplane.records import TenantRecord
 from controlplane.scheduler_service import engine_proto
 from controlplane.view import View, token_hash
-from kvpush.v1 import admin_pb2, admin_pb2_grpc, types_pb2
+from kvpush.contract.v1 import admin_pb2, admin_pb2_grpc, types_pb2
 
 
 class AdminService(admin_pb2_grpc.AdminServicer):

@@ -8,8 +8,8 @@ import json
 import time
 
 from controlplane.lifecycle_states import State
-from kvpush.layout import KvLayout
-from kvpush.v1 import types_pb2
+from kvpush.contract.layout import KvLayout
+from kvpush.contract.v1 import types_pb2
 
 
 def now_ms() -> int:
@@ -167,8 +167,8 @@ class TenantRecord:
 
 
 def layout_from_proto(msg: types_pb2.KvLayout, field: str = "kv_layout") -> KvLayout:
-    """Raises kvpush.layout.LayoutError naming ``field`` on bad values."""
-    from kvpush.layout import LayoutError
+    """Raises kvpush.contract.layout.LayoutError naming ``field`` on bad values."""
+    from kvpush.contract.layout import LayoutError
     try:
         return KvLayout(num_layers=msg.num_layers, block_size=msg.block_size, num_kv_heads=msg.num_kv_heads,
                         head_dim=msg.head_dim, dtype=msg.dtype or "float32", kv_parts=msg.kv_parts or 2)

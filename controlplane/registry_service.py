@@ -17,8 +17,8 @@ from controlplane.records import EngineRecord, layout_from_proto, now_ms
 from controlplane.scheduler_service import engine_proto, watch_events
 from controlplane.view import View
 from kvpush import log
-from kvpush.layout import LayoutError
-from kvpush.v1 import registry_pb2, registry_pb2_grpc, types_pb2
+from kvpush.contract.layout import LayoutError
+from kvpush.contract.v1 import registry_pb2, registry_pb2_grpc, types_pb2
 
 _log = log.get("registry")
 DEFAULT_LEASE_TTL_S = 10

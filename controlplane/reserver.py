@@ -29,7 +29,7 @@ from controlplane.lifecycle_states import State
 from controlplane.records import EngineRecord, ReservationRecord, TenantRecord, now_ms, to_extents
 from controlplane.view import View
 from kvpush import log
-from kvpush.layout import KvLayout
+from kvpush.contract.layout import KvLayout
 
 _log = log.get("reserver")
 MAX_ATTEMPTS = 20

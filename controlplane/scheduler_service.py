@@ -18,8 +18,8 @@ from controlplane.lifecycle_states import State
 from controlplane.records import layout_from_proto
 from controlplane.reserver import Reserver, ReserveAsk
 from controlplane.view import ReservationChange, View
-from kvpush.layout import LayoutError
-from kvpush.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2
+from kvpush.contract.layout import LayoutError
+from kvpush.contract.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2
 
 DEFAULT_DEADLINE_MS = 30_000
 WATCH_QUEUE = 10_000

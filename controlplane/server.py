@@ -27,7 +27,7 @@ from controlplane.scheduler_service import DEFAULT_DEADLINE_MS, SchedulerService
 from controlplane.view import QUARANTINE_MS, View, follow
 from kvpush import log
 from kvpush.aio import tune_gc, until_signalled, write_ready_file
-from kvpush.v1 import admin_pb2, admin_pb2_grpc, registry_pb2, registry_pb2_grpc, scheduler_pb2, \
+from kvpush.contract.v1 import admin_pb2, admin_pb2_grpc, registry_pb2, registry_pb2_grpc, scheduler_pb2, \
     scheduler_pb2_grpc
 
 _log = log.get("controlplane")

@@ -1,7 +1,7 @@
 """kvpush: push-based KV cache transfer for disaggregated vLLM serving.
 
 This package holds what every component shares: the KV layout record, logging,
-the embedded etcd launcher, the CLI, and (under ``kvpush.v1``) the gRPC stubs
+the embedded etcd launcher, the CLI, and (under ``kvpush.contract.v1``) the gRPC stubs
 generated from ``proto/kvpush/v1``.
 """
 

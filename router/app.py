@@ -10,7 +10,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import generate_latest
 
-from controlplane.client import ControlPlaneClient
+from client.control_plane import ControlPlaneClient
 from kvpush import log
 from kvpush.aio import tune_gc, until_signalled, write_ready_file
 from router import metrics

@@ -26,11 +26,11 @@ import aiohttp
 import grpc
 from aiohttp import web
 
-from controlplane.client import ControlPlaneClient
-from controlplane.reserve_stream import ReserveRefused, StreamReserver
+from client.control_plane import ControlPlaneClient
+from client.reserve_stream import ReserveRefused, StreamReserver
 from kvpush import log
-from kvpush.transfer_params import AwaitParams, PushParams, read_push_report
-from kvpush.v1 import scheduler_pb2
+from kvpush.contract.transfer_params import AwaitParams, PushParams, read_push_report
+from kvpush.contract.v1 import scheduler_pb2
 from router import ask as asks
 from router import metrics
 from router.config import RouterConfig

@@ -39,8 +39,12 @@ if [ -z "${KVPUSH_SKIP_VLLM:-}" ] && [ ! -f "$VENV/.kvpush-vllm" ]; then
   touch "$VENV/.kvpush-vllm"
 fi
 echo "==> generating gRPC stubs from proto/"
-"$VENV/bin/python" -m kvpush.protogen
-if [ ! -x "$VENV/bin/kvpush" ]; then
+"$VENV/bin/python" -m kvpush.contract.protogen
+# Again whenever pyproject.toml changes: the editable install maps each package's folder.
+pkg_stamp="$VENV/.kvpush-pkg-$(sha256sum pyproject.toml | cut -c1-16)"
+if [ ! -x "$VENV/bin/kvpush" ] || [ ! -f "$pkg_stamp" ]; then
   $PIP install -q --no-deps -e .
+  rm -f "$VENV"/.kvpush-pkg-*
+  touch "$pkg_stamp"
 fi
 echo "==> ready: $VENV/bin/kvpush"

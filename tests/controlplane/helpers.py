@@ -6,9 +6,9 @@ import asyncio
 
 import grpc
 
-from controlplane.client import ControlPlaneClient
+from client.control_plane import ControlPlaneClient
 from controlplane.invariants import check
-from kvpush.v1 import admin_pb2, scheduler_pb2
+from kvpush.contract.v1 import admin_pb2, scheduler_pb2
 
 
 async def make_tenant(admin: ControlPlaneClient, address: str, name: str, quota_blocks: int = 0,

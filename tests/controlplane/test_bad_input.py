@@ -6,9 +6,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from kvpush.simulated import SimulatedEngine, layout_proto
-from kvpush.layout import KvLayout
-from kvpush.v1 import registry_pb2, scheduler_pb2, types_pb2
+from app.simulated import SimulatedEngine, layout_proto
+from kvpush.contract.layout import KvLayout
+from kvpush.contract.v1 import registry_pb2, scheduler_pb2, types_pb2
 from tests.controlplane.helpers import expect_code, make_tenant, reserve, settle
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT

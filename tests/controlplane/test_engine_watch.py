@@ -7,8 +7,8 @@ import asyncio
 
 import grpc
 
-from kvpush.simulated import SimulatedEngine
-from kvpush.v1 import registry_pb2, scheduler_pb2, types_pb2
+from app.simulated import SimulatedEngine
+from kvpush.contract.v1 import registry_pb2, scheduler_pb2, types_pb2
 from tests.controlplane.helpers import expect_code, make_tenant, release, reserve, settle
 
 CHANGED = scheduler_pb2.ReservationEvent.CHANGED
@@ -81,7 +81,7 @@ async def test_unconsumed_blocks_are_quarantined(etcd):
     """A late write from a prefill that has not yet heard of the end must not land
     in someone else's KV: blocks of a reservation that ended unconsumed stay out
     of use for the quarantine; consumed ones come back at once."""
-    from controlplane.client import ControlPlaneClient
+    from client.control_plane import ControlPlaneClient
     from controlplane.invariants import check
     from controlplane.server import ControlPlane, ControlPlaneConfig
     from tests.conftest import ADMIN_TOKEN

@@ -12,9 +12,9 @@ import time
 
 import grpc
 
-from controlplane.reserve_stream import StreamReserver
-from kvpush.simulated import SimulatedEngine
-from kvpush.v1 import registry_pb2, scheduler_pb2, types_pb2
+from client.reserve_stream import StreamReserver
+from app.simulated import SimulatedEngine
+from kvpush.contract.v1 import registry_pb2, scheduler_pb2, types_pb2
 from tests.conftest import ENGINE_TOKEN, ROOT
 from tests.controlplane.helpers import expect_code, make_tenant, release, reserve, settle
 
@@ -76,8 +76,8 @@ async def test_engine_heartbeat_stream_end_fails_its_reservations(cp, admin, eng
 
 ENGINE_SCRIPT = """
 import asyncio, sys
-from controlplane.client import ControlPlaneClient
-from kvpush.simulated import SimulatedEngine
+from client.control_plane import ControlPlaneClient
+from app.simulated import SimulatedEngine
 async def main():
     client = ControlPlaneClient(sys.argv[1], sys.argv[2])
     engine = SimulatedEngine(client, "decode-proc", num_blocks=16, lease_ttl_s=3)

@@ -10,8 +10,8 @@ import grpc
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from controlplane.invariants import check
-from kvpush.simulated import SimulatedEngine
-from kvpush.v1 import admin_pb2, registry_pb2, scheduler_pb2, types_pb2
+from app.simulated import SimulatedEngine
+from kvpush.contract.v1 import admin_pb2, registry_pb2, scheduler_pb2, types_pb2
 from tests.controlplane.helpers import make_tenant
 
 # Codes an API may legitimately answer with; INTERNAL/UNKNOWN would mean a crash.

@@ -10,8 +10,8 @@ import pytest
 
 from controlplane import errors
 from controlplane.lifecycle_states import LEGAL, LIVE, TERMINAL, IllegalTransition, Move, State, decide
-from kvpush.simulated import SimulatedEngine
-from kvpush.v1 import registry_pb2
+from app.simulated import SimulatedEngine
+from kvpush.contract.v1 import registry_pb2
 from tests.controlplane.helpers import expect_code, make_tenant, release, reserve, settle
 
 ALL = list(State)
@@ -148,7 +148,7 @@ async def test_a_restarted_prefill_engine_fails_only_what_its_earlier_life_was_p
     """PUSHING reports carry the prefill engine's incarnation: when it restarts, the
     reservations its old life was pushing into end FAILED, the ones its new life has
     begun meanwhile go on; a report in the name of an old life is refused."""
-    from kvpush.v1 import types_pb2
+    from kvpush.contract.v1 import types_pb2
     decode = SimulatedEngine(engine_client, "decode-0", num_blocks=32)
     await decode.register()
     old = SimulatedEngine(engine_client, "prefill-0", num_blocks=8, role=types_pb2.PREFILL)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import grpc
 
 from controlplane.invariants import check
-from kvpush.simulated import SimulatedEngine
-from kvpush.v1 import types_pb2
+from app.simulated import SimulatedEngine
+from kvpush.contract.v1 import types_pb2
 from tests.controlplane.helpers import expect_code, make_tenant, release, reserve, settle
 
 
@@ -48,7 +48,7 @@ async def test_idempotent_reserve_and_conflicting_duplicate(cp, admin, engine_cl
 
 
 async def test_reserve_stream_answers_every_tag(cp, admin, engine_client, etcd):
-    from kvpush.v1 import scheduler_pb2
+    from kvpush.contract.v1 import scheduler_pb2
     engine = SimulatedEngine(engine_client, "decode-0", num_blocks=100)
     await engine.register()
     tenant = await make_tenant(admin, cp.address, "acme")
@@ -85,7 +85,7 @@ async def test_reserve_stream_answers_every_tag(cp, admin, engine_client, etcd):
 async def test_reserve_stream_refuses_oversized_messages_and_unknown_fields(cp, admin, engine_client, etcd):
     """Too many asks in one message ends the stream (INVALID_ARGUMENT naming asks); an
     ask with a field this server does not know is refused alone, by its tag."""
-    from kvpush.v1 import scheduler_pb2
+    from kvpush.contract.v1 import scheduler_pb2
     engine = SimulatedEngine(engine_client, "decode-0", num_blocks=64)
     await engine.register()
     tenant = await make_tenant(admin, cp.address, "acme")

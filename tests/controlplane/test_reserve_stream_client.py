@@ -8,12 +8,12 @@ import asyncio
 import grpc
 import pytest
 
-from controlplane.client import ControlPlaneClient
-from controlplane.reserve_stream import ReserveRefused, StreamReserver
+from client.control_plane import ControlPlaneClient
+from client.reserve_stream import ReserveRefused, StreamReserver
 from controlplane.server import ControlPlane, ControlPlaneConfig
-from kvpush.etcd_server import free_port
-from kvpush.simulated import SimulatedEngine
-from kvpush.v1 import scheduler_pb2
+from app.etcd_server import free_port
+from app.simulated import SimulatedEngine
+from kvpush.contract.v1 import scheduler_pb2
 from tests.conftest import ADMIN_TOKEN, ENGINE_TOKEN
 from tests.controlplane.helpers import make_tenant, settle
 

@@ -17,11 +17,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from controlplane import metrics
-from controlplane.client import ControlPlaneClient
+from client.control_plane import ControlPlaneClient
 from controlplane.server import ControlPlane, ControlPlaneConfig
-from kvpush.etcd_server import free_port
-from kvpush.simulated import SimulatedEngine
-from kvpush.v1 import admin_pb2
+from app.etcd_server import free_port
+from app.simulated import SimulatedEngine
+from kvpush.contract.v1 import admin_pb2
 from tests.conftest import ADMIN_TOKEN, ENGINE_TOKEN, ROOT
 from tests.controlplane.helpers import make_tenant, reserve
 
@@ -137,7 +137,7 @@ async def test_cli_status_and_tenant(cp, engine_client, admin):
     env = {**os.environ, "KVPUSH_ADMIN_TOKEN": ADMIN_TOKEN, "KVPUSH_CONTROLPLANE": cp.address}
 
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "kvpush.cli", *args], cwd=ROOT, env=env,
+        return subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=60)
     out = await asyncio.to_thread(run, "tenant", "create", "cli-tenant", "--quota-blocks", "7")
     assert out.returncode == 0, out.stderr

@@ -6,9 +6,9 @@ import asyncio
 
 import grpc
 
-from controlplane.client import ControlPlaneClient
-from kvpush.simulated import SimulatedEngine
-from kvpush.v1 import admin_pb2, scheduler_pb2
+from client.control_plane import ControlPlaneClient
+from app.simulated import SimulatedEngine
+from kvpush.contract.v1 import admin_pb2, scheduler_pb2
 from tests.controlplane.helpers import expect_code, make_tenant, release, reserve, settle
 
 

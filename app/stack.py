@@ -1,0 +1,215 @@
+"""A whole kvpush deployment on loopback: etcd, a control plane, a tenant, one
+sidecar per engine, a prefill and a decode vLLM engine with our connector, and
+the router. Used by the demo, the end-to-end tests and bench/e2e.py; every
+process logs to its own file and everything is stopped on exit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+import shutil
+import tempfile
+import time
+import urllib.request
+from typing import Callable
+
+from app import engines
+from app.etcd_server import EmbeddedEtcd, free_port
+from app.procs import ManagedProcess, file_exists, http_ok, python
+
+
+@dataclasses.dataclass
+class StackSpec:
+    model_dir: str
+    log_dir: str
+    served_model: str = "tiny"
+    decode_blocks: int = 1024        # landing blocks (of engines.BLOCK_SIZE tokens)
+    staging_units: int = 1024        # prefill staging, same unit
+    engine_env: dict = dataclasses.field(default_factory=dict)
+    prefill_env: dict = dataclasses.field(default_factory=dict)
+    decode_env: dict = dataclasses.field(default_factory=dict)
+    sidecar_env: dict = dataclasses.field(default_factory=dict)   # added to both sidecars' environment
+    max_num_seqs: int = 8
+    prefill_args: tuple[str, ...] = ()   # extra vLLM flags for the prefill engine
+    deadline_ms: int = 30_000
+    quarantine_ms: int = 5_000
+
+
+class Stack:
+    def __init__(self, spec: StackSpec, progress: Callable[[str], None] = lambda _m: None) -> None:
+        self.spec = spec
+        self.say = progress
+        os.makedirs(spec.log_dir, exist_ok=True)
+        self.run_dir = tempfile.mkdtemp(prefix="kvpush-stack-")
+        self.admin_token = "kvp_admin_" + secrets.token_hex(16)
+        self.engine_token = "kvp_engine_" + secrets.token_hex(16)
+        self.tenant_token = ""
+        self.procs: list[ManagedProcess] = []
+        self.etcd: EmbeddedEtcd | None = None
+        self.controlplane = ""
+        self.prefill_url = self.decode_url = self.router_url = ""
+        self.stats_dir = os.path.join(self.run_dir, "stats")
+        os.makedirs(self.stats_dir)
+        self.ipc_dir = os.path.join(self.run_dir, "ipc")
+        os.makedirs(self.ipc_dir)
+        self.layout = engines.model_layout(spec.model_dir)
+
+    def _log(self, name: str) -> str:
+        return os.path.join(self.spec.log_dir, f"{name}.log")
+
+    def _start(self, name: str, cmd: list[str], env: dict | None = None) -> ManagedProcess:
+        proc = ManagedProcess(name, cmd, self._log(name), env=env, cwd=engines.ROOT)
+        self.procs.append(proc)
+        return proc
+
+    def start(self) -> "Stack":
+        try:
+            self._start_all()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_all(self) -> None:
+        spec = self.spec
+        self.etcd = EmbeddedEtcd(log_path=self._log("etcd")).start()
+        self.say(f"etcd up at {self.etcd.endpoint}")
+        port = free_port()
+        ready = os.path.join(self.run_dir, "cp.ready")
+        cp = self._start("controlplane", [python(), "-m", "app.cli", "controlplane", "--listen",
+                                          f"127.0.0.1:{port}", "--etcd", self.etcd.endpoint, "--admin-token",
+                                          self.admin_token, "--engine-token", self.engine_token,
+                                          "--max-batch", "500", "--quarantine-ms", str(spec.quarantine_ms),
+                                          "--ready-file", ready])
+        cp.wait_until(file_exists(ready), 60, "serving", self.say)
+        self.controlplane = f"127.0.0.1:{port}"
+        self.say(f"control plane serving on {self.controlplane}")
+        self.tenant_token = self._create_tenant()
+
+        layout = ",".join(f"{k}={v}" for k, v in (
+            ("layers", self.layout.num_layers), ("block", self.layout.block_size),
+            ("heads", self.layout.num_kv_heads), ("dim", self.layout.head_dim), ("dtype", self.layout.dtype)))
+        sockets = {}
+        sidecars = []
+        for role, engine_id, blocks in (("decode", "decode-0", spec.decode_blocks),
+                                        ("prefill", "prefill-0", spec.staging_units)):
+            sockets[role] = os.path.join(self.run_dir, f"{role}.sock")
+            ready = os.path.join(self.run_dir, f"{role}.sidecar.ready")
+            sidecars.append((self._start(f"sidecar-{role}", [
+                python(), "-m", "app.cli", "sidecar", "--role", role, "--engine-id", engine_id,
+                "--controlplane", self.controlplane, "--token", self.engine_token, "--kv-layout", layout,
+                "--num-blocks", str(blocks), "--model", spec.served_model, "--socket", sockets[role],
+                "--ready-file", ready], env=spec.sidecar_env or None),
+                             ready))
+        for proc, ready in sidecars:
+            proc.wait_until(file_exists(ready), 60, "registered", self.say)
+        self.say("sidecars registered (decode landing pool, prefill staging pool)")
+
+        urls = {}
+        engine_procs = []
+        for role, kv_role, env in (("prefill", "kv_producer", spec.prefill_env),
+                                   ("decode", "kv_consumer", spec.decode_env)):
+            port = free_port()
+            urls[role] = f"http://127.0.0.1:{port}"
+            cfg = engines.kvpush_transfer_config(kv_role, sockets[role], self.stats_dir, f"{role}-0")
+            engine_procs.append(self._start(f"vllm-{role}", engines.vllm_command(
+                spec.model_dir, port, spec.served_model, cfg, max_num_seqs=spec.max_num_seqs,
+                extra=spec.prefill_args if role == "prefill" else ()),
+                env=engines.engine_env({**spec.engine_env, **env}, pair=True, ipc_dir=self.ipc_dir)))
+        self.say("starting the prefill and decode vLLM engines (about a minute on 2 cores) ...")
+        for proc, role in zip(engine_procs, ("prefill", "decode")):
+            proc.wait_until(http_ok(urls[role] + "/health"), 300, "serving", self.say)
+        self.prefill_url, self.decode_url = urls["prefill"], urls["decode"]
+        self.say(f"engines serving: prefill {self.prefill_url}, decode {self.decode_url}")
+
+        self.router_url = self.add_router("router")
+        self.say(f"router serving on {self.router_url}")
+
+    def add_router(self, name: str, handover: bool = True, token: str = "") -> str:
+        """Start a router in front of the engines (the tenant's token unless ``token``);
+        ``handover=False`` gives it the prefill engine as a bare URL, so it reserves
+        before it sends the prefill request. Returns its URL."""
+        spec = self.spec
+        port = free_port()
+        ready = os.path.join(self.run_dir, f"{name}.ready")
+        prefill = f"prefill-0={self.prefill_url}" if handover else self.prefill_url
+        router = self._start(name, [
+            python(), "-m", "app.cli", "router", "--controlplane", self.controlplane, "--token",
+            token or self.tenant_token, "--model", spec.served_model, "--model-dir", spec.model_dir, "--prefill",
+            prefill, "--decode", f"decode-0={self.decode_url}", "--port", str(port),
+            "--deadline-ms", str(spec.deadline_ms), "--ready-file", ready])
+        router.wait_until(file_exists(ready), 60, "serving", self.say)
+        return f"http://127.0.0.1:{port}"
+
+    def _create_tenant(self, name: str = "demo", quota_blocks: int = 0) -> str:
+        import asyncio
+        from client.control_plane import ControlPlaneClient
+        from kvpush.contract.v1 import admin_pb2
+
+        async def create() -> str:
+            async with ControlPlaneClient(self.controlplane, self.admin_token) as admin:
+                tenant = await admin.admin.CreateTenant(
+                    admin_pb2.CreateTenantRequest(name=name, quota_blocks=quota_blocks), metadata=admin.metadata,
+                    timeout=10)
+                return tenant.token
+        return asyncio.run(create())
+
+    def create_tenant(self, name: str, quota_blocks: int = 0) -> str:
+        """Another tenant (its token), e.g. one with a small quota."""
+        return self._create_tenant(name, quota_blocks)
+
+    def stats(self) -> dict[str, dict]:
+        """The connectors' counters, by engine name."""
+        out = {}
+        for name in os.listdir(self.stats_dir):
+            if name.endswith(".json"):
+                with open(os.path.join(self.stats_dir, name)) as f:
+                    out[name[:-5]] = json.load(f)
+        return out
+
+    def process(self, name: str) -> ManagedProcess:
+        return next(p for p in self.procs if p.name == name)
+
+    def stop(self) -> None:
+        """Stop every process (last started first) and remove the run directory
+        (sockets, ready files, the connectors' counters: read ``stats()`` before)."""
+        for proc in reversed(self.procs):
+            proc.stop()
+        self.procs.clear()
+        if self.etcd is not None:
+            self.etcd.stop()
+            self.etcd = None
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def __enter__(self) -> "Stack":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def complete(url: str, prompt, max_tokens: int, model: str = "tiny", timeout: float = 300, stream: bool = False,
+             **extra) -> dict:
+    """A greedy completion through ``url`` (router or engine); adds ``ttft_s`` when streaming."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, **extra}
+    if stream:
+        body["stream"] = True
+    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    started = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        if not stream:
+            return json.load(resp)
+        text, ttft = "", None
+        for line in resp:
+            line = line.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            if ttft is None:
+                ttft = time.perf_counter() - started
+            chunk = json.loads(line[6:])
+            text += "".join(c.get("text", "") for c in chunk.get("choices", []))
+        return {"text": text, "ttft_s": ttft, "total_s": time.perf_counter() - started}

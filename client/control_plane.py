@@ -1,0 +1,42 @@
+"""A small client for the control plane: channel, credentials and the bearer token
+in one place, used by the CLI, the router, the sidecars, tests and benchmarks."""
+
+from __future__ import annotations
+
+import grpc
+
+from kvpush.contract.v1 import admin_pb2_grpc, registry_pb2_grpc, scheduler_pb2_grpc
+
+
+def channel_credentials(ca: str = "", cert: str = "", key: str = "") -> grpc.ChannelCredentials:
+    def read(path: str) -> bytes | None:
+        if not path:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+    return grpc.ssl_channel_credentials(read(ca), read(key), read(cert))
+
+
+class ControlPlaneClient:
+    def __init__(self, address: str, token: str, tls_ca: str = "", tls_cert: str = "", tls_key: str = "",
+                 server_name: str = "") -> None:
+        options = [("grpc.max_receive_message_length", 64 << 20)]
+        if server_name:
+            options.append(("grpc.ssl_target_name_override", server_name))
+        if tls_ca or tls_cert:
+            self.channel = grpc.aio.secure_channel(address, channel_credentials(tls_ca, tls_cert, tls_key), options)
+        else:
+            self.channel = grpc.aio.insecure_channel(address, options)
+        self.metadata = (("authorization", f"Bearer {token}"),)
+        self.scheduler = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        self.registry = registry_pb2_grpc.RegistryStub(self.channel)
+        self.admin = admin_pb2_grpc.AdminStub(self.channel)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> "ControlPlaneClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

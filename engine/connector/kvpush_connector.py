@@ -1,0 +1,192 @@
+"""``KVPushConnector``: vLLM's KV connector for kvpush (the class vLLM loads).
+
+    --kv-transfer-config '{"kv_connector": "KVPushConnector",
+                           "kv_connector_module_path": "engine.connector.kvpush_connector",
+                           "kv_role": "kv_producer",            # prefill engines; "kv_consumer" for decode
+                           "kv_load_failure_policy": "recompute",  # required on decode engines
+                           "kv_connector_extra_config": {"sidecar_socket": "/path/to/sidecar.sock",
+                                                         "stats_dir": "/path/to/stats"}}'
+
+A thin facade: scheduler-side calls go to ``engine.connector.scheduler.KVPushScheduler``,
+worker-side calls to ``engine.connector.worker.KVPushWorker``. What each engine does is
+decided by its sidecar's role (prefill sidecar: push; decode sidecar: load),
+and per request by ``kv_transfer_params["kvpush"]``; requests without it are
+served normally.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from engine.cache_codec import BlockCodec, CodecError
+from engine.connector.config import ConfigError, ConnectorConfig
+from engine.connector.handover_watch import HandoverWatch
+from engine.connector.landing_watch import LandingWatch
+from engine.connector.metadata import KVPushConnectorMetadata
+from engine.connector.scheduler import DecodeTiming, KVPushScheduler
+from engine.connector.sidecar_link import DECODE, PREFILL, connect, hello_once
+from engine.connector.worker import KVPushWorker
+from kvpush.trace import Trace
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(f"vllm.{__name__}")  # under "vllm": logged with the engine's own handlers
+
+
+class KVPushConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        self.config = ConnectorConfig.from_extra(ktc.kv_connector_extra_config)
+        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
+            raise ConfigError("KVPushConnector supports models with one KV cache group (full attention only)")
+        if ktc.is_kv_consumer and ktc.kv_load_failure_policy != "recompute":
+            raise ConfigError('KVPushConnector on a decode engine needs kv_transfer_config '
+                              '"kv_load_failure_policy": "recompute": a reservation that never lands must be '
+                              'recomputed, not fail the request')
+        self.block_size = vllm_config.cache_config.block_size
+        self._sched: KVPushScheduler | None = None
+        self._worker: KVPushWorker | None = None
+        self._watch: LandingWatch | None = None
+        self._handover: HandoverWatch | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            c = self.config
+            info = hello_once(c.sidecar_socket, c.connect_timeout_s, c.channel_timeout_s, name="vllm-scheduler")
+
+            def channel():
+                return connect(c.sidecar_socket, 0.5, c.channel_timeout_s, name="vllm-scheduler")
+            if info.role == DECODE and ktc.is_kv_consumer:
+                # The decode scheduler admits a request once its KV has landed: it listens itself.
+                self._watch = LandingWatch(channel)
+                info = self._watch.connect()
+            elif info.role == PREFILL and ktc.is_kv_producer:
+                # The prefill scheduler holds requests sent before their Reserve answered.
+                self._handover = HandoverWatch(channel)
+                info = self._handover.connect()
+            self._sched = KVPushScheduler(
+                info, self.block_size, ktc.is_kv_producer, ktc.is_kv_consumer, self._block_ids_of, watch=self._watch,
+                timing=DecodeTiming(c.load_timeout_s, c.deadline_grace_s, c.idle_wait_s),
+                trace=Trace(c.engine_name or info.engine_id), handover=self._handover)
+            if self._watch is not None:
+                self._watch.on_landed = lambda res: self._sched.trace("landed", res)
+            log.info("KVPushConnector scheduler: sidecar %s (%s)", info.engine_id, info.role)
+        else:
+            self._worker = KVPushWorker(self.config, self.block_size)
+
+    # ==============================================================================================
+    # Worker side
+    # ==============================================================================================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        codec = self._probe_codec(kv_caches)
+        self._worker.register_kv_caches(kv_caches, codec, extract_layer_index)
+
+    def _probe_codec(self, kv_caches: dict[str, torch.Tensor]) -> BlockCodec:
+        mc = self._vllm_config.model_config
+        heads = mc.get_num_kv_heads(self._vllm_config.parallel_config)
+        head_dim = mc.get_head_size()
+        name, tensor = next(iter(kv_caches.items()))
+        layer = self._vllm_config.compilation_config.static_forward_context.get(name)
+        backend = layer.attn_backend.get_name() if layer is not None else "?"
+        if backend != "CPU_ATTN":
+            raise CodecError(f"KVPushConnector reads vLLM's KV cache through host memory and supports the "
+                             f"CPU_ATTN backend; this engine uses {backend}")
+        if tensor.dtype != torch.float32:
+            raise CodecError(f"KVPushConnector supports float32 KV caches on the CPU, not {tensor.dtype}")
+        expected = (heads, self.block_size, 2 * head_dim)
+        if tuple(tensor.shape[1:]) != expected:
+            raise CodecError(f"unexpected CPU KV cache shape {tuple(tensor.shape)}, expected (blocks, *{expected})")
+        isa = getattr(layer, "isa", None)
+        if isa is None:
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+            isa = _get_attn_isa(tensor.dtype, self.block_size, head_dim, self._vllm_config.cache_config.cache_dtype)
+        return BlockCodec.probe_cpu_attn(self.block_size, heads, head_dim, isa)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KVPushConnectorMetadata):
+            self._worker.bind(connector_metadata)  # BEGINs before the forward pass
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if self._worker is not None and isinstance(meta, KVPushConnectorMetadata):
+            self._worker.start_loads(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv copied every layer already (the KV had landed before the step)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        self._worker.save_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        if self._worker is not None:
+            self._worker.wait_for_save()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        self._worker.end_step()  # loads are synchronous: nothing finishes in the background
+        return KVConnectorTransferResults(finished_sending=set(), finished_recving=set(), failed_recving=set())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return None, results.finished_recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.load_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
+        if self._handover is not None:
+            self._handover.close()
+            self._handover = None
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return True  # save_kv_layer runs between layers
+
+    # ==============================================================================================
+    # Scheduler side
+    # ==============================================================================================
+    def _block_ids_of(self, request_id: str) -> list[int]:
+        return self._kv_cache_manager.get_block_ids(request_id)[0]
+
+    def on_new_request(self, request: Request) -> None:
+        self._sched.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._sched.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched.request_finished(request)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        return self._kv_cache_config.transfer_group_ids  # the request's own blocks, every group

@@ -1,0 +1,407 @@
+"""Scheduler side: which requests push, which load, and what each step must do.
+
+Runs in vLLM's scheduler (the EngineCore process). It never touches KV bytes
+and never talks to peers; it reads each request's ``kvpush`` transfer params
+(``kvpush.contract.transfer_params``) and turns scheduler events into the step's
+``KVPushConnectorMetadata`` for the worker side.
+
+Prefill (the engine's sidecar has the prefill role, request role "prefill"):
+    every step that computes prompt tokens of the request emits a ``PushSpec``
+    for the tokens not pushed yet, ``[pushed, min(computed after the step,
+    reserved))``: under chunked prefill each chunk is pushed as it is
+    computed; after a preemption nothing already pushed is pushed again (the
+    staging copy holds it). The first spec carries the reservation (BEGIN).
+    A request the router sent before its Reserve answered (``AwaitParams``) is
+    held ("not yet", nothing computed) until the sidecar hands over its
+    reservation (``engine.connector.handover_watch``), or computed without a push after
+    its wait. Either way its answer says whether it pushed (``push_report`` in
+    the response's ``kv_transfer_params``): the router sends decode a load only
+    when it did.
+    Blocks are never held after the request ends (``request_finished`` returns
+    False): the KV was copied into staging during the forward pass.
+
+Decode (sidecar role decode, request role "decode"):
+    a request is admitted only once its reservation has LANDED (the scheduler
+    hears it from the sidecar through ``engine.connector.landing_watch``); until
+    then ``get_num_new_matched_tokens`` answers "not yet" (None) and vLLM
+    keeps it waiting without blocks. Landed, it is a *synchronous* external
+    load of the reserved prompt tokens beyond the local prefix-cache hit: the
+    worker copies them in before this very step's forward pass, which then
+    computes the last prompt token and the first output token. So nothing
+    waits a step for an asynchronous load to be reported, and no decode
+    blocks are held while the prefill runs. At most ``prompt - 1`` tokens
+    are loaded (vLLM must compute at least one). A reservation that ends
+    FAILED or CANCELLED, or does not land by its deadline (plus grace), is
+    recomputed locally: the request is admitted with nothing to load. One
+    load per request: after a preemption the prompt is recomputed locally.
+    An idle engine (its last step ran nothing) sleeps up to ``idle_wait_s``
+    in that call for a landing rather than spin through empty steps.
+
+A request is served normally (no push, no load) when its params are missing or
+malformed, name a role this engine does not serve, name another engine or
+incarnation, or reserve more tokens than the prompt has (the push could never
+complete). The counters say which.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+from engine.connector.handover_watch import HandoverWatch
+from engine.connector.landing_watch import ENDED, LANDED, LandingWatch
+from engine.connector.metadata import KVPushConnectorMetadata, LoadSpec, PushSpec, Target
+from engine.connector.sidecar_link import DECODE, PREFILL, SidecarInfo
+from kvpush.trace import Trace
+from kvpush.contract.transfer_params import AwaitParams, PushParams, TransferParamsError, push_report
+from engine.channel import ChannelError
+
+log = logging.getLogger(f"vllm.{__name__}")  # under "vllm": logged with the engine's own handlers
+
+
+@dataclasses.dataclass
+class _Prefill:
+    request: object
+    params: PushParams
+    target: int  # tokens to push (= reserved tokens)
+    pushed: int = 0  # tokens [0, pushed) already handed to the worker
+    begun: bool = False
+
+
+@dataclasses.dataclass
+class _Awaiting:
+    request: object
+    key: str          # the router's request id: the reservation arrives under it
+    give_up: float    # monotonic: compute without a push if it has not arrived by then
+    since: float      # monotonic
+
+
+@dataclasses.dataclass
+class _Decode:
+    request: object
+    params: PushParams
+    give_up: float  # monotonic: recompute locally if nothing landed by then
+    waiting_since: float  # monotonic
+    local: int = 0  # locally computed tokens at the last "landed" answer
+    decided: bool = False  # loaded, recomputed or released: never again
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTiming:
+    load_timeout_s: float = 30.0  # longest wait for a landing
+    deadline_grace_s: float = 0.5  # wait this long past the reservation's deadline
+    idle_wait_s: float = 0.005  # an idle engine sleeps this long per step for a landing
+
+
+def give_up_time(now: float, timeout_s: float, deadline_unix_ms: int, grace_s: float) -> float:
+    """When to stop waiting for a landing: the load timeout, or the reservation's
+    deadline (plus grace) if that comes first."""
+    limit = now + timeout_s
+    if deadline_unix_ms:
+        limit = min(limit, now + (deadline_unix_ms / 1000.0 - time.time()) + grace_s)
+    return limit
+
+
+class KVPushScheduler:
+    def __init__(self, sidecar: SidecarInfo, block_size: int, produce: bool, consume: bool,
+                 block_ids_of: Callable[[str], list[int]], watch: LandingWatch | None = None, timing: DecodeTiming = DecodeTiming(),
+                 trace: Trace | None = None, handover: HandoverWatch | None = None):
+        self.sidecar = sidecar
+        self.block_size = block_size
+        self.produce = produce and sidecar.role == PREFILL
+        self.consume = consume and sidecar.role == DECODE
+        if self.consume and watch is None:
+            raise ValueError("a decode scheduler needs a LandingWatch")
+        self.watch = watch
+        self.timing = timing
+        self.trace = trace or Trace.off()
+        self.block_ids_of = block_ids_of
+        self.handover = handover
+        self._prefill: dict[str, _Prefill] = {}
+        self._awaiting: dict[str, _Awaiting] = {}
+        self._reports: dict[str, str] = {}  # prefill request -> its reservation ("" none yet): answered on finish
+        self._decode: dict[str, _Decode] = {}
+        self._meta = KVPushConnectorMetadata()
+        self._last_step_tokens = 0  # tokens the last built step ran: 0 = the engine is idle
+        self._waited = False  # this scheduling pass slept for a landing already
+        # Idle waits are folded into the counters when a load is decided: a
+        # counter change per empty step would rewrite the stats file every step.
+        self._idle_waits, self._idle_wait_us = 0, 0
+
+    # -- counters, shipped to the worker with the next metadata ---------------------------
+    def _count(self, name: str, n: int = 1) -> None:
+        self._meta.counts[name] = self._meta.counts.get(name, 0) + n
+
+    # -- request arrival ---------------------------------------------------------------------
+    def on_new_request(self, request) -> None:
+        rid = request.request_id
+        try:
+            pending = AwaitParams.from_request(request.kv_transfer_params)
+            params = None if pending is not None else PushParams.from_request(request.kv_transfer_params)
+        except TransferParamsError as exc:
+            log.warning("request %s: kvpush params ignored: %s", rid, exc)
+            self._count("bad_params")
+            return
+        if pending is not None and self.produce and self.handover is not None:
+            self._reports[rid] = ""
+            try:
+                self.handover.expect(pending.request_id)
+            except ChannelError as exc:
+                log.warning("request %s: cannot ask the sidecar for its reservation (%s); not pushing", rid, exc)
+                self._count("handover_channel")
+                return
+            now = time.monotonic()
+            self._awaiting[rid] = _Awaiting(request, pending.request_id, now + pending.wait_ms / 1000.0, now)
+            self._count("handover_awaited")
+            self.trace("handover_awaited", pending.request_id, rid)  # keyed by the router's id: no reservation yet
+            return
+        if pending is not None:
+            log.warning("request %s: a prefill request awaiting its reservation on an engine that does not push "
+                        "(sidecar role %s)", rid, self.sidecar.role)
+            self._count("role_ignored")
+            return
+        if params is None:
+            self._count("requests_plain")
+            return
+        prompt = request.num_prompt_tokens
+        if params.role == PREFILL and self.produce:
+            self._start_prefill(request, params)
+        elif params.role == DECODE and self.consume:
+            why = self._decode_refusal(params, prompt)
+            if why == "wrong_engine" and self._refreshed(params):
+                why = self._decode_refusal(params, prompt)
+            if why:
+                log.warning("request %s: reservation %s not loaded (%s); computing the prompt locally",
+                            rid, params.reservation_id, why)
+                self._count(f"refused_{why}")
+                return
+            try:
+                self.watch.watch(params.reservation_id)
+            except ChannelError as exc:
+                log.warning("request %s: cannot watch reservation %s (%s); computing the prompt locally",
+                            rid, params.reservation_id, exc)
+                self._count("refused_channel")
+                return
+            now = time.monotonic()
+            t = self.timing
+            self._decode[rid] = _Decode(request, params, give_up_time(now, t.load_timeout_s, params.deadline_unix_ms,
+                                                                      t.deadline_grace_s), now)
+            self._count("loads_started")
+            self.trace("load_planned", params.reservation_id, rid)
+        else:
+            log.warning("request %s: kvpush role %r is not served by this engine (sidecar role %s)",
+                        rid, params.role, self.sidecar.role)
+            self._count("role_ignored")
+
+    def _start_prefill(self, request, params: PushParams) -> None:
+        rid = request.request_id
+        self._reports[rid] = params.reservation_id
+        if request.num_prompt_tokens < params.num_tokens:
+            log.warning("request %s: prompt of %d tokens cannot fill reservation %s of %d tokens; not pushing",
+                        rid, request.num_prompt_tokens, params.reservation_id, params.num_tokens)
+            self._count("refused_short_prompt")
+            return
+        self._prefill[rid] = _Prefill(request, params, params.num_tokens)
+
+    # -- prefill: a request sent before its reservation was granted ---------------------------
+    def _await_reservation(self, aw: _Awaiting) -> int | None:
+        """0 once the reservation is here (or given up on: computed without a push), None
+        ("not yet": vLLM keeps the request waiting, nothing computed) until then."""
+        rid = aw.request.request_id
+        generation = self.handover.generation  # read first: an arrival after it ends the wait below
+        data = self.handover.get(aw.key)
+        if data is None and time.monotonic() < aw.give_up and self._may_wait():
+            self._waited = True
+            self.handover.wait_change(generation, min(self.timing.idle_wait_s, aw.give_up - time.monotonic()))
+            data = self.handover.get(aw.key)
+        if data is None and time.monotonic() < aw.give_up:
+            return None
+        del self._awaiting[rid]
+        self.handover.forget(aw.key)
+        self._count("handover_wait_us_total", round((time.monotonic() - aw.since) * 1e6))
+        if data is None:
+            log.warning("request %s: no reservation arrived for %s; computing it without a push", rid, aw.key)
+            self._count("handover_timeout")
+            return 0
+        try:
+            params = PushParams.from_dict(data)
+        except TransferParamsError as exc:
+            log.warning("request %s: the sidecar's reservation is unusable (%s); not pushing", rid, exc)
+            self._count("bad_params")
+            return 0
+        self._count("handover_received")
+        self.trace("handover_received", params.reservation_id, rid)
+        self._start_prefill(aw.request, params)
+        return 0
+
+    def _refreshed(self, params: PushParams) -> bool:
+        """A reservation for this engine but another incarnation: if our sidecar's channel
+        closed, it may have restarted (asked at most once a second: a stale reservation
+        must not cost a HELLO each)."""
+        if params.engine_id != self.sidecar.engine_id or not self.watch.broken:
+            return False
+        before = self.sidecar.incarnation
+        return self._reconnected() and self.sidecar.incarnation != before
+
+    def _decode_refusal(self, params: PushParams, prompt: int) -> str:
+        if params.engine_id != self.sidecar.engine_id or params.engine_incarnation != self.sidecar.incarnation:
+            return "wrong_engine"
+        if prompt < params.num_tokens:
+            return "short_prompt"  # the prefill side refuses it too: it would never land
+        return ""
+
+    # -- decode: admitted once landed, then a synchronous load ----------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        aw = self._awaiting.get(request.request_id)
+        if aw is not None:
+            return self._await_reservation(aw), False
+        st = self._decode.get(request.request_id)
+        if st is None or st.decided:
+            return 0, False
+        res = st.params.reservation_id
+        if self.watch.broken and not self._reconnected():
+            self._recompute(st, "channel", "the sidecar's channel is closed")
+            return 0, False
+        if st.params.engine_incarnation != self.sidecar.incarnation:
+            self._recompute(st, "restarted", f"the sidecar restarted: reservation {res} went with it")
+            return 0, False
+        generation = self.watch.generation
+        state, landed = self.watch.state(res)
+        if state != LANDED and state not in ENDED and time.monotonic() < st.give_up and self._may_wait():
+            self._waited = True
+            t0 = time.monotonic()
+            self.watch.wait_change(generation, min(self.timing.idle_wait_s, max(0.0, st.give_up - t0)))
+            self._idle_waits += 1
+            self._idle_wait_us += round((time.monotonic() - t0) * 1e6)
+            state, landed = self.watch.state(res)
+        if state == LANDED:
+            # vLLM computes at least the last prompt token itself (and samples from it).
+            usable = min(request.num_prompt_tokens - 1, st.params.num_tokens, landed)
+            st.local = num_computed_tokens
+            return max(0, usable - num_computed_tokens), False
+        if state in ENDED:
+            self._recompute(st, state.lower(), f"reservation {res} is {state}")
+            return 0, False
+        if time.monotonic() >= st.give_up:
+            self._recompute(st, "timeout", f"reservation {res} did not land in time (last state {state or '?'})")
+            self.watch.release(res, time.monotonic() + self.timing.deadline_grace_s)
+            return 0, False
+        return None, False  # not landed yet: ask again at the next step
+
+    def _reconnected(self) -> bool:
+        """The watch's channel closed: connect again (a restarted sidecar is a new incarnation;
+        requests waiting on the old one are recomputed, those on this one watched again)."""
+        try:
+            info = self.watch.reconnect()
+        except (ChannelError, OSError, KeyError) as exc:  # at most one attempt a second
+            log.debug("kvpush sidecar not back yet: %s", exc)
+            return False
+        if info.incarnation != self.sidecar.incarnation:
+            log.warning("kvpush sidecar %s is now incarnation %s (was %s)", info.engine_id, info.incarnation,
+                        self.sidecar.incarnation)
+        self.sidecar = info
+        for st in self._decode.values():
+            if not st.decided and st.params.engine_incarnation == info.incarnation:
+                try:
+                    self.watch.watch(st.params.reservation_id)
+                except ChannelError:
+                    return False
+        return True
+
+    def _may_wait(self) -> bool:
+        """Sleep for a landing only when the engine has nothing else to run, once a pass."""
+        return self.timing.idle_wait_s > 0 and self._last_step_tokens == 0 and not self._waited
+
+    def _recompute(self, st: _Decode, reason: str, detail: str) -> None:
+        log.warning("kvpush load of %s failed (%s): %s; the prompt is computed locally",
+                    st.request.request_id, reason, detail)
+        st.decided = True
+        self._count("load_errors")
+        self._count(f"load_error_{reason}")
+        self._fold_idle_waits()
+        self.watch.forget(st.params.reservation_id)
+
+    def _fold_idle_waits(self) -> None:
+        if self._idle_waits:
+            self._count("idle_waits", self._idle_waits)
+            self._count("idle_wait_us_total", self._idle_wait_us)
+            self._idle_waits, self._idle_wait_us = 0, 0
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        st = self._decode.get(request.request_id)
+        if st is None or st.decided:
+            return
+        st.decided = True
+        p = st.params
+        if num_external_tokens <= 0:
+            # Nothing to load after all (the local prefix cache covers it): let it go.
+            self._count("load_skipped_local_hit")
+            self.watch.release(p.reservation_id, st.give_up)
+            return
+        self.watch.forget(p.reservation_id)
+        wait_ms = round((time.monotonic() - st.waiting_since) * 1e3)
+        self._count("load_wait_ms_total", wait_ms)
+        self._meta.maxima["load_wait_ms_max"] = max(wait_ms, self._meta.maxima.get("load_wait_ms_max", 0))
+        self._fold_idle_waits()
+        block_ids = tuple(blocks.get_block_ids()[0])
+        self._meta.loads.append(LoadSpec(
+            request.request_id, p.reservation_id, p.engine_id, p.engine_incarnation, tuple(p.block_ids),
+            p.block_size, p.num_tokens, block_ids, st.local, st.local + num_external_tokens, p.deadline_unix_ms))
+
+    # -- the step's metadata ------------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output) -> KVPushConnectorMetadata:
+        if self._prefill:
+            for rid, n in scheduler_output.num_scheduled_tokens.items():
+                st = self._prefill.get(rid)
+                if st is None or st.pushed >= st.target:
+                    continue
+                computed = st.request.num_computed_tokens + n  # num_computed_tokens is the pre-step value
+                end = min(computed, st.target)
+                if end <= st.pushed:
+                    continue  # recomputing tokens already pushed (after a preemption)
+                begin = None
+                if not st.begun:
+                    p = st.params
+                    begin = Target(p.reservation_id, p.engine_id, p.engine_incarnation, tuple(p.block_ids),
+                                   p.block_size, p.num_tokens)
+                    st.begun = True
+                self._meta.pushes.append(PushSpec(rid, tuple(self.block_ids_of(rid)), st.pushed, end,
+                                                  end == st.target, begin))
+                st.pushed = end
+        if self.watch is not None:
+            self.watch.housekeeping()
+            consumed = self.watch.take_consumed_releases()
+            if consumed:
+                self._count("releases_consumed", consumed)
+        meta, self._meta = self._meta, KVPushConnectorMetadata()
+        meta.scheduled_tokens = self._last_step_tokens = scheduler_output.total_num_scheduled_tokens
+        self._waited = False
+        return meta
+
+    # -- the end of a request -----------------------------------------------------------------
+    def request_finished(self, request) -> tuple[bool, dict | None]:
+        rid = request.request_id
+        st = self._prefill.pop(rid, None)
+        if st is not None and st.begun and st.pushed < st.target:
+            reason = f"request ended ({request.status}) after {st.pushed} of {st.target} tokens"
+            self._meta.push_aborts.append((rid, reason))
+        aw = self._awaiting.pop(rid, None)
+        if aw is not None:
+            self.handover.forget(aw.key)
+        report = None
+        if rid in self._reports:
+            # The router reads this from the prefill answer's kv_transfer_params: whether
+            # decode can load the prompt or must compute it.
+            pushed = st is not None and st.begun and st.pushed >= st.target
+            report = push_report(self._reports.pop(rid), pushed)
+        dst = self._decode.pop(rid, None)
+        if dst is not None and not dst.decided:
+            self._count("loads_abandoned")
+            self.watch.release(dst.params.reservation_id, dst.give_up)  # consumed if it lands
+        return False, report  # blocks are never held past the request
+
+    @property
+    def tracked(self) -> int:
+        return len(self._prefill) + len(self._decode) + len(self._awaiting) + len(self._reports)

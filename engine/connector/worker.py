@@ -1,0 +1,365 @@
+"""Worker side: the only part that touches KV bytes, and the only one on the channel.
+
+Prefill (sidecar role prefill):
+    ``bind`` (before the forward pass): BEGIN each new reservation (one round
+    trip; the sidecar checks the destination and allocates staging in the
+    destination's block geometry) and END-abort requests that stopped early.
+    ``save_kv_layer`` (inside the forward, after each attention layer): copy
+    that layer's tokens of each pushing request from the paged cache into
+    staging and send PUSH - a fire-and-forget frame, so the forward never
+    waits on the sidecar. ``wait_for_save``: END for requests whose last piece
+    went out this step.
+
+Decode (sidecar role decode):
+    the scheduler admits a request only once its reservation has LANDED
+    (``engine.connector.scheduler``), so each ``LoadSpec`` is a synchronous load:
+    ``start_load_kv`` (before the forward pass) copies the landing blocks into
+    the request's blocks and sends CONSUMED (fire-and-forget: the landing
+    blocks are free again). A copy that fails (the sidecar restarted under
+    it, a reservation of another incarnation, a bad geometry) reports the
+    request's blocks as load errors: vLLM recomputes those tokens
+    (``kv_load_failure_policy="recompute"``).
+
+Bytes move in kvpush's canonical block layout (``engine.cache_codec``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+
+import numpy as np
+
+from engine.cache_codec import BlockCodec, CodecError, flat_layer
+from engine.connector.config import ConnectorConfig
+from engine.connector.metadata import KVPushConnectorMetadata, LoadSpec, PushSpec
+from engine.connector.sidecar_link import DECODE, PREFILL, SidecarInfo, connect
+from engine.connector.stats import Counters
+from kvpush.trace import Trace
+from engine import frames as F
+from engine import reblock
+from engine.channel import ChannelError, SidecarClient
+from engine.geometry import DestGeometry
+from engine.memory import ShmMemory
+from sidecar.pools import StagingAllocation
+
+log = logging.getLogger(f"vllm.{__name__}")  # under "vllm": logged with the engine's own handlers
+
+@dataclasses.dataclass
+class _Outbound:
+    alloc: StagingAllocation
+    geom: DestGeometry
+    reservation_id: str = ""
+
+
+@dataclasses.dataclass
+class _StepPush:
+    spec: PushSpec
+    out: _Outbound
+    index: np.ndarray | None = None  # cache element positions of the piece's tokens (None: strided copies)
+    prepared: bool = False
+    layers: int = 0
+    failed: bool = False
+
+
+class KVPushWorker:
+    def __init__(self, config: ConnectorConfig, block_size: int, client: SidecarClient | None = None,
+                 info: SidecarInfo | None = None, counters: Counters | None = None):
+        self.config = config
+        self.block_size = block_size
+        if client is None:
+            client, info = connect(config.sidecar_socket, config.connect_timeout_s, config.channel_timeout_s,
+                                   name=f"vllm-worker-{os.getpid()}")
+        self.client = client
+        self.info = info
+        client.on_event = self._on_event  # runs on the channel's reader thread
+        self.role = info.role
+        self.pool = ShmMemory.attach(info.pool.shm_name, info.pool.size_bytes)
+        if counters is None:
+            path = ""
+            if config.stats_dir:
+                os.makedirs(config.stats_dir, exist_ok=True)
+                path = os.path.join(config.stats_dir, f"{config.engine_name or info.engine_id}.json")
+            counters = Counters(path, {"engine_id": info.engine_id, "incarnation": info.incarnation,
+                                       "role": info.role, "pid": os.getpid()})
+        self.counters = counters
+        self.trace = Trace(config.engine_name or info.engine_id)
+        self.codec: BlockCodec | None = None
+        self.layers: dict[str, int] = {}  # layer name -> index
+        self.flat: list[np.ndarray] = []  # per layer index: flat view of vLLM's cache
+        # prefill
+        self._outbound: dict[str, _Outbound] = {}
+        self._step: list[_StepPush] = []
+        # decode
+        self._load_errors: set[int] = set()  # vLLM block ids whose load failed in this step
+        self._next_reconnect = 0.0
+        self._traced_step = False
+        self.counters.flush(force=True)
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict, codec: BlockCodec, layer_index) -> None:
+        """``kv_caches``: layer name -> cache tensor; ``layer_index(name) -> int``."""
+        layout = self.info.layout
+        indexed = sorted((layer_index(name), name) for name in kv_caches)
+        if [i for i, _ in indexed] != list(range(len(indexed))):
+            raise CodecError(f"KV cache layers are not numbered 0..n-1: {[i for i, _ in indexed]}")
+        if len(indexed) != layout.num_layers:
+            raise CodecError(f"the model has {len(indexed)} KV layers, the sidecar's layout {layout.num_layers}")
+        if (codec.num_kv_heads, codec.head_dim) != (layout.num_kv_heads, layout.head_dim):
+            raise CodecError(f"the model has {codec.num_kv_heads} KV heads of {codec.head_dim}, the sidecar's "
+                             f"layout {layout.num_kv_heads} of {layout.head_dim}")
+        if layout.dtype != str(codec.dtype) or layout.kv_parts != 2:
+            raise CodecError(f"the sidecar's layout holds {layout.dtype} x{layout.kv_parts}, the cache "
+                             f"{codec.dtype} x2")
+        self.codec = codec
+        self.layers = {name: i for i, name in indexed}
+        first = kv_caches[indexed[0][1]]
+        num_blocks = first.shape[0]
+        self.flat = [flat_layer(kv_caches[name], num_blocks, codec) for _, name in indexed]
+        self._map_landing()
+        log.info("kvpush connector: %s engine %s (incarnation %s), %d layers, %d blocks of %d tokens",
+                 self.role, self.info.engine_id, self.info.incarnation, len(self.flat), num_blocks,
+                 codec.block_size)
+
+    def _map_landing(self) -> None:
+        self._landing = []
+        if self.role == DECODE:
+            lo, units = self.info.layout, self.info.pool.num_units
+            stride = units * lo.block_layer_bytes
+            mem = self.pool.host_view()
+            self._landing = [mem[i * stride:(i + 1) * stride].reshape(
+                units, lo.kv_parts, lo.block_size, lo.num_kv_heads, lo.head_dim * lo.itemsize)
+                for i in range(lo.num_layers)]
+
+    # -- the channel: a sidecar that restarted is reconnected ------------------------------------
+    def _reconnect(self, why: Exception) -> bool:
+        """The channel failed: connect again (at most once a second). A restarted sidecar is
+        a new incarnation with a new pool: whatever was under way with the old one is over
+        (pushes stop, loads fail and are recomputed). True when a new channel is up."""
+        now = time.monotonic()
+        if now < self._next_reconnect:
+            return False
+        self._next_reconnect = now + 1.0
+        try:
+            client, info = connect(self.config.sidecar_socket, 0.5, self.config.channel_timeout_s,
+                                   name=f"vllm-worker-{os.getpid()}")
+        except ChannelError as exc:
+            log.warning("kvpush sidecar channel down (%s); reconnecting failed: %s", why, exc)
+            return False
+        if info.role != self.role or info.layout != self.info.layout:
+            log.error("the kvpush sidecar at %s came back as %s with layout %s (was %s, %s); not using it",
+                      self.config.sidecar_socket, info.role, info.layout, self.role, self.info.layout)
+            client.close()
+            return False
+        old_client, old_pool = self.client, self.pool
+        try:
+            self.pool = ShmMemory.attach(info.pool.shm_name, info.pool.size_bytes)
+        except OSError as exc:
+            log.warning("kvpush sidecar pool %s not mappable: %s", info.pool.shm_name, exc)
+            client.close()
+            return False
+        self.client, self.info = client, info
+        client.on_event = self._on_event
+        self._map_landing()
+        for rid in list(self._outbound):
+            del self._outbound[rid]  # its staging went with the old sidecar
+        self._step = [sp for sp in self._step if sp.spec.req_id in self._outbound]
+        self.counters.inc("sidecar_reconnects")
+        self.counters.identity.update(incarnation=info.incarnation)
+        log.warning("kvpush: reconnected to sidecar %s, incarnation %s", info.engine_id, info.incarnation)
+        try:
+            old_client.close()
+        finally:
+            old_pool.close()
+        return True
+
+    # -- every step: before the forward ----------------------------------------------------------
+    def bind(self, meta: KVPushConnectorMetadata) -> None:
+        self.counters.merge(meta.counts)
+        for name, value in meta.maxima.items():
+            self.counters.maximum(name, value)
+        self._step = []
+        self._traced_step = self.trace.on and meta.scheduled_tokens > 0
+        if self._traced_step:
+            self.trace("step", "-", meta.scheduled_tokens)
+        if self.role != PREFILL:
+            return
+        for rid, reason in meta.push_aborts:
+            if self._outbound.pop(rid, None) is not None:
+                self._end(rid, aborted=True, reason=reason)
+        for spec in meta.pushes:
+            out = self._outbound.get(spec.req_id)
+            if spec.begin is not None:
+                out = self._begin(spec)
+            if out is not None:
+                self._step.append(_StepPush(spec, out))
+
+    def _begin(self, spec: PushSpec) -> _Outbound | None:
+        t = spec.begin
+        begin = F.BeginRequest(spec.req_id, t.reservation_id, t.engine_id, t.incarnation, t.block_size,
+                               t.num_tokens, tuple(t.block_ids))
+        try:
+            alloc = self._call_reconnecting(lambda: self.client.begin_push(begin))
+        except ChannelError as exc:
+            log.warning("push of %s to reservation %s refused: %s; the decode engine will recompute",
+                        spec.req_id, t.reservation_id, exc)
+            self.counters.inc("push_refused")
+            return None
+        geom = DestGeometry.for_layout(self.info.layout, t.block_size, t.num_tokens)
+        out = self._outbound[spec.req_id] = _Outbound(alloc, geom, t.reservation_id)
+        self.trace("push_begin", t.reservation_id, spec.req_id)
+        self.counters.inc("requests_begun")
+        return out
+
+    # -- inside the forward: after each attention layer ------------------------------------------
+    def save_layer(self, layer_name: str) -> None:
+        if not self._step:
+            return
+        layer = self.layers.get(layer_name)
+        if layer is None:
+            return
+        staging = self.pool.host_view()
+        cache = self.flat[layer]
+        for sp in self._step:
+            if sp.failed:
+                continue
+            spec = sp.spec
+            try:
+                if not sp.prepared:
+                    sp.index, sp.prepared = self.codec.prepare(spec.block_ids, spec.start, spec.end), True
+                tokens = self.codec.read(cache, spec.block_ids, spec.start, spec.end, sp.index)
+                reblock.stage_tokens(staging, sp.out.alloc, sp.out.geom, layer,
+                                     tokens.view(np.uint8), spec.start, spec.end)
+                self.client.push(spec.req_id, layer, spec.start, spec.end)
+            except Exception as exc:  # never let a push break the forward pass
+                log.error("push of %s layer %d failed: %s", spec.req_id, layer, exc)
+                sp.failed = True
+                if self._outbound.pop(spec.req_id, None) is not None:
+                    self._end(spec.req_id, aborted=True, reason=f"staging failed: {exc}")
+                continue
+            sp.layers += 1
+            self.counters.inc("layers_pushed")
+            self.trace("layer_staged", sp.out.reservation_id, layer)
+            self.counters.inc("bytes_staged", (spec.end - spec.start) * self.codec.token_layer_bytes)
+
+    # -- after the forward --------------------------------------------------------------------------
+    def wait_for_save(self) -> None:
+        if self._traced_step:
+            self.trace("forward_done")
+        for sp in self._step:
+            rid = sp.spec.req_id
+            if sp.failed or rid not in self._outbound:
+                continue
+            if sp.layers != len(self.flat):
+                self._outbound.pop(rid, None)
+                self._end(rid, aborted=True, reason=f"only {sp.layers} of {len(self.flat)} layers staged")
+            elif sp.spec.final:
+                self.trace("push_end", sp.out.reservation_id, rid)
+                self._outbound.pop(rid, None)
+                self._end(rid)
+                self.counters.inc("requests_pushed")
+        self._step = []
+
+    def _end(self, rid: str, aborted: bool = False, reason: str = "") -> None:
+        if aborted:
+            self.counters.inc("requests_aborted")
+        try:
+            self.client.end_request(rid, aborted, reason)
+        except ChannelError as exc:
+            log.warning("END of %s not sent: %s", rid, exc)
+
+    # -- decode: synchronous loads, before the forward pass ----------------------------------------
+    def start_loads(self, meta: KVPushConnectorMetadata) -> None:
+        if self.role != DECODE:
+            return
+        for spec in meta.loads:
+            self._load(spec)
+
+    def _load(self, spec: LoadSpec) -> None:
+        """Copy a landed reservation into the request's blocks; on any failure its blocks are
+        reported as load errors (vLLM recomputes them), never half-copied silently."""
+        t0 = time.monotonic()
+        try:
+            if spec.engine_id == self.info.engine_id and spec.incarnation != self.info.incarnation \
+                    and self._channel_broken():
+                self._reconnect(ChannelError("channel closed"))  # the sidecar restarted: a new incarnation
+            if spec.engine_id != self.info.engine_id or spec.incarnation != self.info.incarnation:
+                raise CodecError(f"the reservation is for {spec.engine_id}/{spec.incarnation}, this pool is "
+                                 f"{self.info.engine_id}/{self.info.incarnation}")
+            layout = self.info.layout
+            if spec.landing_block_size != layout.block_size:
+                raise CodecError(f"landing blocks of {spec.landing_block_size} tokens, pool has {layout.block_size}")
+            index = self.codec.prepare(spec.block_ids, spec.start, spec.end)
+            for layer, cache in enumerate(self.flat):
+                raw = reblock.gather_tokens(self._landing[layer], spec.landing_block_ids, spec.start, spec.end)
+                self.codec.write(cache, spec.block_ids, raw.view(self.codec.dtype), spec.start, spec.end, index)
+        except Exception as exc:
+            log.error("kvpush: loading reservation %s into %s failed: %s; vLLM recomputes it",
+                      spec.reservation_id, spec.req_id, exc)
+            bs = self.codec.block_size if self.codec is not None else self.block_size
+            self._load_errors.update(spec.block_ids[spec.start // bs:(spec.end - 1) // bs + 1])
+            self.counters.inc("load_errors")
+            self.counters.inc("load_error_copy")
+            self._consume(spec.reservation_id)
+            return
+        self._consume(spec.reservation_id)
+        n = spec.end - spec.start
+        self.counters.inc("load_copy_us_total", round((time.monotonic() - t0) * 1e6))
+        self.counters.inc("loads_landed")
+        self.counters.inc("tokens_loaded", n)
+        self.counters.inc("bytes_loaded", n * self.codec.token_layer_bytes * len(self.flat))
+        self.trace("loaded", spec.reservation_id, spec.req_id)
+
+    def load_errors(self) -> set[int]:
+        """vLLM block ids whose synchronous load failed in this step (then forgotten)."""
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def end_step(self) -> None:
+        """After each step: drop the channel's copies of events (handled as they came, by
+        ``_on_event``) and write the counters if they changed. Nothing is received
+        asynchronously: loads are synchronous."""
+        self.client.events()
+        self.counters.flush()
+
+    def _call_reconnecting(self, call, after_reconnect=None):
+        """``call()``; if the channel turns out to be broken and a fresh one to a
+        restarted sidecar comes up, ``after_reconnect()`` (may raise) and once more."""
+        try:
+            return call()
+        except ChannelError as exc:
+            if not self._channel_broken() or not self._reconnect(exc):
+                raise
+            if after_reconnect is not None:
+                after_reconnect()
+            return call()
+
+    def _on_event(self, event) -> None:
+        """Channel events, as they arrive: push outcomes (prefill). The counters file is
+        refreshed here too, so outcomes show even when the engine idles."""
+        if event.request_id:
+            self.counters.inc(f"push_{event.state}")
+            self.counters.flush()
+
+    def _channel_broken(self) -> bool:
+        try:
+            self.client.ping()
+            return False
+        except ChannelError:
+            return True
+
+    def _consume(self, reservation_id: str) -> None:
+        try:
+            self.client.consumed_nowait(reservation_id)  # a round trip less before the first token
+        except ChannelError as exc:
+            log.warning("CONSUMED for %s not sent: %s", reservation_id, exc)
+
+    def close(self) -> None:
+        self.counters.flush(force=True)
+        self.trace.close()
+        try:
+            self.client.close()
+        finally:
+            self.pool.close()

@@ -1,1 +1,0 @@
-"""Generated gRPC stubs for the kvpush v1 API (built by ``python -m kvpush.protogen``)."""

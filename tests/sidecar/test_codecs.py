@@ -1,0 +1,82 @@
+"""Channel frames, NIXL notifications and engine records: round trips and refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpush.contract.layout import KvLayout
+from engine import frames as F
+from sidecar import notify
+from sidecar.peers import EngineRecord
+from sidecar.pools import StagingAllocation, StagingExtent
+
+LAYOUT = KvLayout(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+
+
+def test_frames_round_trip():
+    begin = F.BeginRequest("req-1", "res-1", "decode-0", "inc9", 16, 1000, tuple(range(7, 70)))
+    assert F.decode_begin(F.encode_begin(begin)) == begin
+    piece = F.PushPiece("req-1", 31, 512, 1000)
+    assert F.decode_push(F.encode_push(piece)) == piece
+    end = F.EndRequest("req-1", True, "client went away")
+    assert F.decode_end(F.encode_end(end)) == end
+    state = F.StateEvent("res-1", "LANDED", "", "req-1", 1000)
+    assert F.decode_state(F.encode_state(state)) == state
+    alloc = StagingAllocation(5, "", (StagingExtent(0, 4, 0, 2), StagingExtent(9, 4, 2, 2)), 4096, 4, 2048, 1 << 20)
+    assert F.decode_alloc(F.encode_alloc(alloc)) == alloc
+    assert F.decode_id(F.encode_id("res-ü")) == "res-ü"
+    assert len(F.encode_push(piece)) < 32  # the per-layer frame stays tiny
+
+
+@pytest.mark.parametrize("decoder,body", [(F.decode_push, b"\x05\x00ab"), (F.decode_begin, b"\x01"),
+                                          (F.decode_state, b""), (F.decode_json, b"{nope")])
+def test_truncated_frames_are_refused(decoder, body):
+    with pytest.raises(F.FrameError):
+        decoder(body)
+
+
+def test_notifications_round_trip():
+    landed = notify.PushNotice(notify.LANDED, "res-1", "inc", (4, 5, 6, 9, 10, 2), 16, 90, (1, 2, 3, 4, 5, 6))
+    assert notify.decode(notify.encode(landed)) == landed
+    begin = notify.PushNotice(notify.BEGIN, "res-1", "inc")
+    assert notify.decode(notify.encode(begin)) == begin
+    abort = notify.PushNotice(notify.ABORT, "res-1", "inc", reason="peer died")
+    assert notify.decode(notify.encode(abort)) == abort
+    final = notify.PushNotice(notify.FINAL, "res-1", "inc", eta_s=0.00125)
+    assert notify.decode(notify.encode(final)) == final
+    # A sender's absurd estimate cannot keep the receiver polling fine for long.
+    assert notify.decode(b'KVP1F{"r":"x","i":"y","eta":1e12}').eta_s == 10.0
+    assert notify.decode(b'KVP1F{"r":"x","i":"y","eta":-5}').eta_s == 0.0
+    # Contiguous ids travel as one run: a big reservation is still a small message.
+    big = notify.PushNotice(notify.LANDED, "r", "i", tuple(range(1000, 1512)), 16, 8192)
+    assert len(notify.encode(big)) < 100
+
+
+@pytest.mark.parametrize("message", [b"hello", b"KVP1", b"KVP1X{}", b"KVP1L{\"r\":1}", b"KVP1L[1,2"])
+def test_foreign_or_broken_notifications_are_refused(message):
+    with pytest.raises(notify.NotifError):
+        notify.decode(message)
+
+
+def record() -> EngineRecord:
+    return EngineRecord("decode-0", "inc1", "decode-0.inc1", b"\x00md\xff", 140000000000, LAYOUT.pool_bytes(100),
+                        100, LAYOUT)
+
+
+def test_engine_record_round_trips_through_dict_and_proto():
+    from kvpush.contract.v1 import types_pb2
+
+    rec = record()
+    assert EngineRecord.from_dict(rec.to_dict()) == rec
+    engine = types_pb2.Engine()
+    rec.fill_proto(engine)
+    assert EngineRecord.from_proto(types_pb2.Engine.FromString(engine.SerializeToString())) == rec
+    engine.kv_layout.kv_parts = 0  # proto default means 2
+    assert EngineRecord.from_proto(engine).kv_layout.kv_parts == 2
+
+
+def test_engine_record_refuses_a_pool_too_small_for_its_blocks():
+    with pytest.raises(ValueError, match="cannot hold"):
+        EngineRecord("d", "i", "d.i", b"md", 1 << 30, LAYOUT.pool_bytes(100) - 1, 100, LAYOUT)
+    with pytest.raises(ValueError):
+        EngineRecord("d", "i", "", b"md", 1 << 30, LAYOUT.pool_bytes(1), 1, LAYOUT)
