@@ -16,12 +16,6 @@ from kvpush.contract.v1 import registry_pb2, types_pb2
 SIMULATED_METADATA = b"SIMULATED-ENGINE: no NIXL agent behind this record"
 
 
-def layout_proto(layout: KvLayout) -> types_pb2.KvLayout:
-    return types_pb2.KvLayout(num_layers=layout.num_layers, block_size=layout.block_size,
-                              num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
-                              dtype=layout.dtype, kv_parts=layout.kv_parts)
-
-
 class SimulatedEngine:
     def __init__(self, client: ControlPlaneClient, engine_id: str, num_blocks: int, model: str = "sim-model",
                  layout: KvLayout | None = None, role: int = types_pb2.DECODE, pool: str = "default",
@@ -41,7 +35,7 @@ class SimulatedEngine:
 
     def record(self) -> types_pb2.Engine:
         return types_pb2.Engine(engine_id=self.engine_id, role=self.role, model=self.model,
-                                kv_layout=layout_proto(self.layout), nixl_agent=f"sim-{self.engine_id}",
+                                kv_layout=self.layout.to_proto(), nixl_agent=f"sim-{self.engine_id}",
                                 nixl_metadata=SIMULATED_METADATA, num_blocks=self.num_blocks,
                                 sidecar_address="simulated", pool=self.pool, incarnation=self.incarnation)
 

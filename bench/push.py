@@ -45,11 +45,12 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import update_section  # noqa: E402
 from kvpush.contract.layout import KvLayout  # noqa: E402
+from kvpush.contract.target import PushTarget  # noqa: E402
 from engine import frames as F  # noqa: E402
 from engine.channel import SidecarClient, measure_rtt  # noqa: E402
 from engine.geometry import DestGeometry, blocks_segment_map, pair_descriptors, staging_segment_map  # noqa: E402
 from engine.memory import ShmMemory, sweep_stale_segments  # noqa: E402
-from sidecar.pools import PoolInfo  # noqa: E402
+from engine.pool import PoolInfo  # noqa: E402
 
 MODELS = {
     # name: (layout, prefill tokens/s). Rates: an 8B model at ~15k tokens/s is an
@@ -142,8 +143,8 @@ def one_request(pair: Pair, mode: str, tokens: int, rate: float, n: int, block_i
     lo = pair.layout
     rid = f"{mode}-{tokens}-{n}"
     res = f"res-{rid}"
-    alloc = pair.pre.begin_push(F.BeginRequest(rid, res, pair.record["engine_id"], pair.record["incarnation"],
-                                               lo.block_size, tokens, tuple(block_ids)))
+    alloc = pair.pre.begin_push(F.BeginRequest(rid, PushTarget(res, pair.record["engine_id"], pair.record["incarnation"],
+                                                                 tuple(block_ids), lo.block_size, tokens)))
     per_layer = tokens / rate / lo.num_layers
     if mode != "pull":
         pair.dec.subscribe(res)
@@ -271,8 +272,9 @@ def run_descriptor_sweep(workdir, quick) -> list[dict]:
                 times = []
                 for rep in range(4):
                     rid, res = f"s{bs}-{kind}-{rep}", f"res-s{bs}-{kind}-{rep}"
-                    pair.pre.begin_push(F.BeginRequest(rid, res, pair.record["engine_id"], pair.record["incarnation"],
-                                                       bs, tokens, tuple(ids)))
+                    pair.pre.begin_push(F.BeginRequest(rid, PushTarget(res, pair.record["engine_id"],
+                                                                         pair.record["incarnation"], tuple(ids), bs,
+                                                                         tokens)))
                     pair.dec.subscribe(res)
                     t0 = time.perf_counter()
                     for layer in range(lo.num_layers):

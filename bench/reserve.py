@@ -34,7 +34,7 @@ from client.control_plane import ControlPlaneClient  # noqa: E402
 from controlplane.etcd import EtcdClient, op_delete_prefix, op_put  # noqa: E402
 from controlplane import keys  # noqa: E402
 from controlplane.invariants import check  # noqa: E402
-from controlplane.lifecycle_states import State  # noqa: E402
+from kvpush.contract.states import State  # noqa: E402
 from client.reserve_stream import ReserveRefused, StreamReserver  # noqa: E402
 from kvpush.aio import tune_gc  # noqa: E402
 from app.etcd_server import EmbeddedEtcd, free_port  # noqa: E402

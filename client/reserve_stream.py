@@ -24,10 +24,10 @@ import grpc
 
 from client.control_plane import ControlPlaneClient
 from kvpush import log
+from kvpush.contract.limits import MAX_ASKS_PER_MESSAGE
 from kvpush.contract.v1 import scheduler_pb2, types_pb2
 
 _log = log.get("reserve_stream")
-MAX_ASKS_PER_MESSAGE = 1024  # the server's limit (scheduler_service.MAX_STREAM_ASKS)
 
 
 class ReserveRefused(Exception):

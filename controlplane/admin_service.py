@@ -11,7 +11,7 @@ from controlplane.api import unary
 from controlplane.auth import Auth, new_token
 from controlplane.etcd import EtcdClient, EtcdUnavailable, cmp_create, cmp_mod, op_delete, op_put
 from controlplane.lifecycle import Lifecycle
-from controlplane.lifecycle_states import State
+from kvpush.contract.states import State
 from controlplane.records import TenantRecord
 from controlplane.scheduler_service import engine_proto
 from controlplane.view import View, token_hash

@@ -11,8 +11,9 @@ import dataclasses
 
 from controlplane import keys
 from controlplane.etcd import EtcdClient
-from controlplane.lifecycle_states import State
-from controlplane.records import EngineRecord, ReservationRecord, TenantRecord
+from kvpush.contract.states import State
+from kvpush.contract.engine import EngineRecord
+from controlplane.records import ReservationRecord, TenantRecord
 from controlplane.view import QUARANTINE_MS
 
 

@@ -17,7 +17,8 @@ from controlplane import errors, keys, metrics
 from controlplane.etcd import KV, EtcdClient, EtcdLeaseNotFound, EtcdUnavailable, chunks, cmp_create, \
     cmp_mod, op_delete, op_get, op_put, op_txn
 from controlplane.leases import LeaseBuckets
-from controlplane.lifecycle_states import LEGAL, IllegalTransition, Move, State, decide
+from controlplane.lifecycle_states import LEGAL, IllegalTransition, Move, decide
+from kvpush.contract.states import State
 from controlplane.records import ReservationRecord, now_ms
 from controlplane.view import View
 from kvpush import log

@@ -1,4 +1,5 @@
-"""The reservation lifecycle as data: states and the legal moves between them.
+"""The reservation lifecycle as data: the legal moves between its states
+(``kvpush.contract.states.State``, the proto's enum).
 
 ``controlplane.lifecycle`` is the only module that *performs* transitions (by
 compare-and-swap in etcd); this one only says which are legal, so it can be
@@ -13,29 +14,7 @@ from __future__ import annotations
 
 import enum
 
-
-class State(enum.IntEnum):
-    # Values equal kvpush.v1.ReservationState.
-    RESERVED = 1
-    PUSHING = 2
-    LANDED = 3
-    CONSUMED = 4
-    RELEASED = 5
-    EXPIRED = 6
-    FAILED = 7
-
-    @property
-    def live(self) -> bool:
-        return self in LIVE
-
-    @property
-    def terminal(self) -> bool:
-        return not self.live
-
-
-LIVE = frozenset({State.RESERVED, State.PUSHING, State.LANDED})
-TERMINAL = frozenset({State.CONSUMED, State.RELEASED, State.EXPIRED, State.FAILED})
-_ENDINGS = {State.RELEASED, State.EXPIRED, State.FAILED}
+from kvpush.contract.states import ENDED_BY_CONTROL_PLANE as _ENDINGS, State
 
 LEGAL: dict[State, frozenset[State]] = {
     State.RESERVED: frozenset({State.PUSHING, State.LANDED} | _ENDINGS),

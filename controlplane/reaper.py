@@ -9,7 +9,7 @@ import asyncio
 
 from controlplane import errors
 from controlplane.lifecycle import Lifecycle
-from controlplane.lifecycle_states import State
+from kvpush.contract.states import State
 from controlplane.view import EngineChange, ReservationChange, View
 from kvpush import log
 

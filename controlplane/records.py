@@ -1,14 +1,17 @@
-"""Typed records stored in etcd (as JSON) and their conversion to API messages."""
+"""Typed records stored in etcd (as JSON) and their conversion to API messages.
+
+``ReservationRecord`` is the stored reservation: besides its ``PushTarget`` fields
+(``kvpush/contract/target.py``) it holds what only the control plane keeps (tenant,
+state, deadline, the prefill engine, compressed extents), in the form that is cheapest
+to hold 100k of. Engines are stored as the contract's ``EngineRecord``."""
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import json
 import time
 
-from controlplane.lifecycle_states import State
-from kvpush.contract.layout import KvLayout
+from kvpush.contract.states import State
 from kvpush.contract.v1 import types_pb2
 
 
@@ -95,55 +98,6 @@ class ReservationRecord:
 
 
 @dataclasses.dataclass
-class EngineRecord:
-    engine_id: str
-    role: int  # kvpush.v1.EngineRole
-    model: str
-    layout: KvLayout
-    nixl_agent: str
-    nixl_metadata: bytes
-    num_blocks: int
-    sidecar_address: str
-    pool: str
-    incarnation: str
-    registered_ms: int
-    memory_kind: str = "DRAM"
-    pool_base_address: int = 0
-    pool_size_bytes: int = 0
-    device_id: int = 0
-
-    @property
-    def is_decode(self) -> bool:
-        return self.role == types_pb2.DECODE
-
-    def encode(self) -> bytes:
-        data = dataclasses.asdict(self)
-        data["layout"] = self.layout.to_dict()
-        data["nixl_metadata"] = base64.b64encode(self.nixl_metadata).decode()
-        return json.dumps(data, separators=(",", ":")).encode()
-
-    @classmethod
-    def decode(cls, raw: bytes) -> "EngineRecord":
-        data = json.loads(raw)
-        data["layout"] = KvLayout.from_dict(data["layout"])
-        data["nixl_metadata"] = base64.b64decode(data["nixl_metadata"])
-        return cls(**data)
-
-    def to_proto(self) -> types_pb2.Engine:
-        lay = self.layout
-        return types_pb2.Engine(
-            engine_id=self.engine_id, role=self.role, model=self.model,
-            kv_layout=types_pb2.KvLayout(num_layers=lay.num_layers, block_size=lay.block_size,
-                                         num_kv_heads=lay.num_kv_heads, head_dim=lay.head_dim,
-                                         dtype=lay.dtype, kv_parts=lay.kv_parts),
-            nixl_agent=self.nixl_agent, nixl_metadata=self.nixl_metadata, num_blocks=self.num_blocks,
-            sidecar_address=self.sidecar_address, pool=self.pool, incarnation=self.incarnation,
-            registered_unix_ms=self.registered_ms, memory_kind=self.memory_kind,
-            pool_base_address=self.pool_base_address, pool_size_bytes=self.pool_size_bytes,
-            device_id=self.device_id)
-
-
-@dataclasses.dataclass
 class TenantRecord:
     name: str
     quota_blocks: int
@@ -164,13 +118,3 @@ class TenantRecord:
         return types_pb2.Tenant(name=self.name, quota_blocks=self.quota_blocks,
                                 allowed_pools=self.allowed_pools, token=token,
                                 reserved_blocks=reserved_blocks)
-
-
-def layout_from_proto(msg: types_pb2.KvLayout, field: str = "kv_layout") -> KvLayout:
-    """Raises kvpush.contract.layout.LayoutError naming ``field`` on bad values."""
-    from kvpush.contract.layout import LayoutError
-    try:
-        return KvLayout(num_layers=msg.num_layers, block_size=msg.block_size, num_kv_heads=msg.num_kv_heads,
-                        head_dim=msg.head_dim, dtype=msg.dtype or "float32", kv_parts=msg.kv_parts or 2)
-    except LayoutError as exc:
-        raise LayoutError(str(exc).replace("kv_layout", field, 1)) from None

@@ -3,6 +3,8 @@ report transfer progress. An engine lives exactly as long as its etcd lease."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import asyncio
 
 import structlog
@@ -12,8 +14,9 @@ from controlplane.api import check_parsed, streaming, unary
 from controlplane.auth import Auth
 from controlplane.etcd import KV, EtcdClient, EtcdUnavailable, op_put
 from controlplane.lifecycle import Lifecycle
-from controlplane.lifecycle_states import State
-from controlplane.records import EngineRecord, layout_from_proto, now_ms
+from kvpush.contract.states import State
+from controlplane.records import now_ms
+from kvpush.contract.engine import MEMORY_KINDS, EngineRecord
 from controlplane.scheduler_service import engine_proto, watch_events
 from controlplane.view import View
 from kvpush import log
@@ -52,18 +55,13 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         v.text(msg.incarnation, "engine.incarnation", 128, v.PRINTABLE)
         v.text(msg.sidecar_address, "engine.sidecar_address", 256, v.PRINTABLE, required=False)
         v.text(msg.pool, "engine.pool", 128, v.POOL_NAME, required=False)
-        if msg.memory_kind not in ("", "DRAM", "VRAM"):
-            raise errors.invalid("engine.memory_kind must be DRAM or VRAM")
+        if msg.memory_kind not in ("", *MEMORY_KINDS):
+            raise errors.invalid(f"engine.memory_kind must be one of {MEMORY_KINDS}")
         try:
-            layout = layout_from_proto(msg.kv_layout, "engine.kv_layout")
+            record = EngineRecord.from_proto(msg)
         except LayoutError as exc:
             raise errors.invalid(str(exc)) from None
-        return EngineRecord(engine_id=msg.engine_id, role=msg.role, model=msg.model, layout=layout,
-                            nixl_agent=msg.nixl_agent, nixl_metadata=bytes(msg.nixl_metadata),
-                            num_blocks=msg.num_blocks, sidecar_address=msg.sidecar_address,
-                            pool=msg.pool or "default", incarnation=msg.incarnation, registered_ms=now_ms(),
-                            memory_kind=msg.memory_kind or "DRAM", pool_base_address=msg.pool_base_address,
-                            pool_size_bytes=msg.pool_size_bytes, device_id=msg.device_id)
+        return dataclasses.replace(record, pool=msg.pool or "default", registered_ms=now_ms())
 
     @unary
     async def RegisterEngine(self, request, context) -> registry_pb2.RegisterEngineResponse:

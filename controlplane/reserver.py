@@ -25,8 +25,9 @@ from controlplane.allocator import allocate
 from controlplane.etcd import (KV, EtcdClient, EtcdLeaseNotFound, EtcdUnavailable, cmp_create, cmp_mod,
                                op_put, op_touch)
 from controlplane.leases import LeaseBuckets
-from controlplane.lifecycle_states import State
-from controlplane.records import EngineRecord, ReservationRecord, TenantRecord, now_ms, to_extents
+from kvpush.contract.states import State
+from kvpush.contract.engine import EngineRecord
+from controlplane.records import ReservationRecord, TenantRecord, now_ms, to_extents
 from controlplane.view import View
 from kvpush import log
 from kvpush.contract.layout import KvLayout

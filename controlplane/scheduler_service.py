@@ -14,16 +14,15 @@ from controlplane.api import check_parsed, streaming, unary
 from controlplane.validation import no_unknown_fields
 from controlplane.auth import Auth
 from controlplane.lifecycle import Lifecycle
-from controlplane.lifecycle_states import State
-from controlplane.records import layout_from_proto
+from kvpush.contract.states import State
 from controlplane.reserver import Reserver, ReserveAsk
 from controlplane.view import ReservationChange, View
-from kvpush.contract.layout import LayoutError
+from kvpush.contract.layout import KvLayout, LayoutError
+from kvpush.contract.limits import MAX_ASKS_PER_MESSAGE
 from kvpush.contract.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2
 
 DEFAULT_DEADLINE_MS = 30_000
 WATCH_QUEUE = 10_000
-MAX_STREAM_ASKS = 1024
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
@@ -82,8 +81,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     started = time.perf_counter()
                     check_parsed(item)
                     no_unknown_fields(item, deep=False)
-                    if len(item.asks) > MAX_STREAM_ASKS:
-                        raise errors.invalid(f"asks: at most {MAX_STREAM_ASKS} per message, got {len(item.asks)}")
+                    if len(item.asks) > MAX_ASKS_PER_MESSAGE:
+                        raise errors.invalid(f"asks: at most {MAX_ASKS_PER_MESSAGE} per message, got {len(item.asks)}")
                     for i, ask_msg in enumerate(item.asks):
                         in_flight += 1
                         try:
@@ -129,7 +128,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         layout = None
         if request.HasField("prefill_layout"):
             try:
-                layout = layout_from_proto(request.prefill_layout, "prefill_layout")
+                layout = KvLayout.from_proto(request.prefill_layout, "prefill_layout")
             except LayoutError as exc:
                 raise errors.invalid(str(exc)) from None
         prefill = None

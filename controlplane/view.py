@@ -21,8 +21,9 @@ import numpy as np
 
 from controlplane import keys
 from controlplane.etcd import KV, EtcdClient, EtcdUnavailable, WatchCompacted, watch_event
-from controlplane.lifecycle_states import State
-from controlplane.records import EngineRecord, ReservationRecord, TenantRecord, now_ms
+from kvpush.contract.states import State
+from kvpush.contract.engine import EngineRecord
+from controlplane.records import ReservationRecord, TenantRecord, now_ms
 from kvpush import log
 
 _log = log.get("view")

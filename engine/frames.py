@@ -18,7 +18,8 @@ import struct
 
 import numpy as np
 
-from sidecar.pools import StagingAllocation, StagingExtent
+from kvpush.contract.target import PushTarget
+from engine.pool import StagingAllocation, StagingExtent
 
 HEADER = struct.Struct("<IBI")
 MAX_BODY = 16 << 20  # a frame larger than this is a bug or an attack
@@ -40,13 +41,8 @@ class FrameError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class BeginRequest:
-    request_id: str
-    reservation_id: str
-    engine_id: str
-    incarnation: str
-    block_size: int
-    num_tokens: int
-    block_ids: tuple[int, ...]
+    request_id: str  # the engine's request
+    target: PushTarget  # where it goes (the BEGIN frame carries all but nixl_agent and the deadline)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,16 +122,17 @@ _EXTENT = struct.Struct("<IIII")
 
 
 def encode_begin(b: BeginRequest) -> bytes:
-    ids = np.asarray(b.block_ids, dtype="<u4")
-    return (_s(b.request_id) + _s(b.reservation_id) + _s(b.engine_id) + _s(b.incarnation)
-            + _BEGIN_NUMS.pack(b.block_size, b.num_tokens) + _U32.pack(len(ids)) + ids.tobytes())
+    t = b.target
+    ids = np.asarray(t.block_ids, dtype="<u4")
+    return (_s(b.request_id) + _s(t.reservation_id) + _s(t.engine_id) + _s(t.incarnation)
+            + _BEGIN_NUMS.pack(t.block_size, t.num_tokens) + _U32.pack(len(ids)) + ids.tobytes())
 
 
 def decode_begin(body: bytes) -> BeginRequest:
     r = _Reader(body)
     rid, res, eng, inc = r.str(), r.str(), r.str(), r.str()
     bs, nt = r.take(_BEGIN_NUMS)
-    return BeginRequest(rid, res, eng, inc, bs, nt, r.u32s())
+    return BeginRequest(rid, PushTarget(res, eng, inc, r.u32s(), bs, nt))
 
 
 def encode_push(p: PushPiece) -> bytes:

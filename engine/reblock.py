@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.geometry import DestGeometry
-from sidecar.pools import StagingAllocation
+from engine.pool import StagingAllocation
 
 
 def gather_tokens(layer_blocks: np.ndarray, block_ids, start: int, end: int) -> np.ndarray:

@@ -180,7 +180,7 @@ class Dispatcher:
         p_body = prefill_body(ask.body, params.as_kv_transfer_params(), first_token=False)
         d_body = dict(ask.body, kv_transfer_params=params.for_role("decode").as_kv_transfer_params())
         prefill = asyncio.create_task(self._prefill_then_release(prefill_url, ask.endpoint, p_body,
-                                                                 params.reservation_id, timings))
+                                                                 params.target.reservation_id, timings))
         try:
             response = await self._proxy(decode_url, ask.endpoint, d_body, request, "push", timings)
         except BaseException:
@@ -188,7 +188,7 @@ class Dispatcher:
             raise
         if response.status != 200:
             prefill.cancel()
-            await self.release(params.reservation_id, f"decode answered {response.status}")
+            await self.release(params.target.reservation_id, f"decode answered {response.status}")
         return response
 
     async def _prefill_then_release(self, url: str, endpoint: str, body: dict, res_id: str, timings: dict) -> None:

@@ -22,18 +22,13 @@ Frame format: ``engine/frames.py``. Round-trip time: ``measure_rtt``.
 from __future__ import annotations
 
 import asyncio
-import collections
-import dataclasses
 import itertools
 import logging
 import os
-import socket
-import threading
-import time
-from typing import Awaitable, Callable, Protocol
+from typing import Awaitable, Protocol
 
 from engine import frames as F
-from sidecar.pools import StagingAllocation
+from engine.pool import StagingAllocation
 
 log = logging.getLogger(__name__)
 

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import enum
 import logging
 import time
 from typing import Callable
 
+from kvpush.contract.states import LandingState
 from kvpush.trace import Trace
 from sidecar import notify
 from engine.geometry import DestGeometry, blocks_segment_map, block_checksums
@@ -36,19 +36,6 @@ from sidecar.pools import LandingPool
 from sidecar.progress import ProgressDriver
 
 log = logging.getLogger(__name__)
-
-
-class LandingState(str, enum.Enum):
-    UNKNOWN = "UNKNOWN"  # nothing heard of this reservation (yet)
-    EXPECTED = "EXPECTED"  # the local engine is waiting for it
-    PUSHING = "PUSHING"  # a pusher announced it
-    LANDED = "LANDED"
-    FAILED = "FAILED"
-    CANCELLED = "CANCELLED"
-    CONSUMED = "CONSUMED"
-
-
-TERMINAL = (LandingState.LANDED, LandingState.FAILED, LandingState.CANCELLED, LandingState.CONSUMED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +103,7 @@ class LandingTable:
         rid = notice.reservation_id
         self.trace("notif", rid, notice.kind)
         entry = self._entry(rid)
-        if entry.state in TERMINAL:
+        if entry.state.terminal:
             log.info("%s notice for %s ignored: already %s", notice.kind, rid, entry.state.value)
             return
         entry.source = sender
@@ -175,7 +162,7 @@ class LandingTable:
         entry = self._entry(reservation_id)
         if entry.state == LandingState.UNKNOWN:
             entry.state = LandingState.EXPECTED
-        if entry.state not in TERMINAL:
+        if not entry.state.terminal:
             self.driver.expect(reservation_id, self.config.hot_timeout_s)
             self._arm_timeout()
         return entry.event(reservation_id)
@@ -184,7 +171,7 @@ class LandingTable:
         """Call ``callback`` once when the reservation ends; returns its state now
         (if already ended, the callback is not called: the answer is the event)."""
         event = self.expect(reservation_id)
-        if event.state not in TERMINAL:
+        if not event.state.terminal:
             self._entries[reservation_id].subscribers.append(callback)
         return event
 
@@ -198,7 +185,7 @@ class LandingTable:
         ignored, and a LANDED one not yet consumed can no longer be (its blocks are
         free again and may be reserved for someone else)."""
         entry = self._entry(reservation_id)
-        if entry.state in TERMINAL and entry.state != LandingState.LANDED:
+        if entry.state.terminal and entry.state != LandingState.LANDED:
             return False
         self._set(reservation_id, entry, LandingState.CANCELLED, reason)
         return True
@@ -214,7 +201,7 @@ class LandingTable:
     def live_reservations(self) -> list[str]:
         """Reservations still expected here, or landed and not yet consumed."""
         return [rid for rid, e in self._entries.items()
-                if e.state not in TERMINAL or e.state == LandingState.LANDED]
+                if not e.state.terminal or e.state == LandingState.LANDED]
 
     def close(self) -> None:
         if self._timer is not None:
@@ -250,7 +237,7 @@ class LandingTable:
 
     def _set(self, rid: str, entry: _Entry, state: LandingState, reason: str = "") -> None:
         entry.state, entry.reason, entry.updated = state, reason, time.monotonic()
-        if state not in TERMINAL:
+        if not state.terminal:
             return
         self.driver.unexpect(rid)
         if state == LandingState.LANDED:
@@ -275,6 +262,6 @@ class LandingTable:
         self._next_gc = now + 1.0
         cutoff = now - self.config.keep_ended_s
         stale = [rid for rid, e in self._entries.items() if e.updated < cutoff and
-                 (e.state in TERMINAL or not e.subscribers)]
+                 (e.state.terminal or not e.subscribers)]
         for rid in stale:
             del self._entries[rid]

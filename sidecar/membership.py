@@ -27,8 +27,6 @@ from kvpush.contract.v1 import registry_pb2, types_pb2
 log = logging.getLogger("kvpush.sidecar")
 
 
-S = types_pb2  # reservation states and roles
-ENDED_BY_CONTROL_PLANE = (S.RELEASED, S.EXPIRED, S.FAILED)
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
              grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.RESOURCE_EXHAUSTED,
              grpc.StatusCode.ABORTED}

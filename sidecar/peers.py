@@ -1,8 +1,8 @@
 """Remote decode engines as a prefill sidecar sees them: learned once, cached.
 
-An ``EngineRecord`` is the part of the control plane's ``Engine`` message a
-pusher needs (agent name and metadata, pool base address and size, block
-count, KV layout, incarnation). ``PeerRegistry.add`` turns one into a
+A decode engine's ``EngineRecord`` (``kvpush/contract/engine.py``: agent name and
+metadata, pool base address and size, block count, KV layout, incarnation) is
+what a pusher needs of it. ``PeerRegistry.add`` turns one into a
 ``RemotePeer``: it loads the NIXL metadata into our agent once per
 ``(engine_id, incarnation)`` and starts the connection, so a request never
 pays a handshake. A new incarnation of an engine (its sidecar restarted, its
@@ -17,85 +17,18 @@ between processes directly); the control-plane registry plugs in as
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import logging
 from typing import Awaitable, Callable
 
-from kvpush.contract.layout import KvLayout, LayoutError
+from kvpush.contract.engine import EngineRecord
+from kvpush.contract.layout import KvLayout
 
 log = logging.getLogger(__name__)
 
 
 class PeerUnavailable(Exception):
     """No usable peer for this engine/incarnation (unknown, dead or replaced)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineRecord:
-    """What a pusher must know of a decode engine (fields of the ``Engine`` proto)."""
-
-    engine_id: str
-    incarnation: str
-    nixl_agent: str
-    nixl_metadata: bytes
-    pool_base_address: int
-    pool_size_bytes: int
-    num_blocks: int
-    kv_layout: KvLayout
-    memory_kind: str = "DRAM"
-    device_id: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.engine_id or not self.nixl_agent or not self.nixl_metadata:
-            raise ValueError("engine record needs engine_id, nixl_agent and nixl_metadata")
-        if self.num_blocks <= 0:
-            raise ValueError(f"engine {self.engine_id}: num_blocks must be positive")
-        need = self.kv_layout.pool_bytes(self.num_blocks)
-        if self.pool_size_bytes < need:
-            raise ValueError(f"engine {self.engine_id}: pool of {self.pool_size_bytes} bytes cannot hold "
-                             f"{self.num_blocks} blocks ({need} bytes)")
-        if self.memory_kind not in ("DRAM", "VRAM"):
-            raise ValueError(f"engine {self.engine_id}: memory_kind must be DRAM or VRAM")
-
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["nixl_metadata"] = base64.b64encode(self.nixl_metadata).decode()
-        d["kv_layout"] = self.kv_layout.to_dict()
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "EngineRecord":
-        return cls(**{**d, "nixl_metadata": base64.b64decode(d["nixl_metadata"]),
-                      "kv_layout": KvLayout.from_dict(d["kv_layout"])})
-
-    @classmethod
-    def from_proto(cls, engine) -> "EngineRecord":
-        """From a ``kvpush.v1.Engine`` message (as published by the control plane)."""
-        lo = engine.kv_layout
-        try:
-            layout = KvLayout(num_layers=lo.num_layers, block_size=lo.block_size, num_kv_heads=lo.num_kv_heads,
-                              head_dim=lo.head_dim, dtype=lo.dtype, kv_parts=lo.kv_parts or 2)
-        except LayoutError as exc:
-            raise ValueError(f"engine {engine.engine_id}: {exc}") from exc
-        return cls(engine_id=engine.engine_id, incarnation=engine.incarnation, nixl_agent=engine.nixl_agent,
-                   nixl_metadata=bytes(engine.nixl_metadata), pool_base_address=engine.pool_base_address,
-                   pool_size_bytes=engine.pool_size_bytes, num_blocks=engine.num_blocks, kv_layout=layout,
-                   memory_kind=engine.memory_kind or "DRAM", device_id=engine.device_id)
-
-    def fill_proto(self, engine) -> None:
-        """Write our fields into a ``kvpush.v1.Engine`` message (for registration)."""
-        engine.engine_id = self.engine_id
-        engine.incarnation = self.incarnation
-        engine.nixl_agent = self.nixl_agent
-        engine.nixl_metadata = self.nixl_metadata
-        engine.pool_base_address = self.pool_base_address
-        engine.pool_size_bytes = self.pool_size_bytes
-        engine.num_blocks = self.num_blocks
-        engine.memory_kind = self.memory_kind
-        engine.device_id = self.device_id
-        for field, value in self.kv_layout.to_dict().items():
-            setattr(engine.kv_layout, field, value)
 
 
 @dataclasses.dataclass
@@ -110,7 +43,7 @@ class RemotePeer:
 
     @property
     def layout(self) -> KvLayout:
-        return self.record.kv_layout
+        return self.record.layout
 
     @property
     def layer_stride(self) -> int:
@@ -148,6 +81,9 @@ class PeerRegistry:
         current = self._by_engine.get(record.engine_id)
         if current is not None and current.record.incarnation == record.incarnation and not current.dead_reason:
             return current
+        problem = record.push_problem()
+        if problem:
+            raise ValueError(problem)
         if current is not None:
             self.remove(record.engine_id)
         name = self.agent.add_remote(record.nixl_metadata)

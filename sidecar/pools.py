@@ -23,7 +23,6 @@ fragmented.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import itertools
 
 import numpy as np

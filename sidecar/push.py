@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import enum
 import logging
 import time
 from typing import Callable
@@ -37,13 +36,16 @@ from typing import Callable
 import numpy as np
 
 from kvpush.contract.layout import KvLayout
+from kvpush.contract.states import PushState
+from kvpush.contract.target import PushTarget
 from kvpush.trace import Trace
 from sidecar import notify
 from sidecar.transport.nixl import TransferError
 from engine.geometry import DestGeometry, SegmentMap, blocks_segment_map, block_checksums, \
     pair_descriptors, staging_segment_map
 from sidecar.peers import PeerRegistry, PeerUnavailable, RemotePeer
-from sidecar.pools import StagingAllocation, StagingFull, StagingPool
+from sidecar.pools import StagingFull, StagingPool
+from engine.pool import StagingAllocation
 from sidecar.progress import ProgressDriver
 
 log = logging.getLogger(__name__)
@@ -51,35 +53,6 @@ log = logging.getLogger(__name__)
 
 class PushError(Exception):
     """A push was refused before anything was written (bad target, no staging, ...)."""
-
-
-class PushState(str, enum.Enum):
-    RESOLVING = "RESOLVING"  # waiting for the peer's record
-    PUSHING = "PUSHING"
-    FINALIZING = "FINALIZING"  # every piece posted; final write pending or in flight
-    PUSHED = "PUSHED"  # terminal: LANDED notification delivered with the last write
-    FAILED = "FAILED"  # terminal
-    CANCELLED = "CANCELLED"  # terminal: cancelled locally or aborted by the engine
-
-
-TERMINAL = (PushState.PUSHED, PushState.FAILED, PushState.CANCELLED)
-
-
-@dataclasses.dataclass(frozen=True)
-class PushTarget:
-    """Where a request's KV goes: the fields of a ``Reservation`` a pusher uses."""
-
-    reservation_id: str
-    engine_id: str
-    incarnation: str
-    block_ids: tuple[int, ...]
-    block_size: int
-    num_tokens: int
-
-    @classmethod
-    def from_proto(cls, reservation) -> "PushTarget":
-        return cls(reservation.id, reservation.engine_id, reservation.engine_incarnation,
-                   tuple(reservation.block_ids), reservation.block_size, reservation.num_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +159,7 @@ class PushEngine:
             if request_id not in self._ended:
                 log.warning("push for unknown request %s ignored", request_id)
             return
-        if ob.state in TERMINAL:
+        if ob.state.terminal:
             return
         end = ob.target.num_tokens if end is None else end
         if not 0 <= layer < self.layout.num_layers:
@@ -208,7 +181,7 @@ class PushEngine:
     def end(self, request_id: str, aborted: bool = False, reason: str = "") -> None:
         """The engine is done with the request (finished, or aborted: stop and free)."""
         ob = self._requests.get(request_id)
-        if ob is None or ob.state in TERMINAL:
+        if ob is None or ob.state.terminal:
             return
         if aborted:
             self._fail(ob, f"aborted by the engine: {reason}" if reason else "aborted by the engine",
@@ -219,7 +192,7 @@ class PushEngine:
     def cancel_reservation(self, reservation_id: str, reason: str = "cancelled") -> bool:
         """Stop every pending push of a reservation (deadline, abort by the control plane)."""
         for ob in list(self._requests.values()):
-            if ob.target.reservation_id == reservation_id and ob.state not in TERMINAL:
+            if ob.target.reservation_id == reservation_id and not ob.state.terminal:
                 self._fail(ob, reason, state=PushState.CANCELLED)
                 return True
         return False
@@ -241,7 +214,7 @@ class PushEngine:
 
     def live_reservations(self) -> list[str]:
         """Reservations with a push under way here (not yet ended)."""
-        return [ob.target.reservation_id for ob in self._requests.values() if ob.state not in TERMINAL]
+        return [ob.target.reservation_id for ob in self._requests.values() if not ob.state.terminal]
 
     # -- internals -------------------------------------------------------------------------
     def _check_peer(self, peer: RemotePeer, target: PushTarget, geom: DestGeometry) -> None:
@@ -266,12 +239,12 @@ class PushEngine:
             return self._fail(ob, f"engine {t.engine_id} not resolved within {self.config.resolve_timeout_s} s")
         except Exception as exc:  # PeerUnavailable, PushError, resolver errors
             return self._fail(ob, f"engine {t.engine_id}: {exc}")
-        if ob.state in TERMINAL:
+        if ob.state.terminal:
             return
         self._attach_peer(ob, peer)
         if ob.state == PushState.RESOLVING:
             ob.state = PushState.PUSHING
-        while ob.queued and ob.state not in TERMINAL:
+        while ob.queued and not ob.state.terminal:
             self._push_piece(ob, *ob.queued.popleft())
 
     def _push_piece(self, ob: _Outbound, layer: int, start: int, end: int, final: bool) -> None:
@@ -294,7 +267,7 @@ class PushEngine:
         self._maybe_post_final(ob)
 
     def _maybe_post_final(self, ob: _Outbound) -> None:
-        if ob.final is None or ob.inflight or ob.state in TERMINAL:
+        if ob.final is None or ob.inflight or ob.state.terminal:
             return
         loc, rem = ob.final
         ob.final = None
@@ -361,7 +334,7 @@ class PushEngine:
         """A write's outcome: failures end the reservation at once."""
         if not ok:
             self._fail(ob, f"write to engine {ob.target.engine_id} failed: {error}")
-        elif final and ob.state not in TERMINAL:
+        elif final and not ob.state.terminal:
             self.trace("final_done", ob.target.reservation_id)
             ob.state = PushState.PUSHED
             self.counters["pushed"] += 1
@@ -372,7 +345,7 @@ class PushEngine:
         no write of the request is left (a cancelled write NIXL cannot release yet
         keeps it, so a later request can never have its bytes sent by a zombie)."""
         ob.inflight -= 1
-        if ob.state in TERMINAL:
+        if ob.state.terminal:
             if not ob.inflight:
                 self._free_staging(ob)
         else:
@@ -380,7 +353,7 @@ class PushEngine:
 
     def _fail(self, ob: _Outbound, reason: str, peer_gone: bool = False,
               state: PushState = PushState.FAILED) -> None:
-        if ob.state in TERMINAL:
+        if ob.state.terminal:
             return
         ob.state = state
         ob.queued.clear()

@@ -23,9 +23,10 @@ from typing import Callable
 
 import grpc
 
+from kvpush.contract.states import LIVE, State
 from kvpush.contract.v1 import registry_pb2
 
-from sidecar.membership import (Backoff, ControlPlaneLink, RETRYABLE, S, ServiceConfig, guarded, printable, rpc_error_text,
+from sidecar.membership import (Backoff, ControlPlaneLink, RETRYABLE, ServiceConfig, guarded, printable, rpc_error_text,
                             status_code)
 
 log = logging.getLogger("kvpush.sidecar")
@@ -83,14 +84,14 @@ class Reporter:
             return
         if self._queued + len(self._held) >= self.config.report_queue_max:
             self.counters["overflow"] += 1
-            log.warning("report queue full: %s %s not reported", reservation_id, S.ReservationState.Name(state))
+            log.warning("report queue full: %s %s not reported", reservation_id, State(state).name)
             return
         item = _Report(state, printable(reason), time.monotonic())
         held = self._held.pop(reservation_id, None)
         if held is not None:
             held.timer.cancel()
             self.counters["folded"] += 1
-            item.landed = state == S.CONSUMED and (held.report.landed or held.report.state == S.LANDED)
+            item.landed = state == State.CONSUMED and (held.report.landed or held.report.state == State.LANDED)
         if hold_s > 0:
             timer = asyncio.get_running_loop().call_later(hold_s, self._release_held, reservation_id)
             self._held[reservation_id] = _Held(item, timer)
@@ -168,7 +169,7 @@ class Reporter:
                     try:
                         sent = await self._send(rid, item)
                     except Exception:
-                        log.exception("report %s for %s failed", S.ReservationState.Name(item.state), rid)
+                        log.exception("report %s for %s failed", State(item.state).name, rid)
                         sent = True
                     if not sent:
                         self._queued -= len(queue)  # it ended: later reports of it are moot
@@ -183,8 +184,8 @@ class Reporter:
         backoff = Backoff(self.config.backoff_initial_s, min(2.0, self.config.backoff_max_s))
         request = registry_pb2.ReportStateRequest(reservation_id=rid, state=item.state, reason=item.reason,
                                                   engine_id=self.engine_id, landed=item.landed,
-                                                  incarnation=self.incarnation if item.state == S.PUSHING else "")
-        name = S.ReservationState.Name(item.state)
+                                                  incarnation=self.incarnation if item.state == State.PUSHING else "")
+        name = State(item.state).name
         while True:
             client = self.link.client
             try:
@@ -227,6 +228,6 @@ class Reporter:
                 timeout=self.config.rpc_timeout_s))
         except Exception as exc:
             return "it no longer exists" if status_code(exc) == grpc.StatusCode.NOT_FOUND else None
-        if res.state in (S.RESERVED, S.PUSHING, S.LANDED):
+        if res.state in LIVE:
             return ""
-        return S.ReservationState.Name(res.state) + (f": {res.reason}" if res.reason else "")
+        return State(res.state).name + (f": {res.reason}" if res.reason else "")

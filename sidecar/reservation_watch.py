@@ -13,9 +13,10 @@ from typing import Callable
 
 import grpc
 
+from kvpush.contract.states import ENDED_BY_CONTROL_PLANE, State
 from kvpush.contract.v1 import registry_pb2, scheduler_pb2, types_pb2
 
-from sidecar.membership import (ENDED_BY_CONTROL_PLANE, Backoff, ControlPlaneLink, Membership, S, ServiceConfig,
+from sidecar.membership import (Backoff, ControlPlaneLink, Membership, ServiceConfig,
                             guarded, rpc_error_text, status_code)
 
 log = logging.getLogger("kvpush.sidecar")
@@ -95,7 +96,7 @@ class ReservationWatch:
         if reservation.state == types_pb2.RESERVED and self.on_reserved is not None:
             self.on_reserved(reservation)
         if reservation.state in ENDED_BY_CONTROL_PLANE:
-            state = S.ReservationState.Name(reservation.state)
+            state = State(reservation.state).name
             self.on_ended(reservation.id, f"reservation {state}" + (f": {reservation.reason}"
                                                                     if reservation.reason else ""))
 

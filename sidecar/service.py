@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import dataclasses
 import json
 import logging
 import os
@@ -48,13 +49,15 @@ from kvpush.aio import tune_gc, write_ready_file
 from kvpush.contract.layout import KvLayout, LayoutError
 from kvpush.contract.transfer_params import PushParams
 from kvpush.contract.v1 import registry_pb2, types_pb2
-from sidecar.landing import LandingConfig, LandingEvent, LandingState
-from sidecar.peers import EngineRecord, PeerUnavailable
+from sidecar.landing import LandingConfig, LandingEvent
+from kvpush.contract.engine import EngineRecord
+from sidecar.peers import PeerUnavailable
 from sidecar.progress import PollPolicy
-from sidecar.push import PushConfig, PushOutcome, PushState
-from sidecar.sidecar import DECODE, PREFILL, Sidecar, SidecarConfig
+from sidecar.push import PushConfig, PushOutcome
+from sidecar.sidecar import Sidecar, SidecarConfig
+from kvpush.contract.states import DECODE, PREFILL, REPORTED, PushState, State
 
-from sidecar.membership import (ControlPlaneLink, FatalError, Membership, S, ServiceConfig, guarded, rpc_error_text,
+from sidecar.membership import (ControlPlaneLink, FatalError, Membership, ServiceConfig, guarded, rpc_error_text,
                             status_code)
 from sidecar.reporter import Reporter
 from sidecar.reservation_watch import ReservationWatch
@@ -84,34 +87,31 @@ class SidecarService:
 
     # -- what the control plane sees of us --------------------------------------------------------
     def engine_proto(self) -> types_pb2.Engine:
-        c = self.config
-        engine = types_pb2.Engine(role=S.PREFILL if self.sidecar_config.role == PREFILL else S.DECODE,
-                                  model=c.model, pool=c.pool,
-                                  sidecar_address=f"unix:{self.sidecar_config.socket_path}")
-        self.sidecar.engine_record().fill_proto(engine)
-        return engine
+        record = dataclasses.replace(self.sidecar.engine_record(), model=self.config.model, pool=self.config.pool)
+        return record.to_proto()
 
     # -- hooks of the data plane (called from the loop, never blocking) ---------------------------
     def _on_push_start(self, reservation_id: str, request_id: str) -> None:
-        self.reporter.report(reservation_id, S.PUSHING, hold_s=self.config.pushing_report_after_s)
+        self.reporter.report(reservation_id, State.PUSHING, hold_s=self.config.pushing_report_after_s)
 
     def _on_push_outcome(self, outcome: PushOutcome) -> None:
         # Outcomes are terminal. A FAILED report replaces a PUSHING still held; otherwise
-        # PUSHING is moot (decode reports LANDED, or the control plane ended it).
-        if outcome.state == PushState.FAILED:
-            self.reporter.report(outcome.reservation_id, S.FAILED, f"prefill {self.engine_id}: {outcome.reason}")
-        elif outcome.state == PushState.CANCELLED and outcome.reservation_id not in self._ended_remotely:
-            self.reporter.report(outcome.reservation_id, S.FAILED,
-                                 f"prefill {self.engine_id}: push cancelled: {outcome.reason}")
+        # PUSHING is moot (decode reports LANDED, or the control plane ended it, and then
+        # a push it cancelled is not a failure to report).
+        state = REPORTED.get(outcome.state)
+        if outcome.state == PushState.CANCELLED and outcome.reservation_id in self._ended_remotely:
+            state = None
+        if state is None:
+            self.reporter.withdraw(outcome.reservation_id, State.PUSHING)
         else:
-            self.reporter.withdraw(outcome.reservation_id, S.PUSHING)
+            what = "push cancelled: " if outcome.state == PushState.CANCELLED else ""
+            self.reporter.report(outcome.reservation_id, state, f"prefill {self.engine_id}: {what}{outcome.reason}")
 
     def _on_landing_event(self, event: LandingEvent) -> None:
-        state = {LandingState.LANDED: S.LANDED, LandingState.CONSUMED: S.CONSUMED,
-                 LandingState.FAILED: S.FAILED}.get(event.state)
+        state = REPORTED.get(event.state)
         if state is not None:
             reason = f"decode {self.engine_id}: {event.reason}" if event.reason else ""
-            hold = self.config.report_hold_s if state in (S.LANDED, S.CONSUMED) else 0.0
+            hold = self.config.report_hold_s if state in (State.LANDED, State.CONSUMED) else 0.0
             self.reporter.report(event.reservation_id, state, reason, hold_s=hold)
 
     def _reserved(self, res: types_pb2.Reservation) -> None:
@@ -145,7 +145,7 @@ class SidecarService:
             if status_code(exc) == grpc.StatusCode.NOT_FOUND:
                 raise PeerUnavailable(f"engine {engine_id} is not registered") from None
             raise PeerUnavailable(f"control plane could not resolve engine {engine_id}: {rpc_error_text(exc)}") from None
-        if engine.role != S.DECODE:
+        if engine.role != types_pb2.DECODE:
             raise PeerUnavailable(f"engine {engine_id} is not a decode engine")
         if incarnation and engine.incarnation != incarnation:
             raise PeerUnavailable(f"engine {engine_id} incarnation {incarnation!r} is not the current one "

@@ -6,7 +6,7 @@ control plane (and reports outcomes to it) is written against this class:
 
     sidecar = Sidecar(SidecarConfig(...), on_push_outcome=..., on_landing_event=..., resolver=...)
     await sidecar.start()
-    record = sidecar.engine_record()        # -> Engine proto via record.fill_proto(engine)
+    record = sidecar.engine_record()        # -> Engine proto: record.to_proto()
     sidecar.add_peer(EngineRecord.from_proto(engine))   # prefill: from the registry watch
     ...
     await sidecar.stop()
@@ -29,6 +29,8 @@ from typing import Callable
 
 from kvpush.aio import stop_on_signals, write_ready_file
 from kvpush.contract.layout import KvLayout
+from kvpush.contract.engine import EngineRecord
+from kvpush.contract.states import DECODE, PREFILL, role_to_proto
 from kvpush.trace import Trace
 from engine import frames as F
 from sidecar.transport.nixl import AgentConfig, NixlAgent
@@ -36,14 +38,14 @@ from sidecar.channel_server import ChannelServer, Connection
 from sidecar.handover import Handover
 from sidecar.landing import LandingConfig, LandingEvent, LandingTable
 from engine.memory import sweep_stale_segments
-from sidecar.peers import EngineRecord, PeerRegistry, RemotePeer, Resolver
-from sidecar.pools import LandingPool, StagingAllocation, StagingPool
+from sidecar.peers import PeerRegistry, RemotePeer, Resolver
+from sidecar.pools import LandingPool, StagingPool
+from engine.pool import StagingAllocation
 from sidecar.progress import PollPolicy, ProgressDriver
-from sidecar.push import PushConfig, PushEngine, PushOutcome, PushTarget
+from sidecar.push import PushConfig, PushEngine, PushOutcome
 
 log = logging.getLogger(__name__)
 
-PREFILL, DECODE = "prefill", "decode"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,9 +150,11 @@ class Sidecar:
     def engine_record(self) -> EngineRecord:
         """This engine as peers must know it (publish it through the control plane)."""
         c, pool = self.config, self.pool
-        return EngineRecord(c.engine_id, c.incarnation, c.agent_name, self.agent.metadata(),
-                            pool.base_address, pool.size_bytes, pool.num_units, c.layout,
-                            pool.memory.mem_kind, pool.memory.device_id)
+        return EngineRecord(engine_id=c.engine_id, role=role_to_proto(c.role), layout=c.layout,
+                            incarnation=c.incarnation, nixl_agent=c.agent_name, nixl_metadata=self.agent.metadata(),
+                            num_blocks=pool.num_units, sidecar_address=f"unix:{c.socket_path}",
+                            memory_kind=pool.memory.mem_kind, pool_base_address=pool.base_address,
+                            pool_size_bytes=pool.size_bytes, device_id=pool.memory.device_id)
 
     def add_peer(self, record: EngineRecord) -> RemotePeer:
         if self.peers is None:
@@ -208,8 +212,7 @@ class Sidecar:
         self._need(self.pusher, "BEGIN")
         if not self.accepting:
             raise ValueError(f"sidecar {self.config.engine_id} is shutting down; not accepting pushes")
-        target = PushTarget(req.reservation_id, req.engine_id, req.incarnation, req.block_ids, req.block_size,
-                            req.num_tokens)
+        target = req.target
         self._request_owner[req.request_id] = conn
         try:
             return self.pusher.begin(req.request_id, target, owner=conn.owner)

@@ -34,7 +34,8 @@ from engine.connector.handover_watch import HandoverWatch
 from engine.connector.landing_watch import LandingWatch
 from engine.connector.metadata import KVPushConnectorMetadata
 from engine.connector.scheduler import DecodeTiming, KVPushScheduler
-from engine.connector.sidecar_link import DECODE, PREFILL, connect, hello_once
+from engine.connector.sidecar_link import connect, hello_once
+from kvpush.contract.states import DECODE, PREFILL
 from engine.connector.worker import KVPushWorker
 from kvpush.trace import Trace
 

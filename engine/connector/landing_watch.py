@@ -22,11 +22,10 @@ from collections.abc import Callable
 
 from engine.connector.sidecar_link import SchedulerChannel, SidecarInfo
 from engine.channel import ChannelError, SidecarClient
+from kvpush.contract.states import LandingState
 
 log = logging.getLogger(f"vllm.{__name__}")  # under "vllm": logged with the engine's own handlers
 
-LANDED, FAILED, CANCELLED, CONSUMED = "LANDED", "FAILED", "CANCELLED", "CONSUMED"
-ENDED = (FAILED, CANCELLED, CONSUMED)
 
 
 class LandingWatch(SchedulerChannel):
@@ -34,21 +33,21 @@ class LandingWatch(SchedulerChannel):
         super().__init__(connect)
         self.on_landed: Callable[[str], None] | None = None  # (reservation id), on the reader thread: tracing
         self._cv = threading.Condition()
-        self._states: dict[str, tuple[str, int]] = {}  # reservation -> (last state heard, tokens)
+        self._states: dict[str, tuple[LandingState, int]] = {}  # reservation -> (last state heard, tokens)
         self._released: dict[str, float] = {}  # reservation -> give-up time (monotonic)
         self._generation = 0  # bumped on every LANDED or end heard
         self._consumed_releases = 0  # released reservations consumed since the last take
 
     # -- the reservations a request waits for ---------------------------------------------------------
-    def watch(self, reservation_id: str) -> tuple[str, int]:
+    def watch(self, reservation_id: str) -> tuple[LandingState, int]:
         """Subscribe to a reservation; its state now. ``ChannelError`` if the sidecar is unreachable."""
         event = self._client_or_reconnect().subscribe(reservation_id)
         self._record(event.reservation_id, event.state, event.num_tokens)
         return self.state(reservation_id)
 
-    def state(self, reservation_id: str) -> tuple[str, int]:
+    def state(self, reservation_id: str) -> tuple[LandingState, int]:
         with self._cv:
-            return self._states.get(reservation_id, ("", 0))
+            return self._states.get(reservation_id, (LandingState.UNKNOWN, 0))
 
     @property
     def generation(self) -> int:
@@ -68,12 +67,12 @@ class LandingWatch(SchedulerChannel):
     def release(self, reservation_id: str, give_up: float) -> None:
         """The engine will not load this reservation: consume it once it lands (until ``give_up``)."""
         with self._cv:
-            state = self._states.get(reservation_id, ("", 0))[0]
-            if state in ENDED:
+            state = self._states.get(reservation_id, (LandingState.UNKNOWN, 0))[0]
+            if state.ended:
                 self._states.pop(reservation_id, None)
                 return
             self._released[reservation_id] = give_up
-        if state == LANDED:
+        if state == LandingState.LANDED:
             self._consume_released(reservation_id)
 
     def housekeeping(self) -> None:
@@ -105,21 +104,22 @@ class LandingWatch(SchedulerChannel):
             self._record(event.reservation_id, event.state, event.num_tokens)
 
     def _record(self, reservation_id: str, state: str, num_tokens: int) -> None:
-        arrived = state == LANDED or state in ENDED
+        state = LandingState(state)  # the channel carries the value: converted here, once
+        arrived = state == LandingState.LANDED or state.ended
         with self._cv:
             current = self._states.get(reservation_id)
-            if current is not None and current[0] in (LANDED, *ENDED) and state not in ENDED:
+            if current is not None and (current[0] == LandingState.LANDED or current[0].ended) and not state.ended:
                 return  # a late subscribe answer never undoes what an event said
             self._states[reservation_id] = (state, num_tokens)
             released = reservation_id in self._released
             if arrived:
                 self._generation += 1
                 self._cv.notify_all()
-        if state == LANDED and self.on_landed is not None:
+        if state == LandingState.LANDED and self.on_landed is not None:
             self.on_landed(reservation_id)
-        if released and state == LANDED:
+        if released and state == LandingState.LANDED:
             self._consume_released(reservation_id)
-        elif released and state in ENDED:
+        elif released and state.ended:
             with self._cv:
                 self._released.pop(reservation_id, None)
                 self._states.pop(reservation_id, None)

@@ -8,19 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvpush.contract.target import PushTarget
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-    """The reservation a prefill request pushes into (from its ``PushParams``)."""
-
-    reservation_id: str
-    engine_id: str
-    incarnation: str
-    block_ids: tuple[int, ...]  # landing blocks, token order
-    block_size: int  # tokens per landing block
-    num_tokens: int  # tokens reserved (and pushed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +21,7 @@ class PushSpec:
     start: int
     end: int
     final: bool  # ``end`` is the last token of the reservation: END after the last layer
-    begin: Target | None = None  # set on the request's first piece: BEGIN before staging
+    begin: PushTarget | None = None  # set on the request's first piece: BEGIN before staging
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,16 +31,10 @@ class LoadSpec:
     this step's forward pass, then CONSUMED."""
 
     req_id: str
-    reservation_id: str
-    engine_id: str
-    incarnation: str
-    landing_block_ids: tuple[int, ...]
-    landing_block_size: int
-    num_tokens: int  # tokens the reservation holds
+    target: PushTarget  # the reservation: its landing blocks hold the tokens
     block_ids: tuple[int, ...]
     start: int
     end: int
-    deadline_unix_ms: int = 0
 
 
 @dataclasses.dataclass

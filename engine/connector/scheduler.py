@@ -51,9 +51,10 @@ import time
 from collections.abc import Callable
 
 from engine.connector.handover_watch import HandoverWatch
-from engine.connector.landing_watch import ENDED, LANDED, LandingWatch
-from engine.connector.metadata import KVPushConnectorMetadata, LoadSpec, PushSpec, Target
-from engine.connector.sidecar_link import DECODE, PREFILL, SidecarInfo
+from engine.connector.landing_watch import LandingWatch
+from engine.connector.metadata import KVPushConnectorMetadata, LoadSpec, PushSpec
+from engine.connector.sidecar_link import SidecarInfo
+from kvpush.contract.states import DECODE, PREFILL, LandingState
 from kvpush.trace import Trace
 from kvpush.contract.transfer_params import AwaitParams, PushParams, TransferParamsError, push_report
 from engine.channel import ChannelError
@@ -174,22 +175,22 @@ class KVPushScheduler:
                 why = self._decode_refusal(params, prompt)
             if why:
                 log.warning("request %s: reservation %s not loaded (%s); computing the prompt locally",
-                            rid, params.reservation_id, why)
+                            rid, params.target.reservation_id, why)
                 self._count(f"refused_{why}")
                 return
             try:
-                self.watch.watch(params.reservation_id)
+                self.watch.watch(params.target.reservation_id)
             except ChannelError as exc:
                 log.warning("request %s: cannot watch reservation %s (%s); computing the prompt locally",
-                            rid, params.reservation_id, exc)
+                            rid, params.target.reservation_id, exc)
                 self._count("refused_channel")
                 return
             now = time.monotonic()
             t = self.timing
-            self._decode[rid] = _Decode(request, params, give_up_time(now, t.load_timeout_s, params.deadline_unix_ms,
+            self._decode[rid] = _Decode(request, params, give_up_time(now, t.load_timeout_s, params.target.deadline_unix_ms,
                                                                       t.deadline_grace_s), now)
             self._count("loads_started")
-            self.trace("load_planned", params.reservation_id, rid)
+            self.trace("load_planned", params.target.reservation_id, rid)
         else:
             log.warning("request %s: kvpush role %r is not served by this engine (sidecar role %s)",
                         rid, params.role, self.sidecar.role)
@@ -197,13 +198,13 @@ class KVPushScheduler:
 
     def _start_prefill(self, request, params: PushParams) -> None:
         rid = request.request_id
-        self._reports[rid] = params.reservation_id
-        if request.num_prompt_tokens < params.num_tokens:
+        self._reports[rid] = params.target.reservation_id
+        if request.num_prompt_tokens < params.target.num_tokens:
             log.warning("request %s: prompt of %d tokens cannot fill reservation %s of %d tokens; not pushing",
-                        rid, request.num_prompt_tokens, params.reservation_id, params.num_tokens)
+                        rid, request.num_prompt_tokens, params.target.reservation_id, params.target.num_tokens)
             self._count("refused_short_prompt")
             return
-        self._prefill[rid] = _Prefill(request, params, params.num_tokens)
+        self._prefill[rid] = _Prefill(request, params, params.target.num_tokens)
 
     # -- prefill: a request sent before its reservation was granted ---------------------------
     def _await_reservation(self, aw: _Awaiting) -> int | None:
@@ -232,7 +233,7 @@ class KVPushScheduler:
             self._count("bad_params")
             return 0
         self._count("handover_received")
-        self.trace("handover_received", params.reservation_id, rid)
+        self.trace("handover_received", params.target.reservation_id, rid)
         self._start_prefill(aw.request, params)
         return 0
 
@@ -240,15 +241,15 @@ class KVPushScheduler:
         """A reservation for this engine but another incarnation: if our sidecar's channel
         closed, it may have restarted (asked at most once a second: a stale reservation
         must not cost a HELLO each)."""
-        if params.engine_id != self.sidecar.engine_id or not self.watch.broken:
+        if params.target.engine_id != self.sidecar.engine_id or not self.watch.broken:
             return False
         before = self.sidecar.incarnation
         return self._reconnected() and self.sidecar.incarnation != before
 
     def _decode_refusal(self, params: PushParams, prompt: int) -> str:
-        if params.engine_id != self.sidecar.engine_id or params.engine_incarnation != self.sidecar.incarnation:
+        if params.target.engine_id != self.sidecar.engine_id or params.target.incarnation != self.sidecar.incarnation:
             return "wrong_engine"
-        if prompt < params.num_tokens:
+        if prompt < params.target.num_tokens:
             return "short_prompt"  # the prefill side refuses it too: it would never land
         return ""
 
@@ -260,32 +261,32 @@ class KVPushScheduler:
         st = self._decode.get(request.request_id)
         if st is None or st.decided:
             return 0, False
-        res = st.params.reservation_id
+        res = st.params.target.reservation_id
         if self.watch.broken and not self._reconnected():
             self._recompute(st, "channel", "the sidecar's channel is closed")
             return 0, False
-        if st.params.engine_incarnation != self.sidecar.incarnation:
+        if st.params.target.incarnation != self.sidecar.incarnation:
             self._recompute(st, "restarted", f"the sidecar restarted: reservation {res} went with it")
             return 0, False
         generation = self.watch.generation
         state, landed = self.watch.state(res)
-        if state != LANDED and state not in ENDED and time.monotonic() < st.give_up and self._may_wait():
+        if state != LandingState.LANDED and not state.ended and time.monotonic() < st.give_up and self._may_wait():
             self._waited = True
             t0 = time.monotonic()
             self.watch.wait_change(generation, min(self.timing.idle_wait_s, max(0.0, st.give_up - t0)))
             self._idle_waits += 1
             self._idle_wait_us += round((time.monotonic() - t0) * 1e6)
             state, landed = self.watch.state(res)
-        if state == LANDED:
+        if state == LandingState.LANDED:
             # vLLM computes at least the last prompt token itself (and samples from it).
-            usable = min(request.num_prompt_tokens - 1, st.params.num_tokens, landed)
+            usable = min(request.num_prompt_tokens - 1, st.params.target.num_tokens, landed)
             st.local = num_computed_tokens
             return max(0, usable - num_computed_tokens), False
-        if state in ENDED:
-            self._recompute(st, state.lower(), f"reservation {res} is {state}")
+        if state.ended:
+            self._recompute(st, state.value.lower(), f"reservation {res} is {state.value}")
             return 0, False
         if time.monotonic() >= st.give_up:
-            self._recompute(st, "timeout", f"reservation {res} did not land in time (last state {state or '?'})")
+            self._recompute(st, "timeout", f"reservation {res} did not land in time (last state {state.value})")
             self.watch.release(res, time.monotonic() + self.timing.deadline_grace_s)
             return 0, False
         return None, False  # not landed yet: ask again at the next step
@@ -303,9 +304,9 @@ class KVPushScheduler:
                         self.sidecar.incarnation)
         self.sidecar = info
         for st in self._decode.values():
-            if not st.decided and st.params.engine_incarnation == info.incarnation:
+            if not st.decided and st.params.target.incarnation == info.incarnation:
                 try:
-                    self.watch.watch(st.params.reservation_id)
+                    self.watch.watch(st.params.target.reservation_id)
                 except ChannelError:
                     return False
         return True
@@ -321,7 +322,7 @@ class KVPushScheduler:
         self._count("load_errors")
         self._count(f"load_error_{reason}")
         self._fold_idle_waits()
-        self.watch.forget(st.params.reservation_id)
+        self.watch.forget(st.params.target.reservation_id)
 
     def _fold_idle_waits(self) -> None:
         if self._idle_waits:
@@ -338,17 +339,16 @@ class KVPushScheduler:
         if num_external_tokens <= 0:
             # Nothing to load after all (the local prefix cache covers it): let it go.
             self._count("load_skipped_local_hit")
-            self.watch.release(p.reservation_id, st.give_up)
+            self.watch.release(p.target.reservation_id, st.give_up)
             return
-        self.watch.forget(p.reservation_id)
+        self.watch.forget(p.target.reservation_id)
         wait_ms = round((time.monotonic() - st.waiting_since) * 1e3)
         self._count("load_wait_ms_total", wait_ms)
         self._meta.maxima["load_wait_ms_max"] = max(wait_ms, self._meta.maxima.get("load_wait_ms_max", 0))
         self._fold_idle_waits()
         block_ids = tuple(blocks.get_block_ids()[0])
-        self._meta.loads.append(LoadSpec(
-            request.request_id, p.reservation_id, p.engine_id, p.engine_incarnation, tuple(p.block_ids),
-            p.block_size, p.num_tokens, block_ids, st.local, st.local + num_external_tokens, p.deadline_unix_ms))
+        self._meta.loads.append(LoadSpec(request.request_id, p.target, block_ids, st.local,
+                                         st.local + num_external_tokens))
 
     # -- the step's metadata ------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> KVPushConnectorMetadata:
@@ -364,8 +364,7 @@ class KVPushScheduler:
                 begin = None
                 if not st.begun:
                     p = st.params
-                    begin = Target(p.reservation_id, p.engine_id, p.engine_incarnation, tuple(p.block_ids),
-                                   p.block_size, p.num_tokens)
+                    begin = p.target
                     st.begun = True
                 self._meta.pushes.append(PushSpec(rid, tuple(self.block_ids_of(rid)), st.pushed, end,
                                                   end == st.target, begin))
@@ -399,7 +398,7 @@ class KVPushScheduler:
         dst = self._decode.pop(rid, None)
         if dst is not None and not dst.decided:
             self._count("loads_abandoned")
-            self.watch.release(dst.params.reservation_id, dst.give_up)  # consumed if it lands
+            self.watch.release(dst.params.target.reservation_id, dst.give_up)  # consumed if it lands
         return False, report  # blocks are never held past the request
 
     @property

@@ -15,11 +15,10 @@ from collections.abc import Callable
 
 from kvpush.contract.layout import KvLayout
 from engine.channel import ChannelError, SidecarClient
-from sidecar.pools import PoolInfo
+from engine.pool import PoolInfo
 
 log = logging.getLogger(f"vllm.{__name__}")  # under "vllm": logged with the engine's own handlers
 
-PREFILL, DECODE = "prefill", "decode"
 
 
 @dataclasses.dataclass(frozen=True)

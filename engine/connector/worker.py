@@ -35,7 +35,8 @@ import numpy as np
 from engine.cache_codec import BlockCodec, CodecError, flat_layer
 from engine.connector.config import ConnectorConfig
 from engine.connector.metadata import KVPushConnectorMetadata, LoadSpec, PushSpec
-from engine.connector.sidecar_link import DECODE, PREFILL, SidecarInfo, connect
+from engine.connector.sidecar_link import SidecarInfo, connect
+from kvpush.contract.states import DECODE, PREFILL
 from engine.connector.stats import Counters
 from kvpush.trace import Trace
 from engine import frames as F
@@ -43,7 +44,7 @@ from engine import reblock
 from engine.channel import ChannelError, SidecarClient
 from engine.geometry import DestGeometry
 from engine.memory import ShmMemory
-from sidecar.pools import StagingAllocation
+from engine.pool import StagingAllocation
 
 log = logging.getLogger(f"vllm.{__name__}")  # under "vllm": logged with the engine's own handlers
 
@@ -198,8 +199,7 @@ class KVPushWorker:
 
     def _begin(self, spec: PushSpec) -> _Outbound | None:
         t = spec.begin
-        begin = F.BeginRequest(spec.req_id, t.reservation_id, t.engine_id, t.incarnation, t.block_size,
-                               t.num_tokens, tuple(t.block_ids))
+        begin = F.BeginRequest(spec.req_id, t)
         try:
             alloc = self._call_reconnecting(lambda: self.client.begin_push(begin))
         except ChannelError as exc:
@@ -282,35 +282,35 @@ class KVPushWorker:
         reported as load errors (vLLM recomputes them), never half-copied silently."""
         t0 = time.monotonic()
         try:
-            if spec.engine_id == self.info.engine_id and spec.incarnation != self.info.incarnation \
+            if spec.target.engine_id == self.info.engine_id and spec.target.incarnation != self.info.incarnation \
                     and self._channel_broken():
                 self._reconnect(ChannelError("channel closed"))  # the sidecar restarted: a new incarnation
-            if spec.engine_id != self.info.engine_id or spec.incarnation != self.info.incarnation:
-                raise CodecError(f"the reservation is for {spec.engine_id}/{spec.incarnation}, this pool is "
+            if spec.target.engine_id != self.info.engine_id or spec.target.incarnation != self.info.incarnation:
+                raise CodecError(f"the reservation is for {spec.target.engine_id}/{spec.target.incarnation}, this pool is "
                                  f"{self.info.engine_id}/{self.info.incarnation}")
             layout = self.info.layout
-            if spec.landing_block_size != layout.block_size:
-                raise CodecError(f"landing blocks of {spec.landing_block_size} tokens, pool has {layout.block_size}")
+            if spec.target.block_size != layout.block_size:
+                raise CodecError(f"landing blocks of {spec.target.block_size} tokens, pool has {layout.block_size}")
             index = self.codec.prepare(spec.block_ids, spec.start, spec.end)
             for layer, cache in enumerate(self.flat):
-                raw = reblock.gather_tokens(self._landing[layer], spec.landing_block_ids, spec.start, spec.end)
+                raw = reblock.gather_tokens(self._landing[layer], spec.target.block_ids, spec.start, spec.end)
                 self.codec.write(cache, spec.block_ids, raw.view(self.codec.dtype), spec.start, spec.end, index)
         except Exception as exc:
             log.error("kvpush: loading reservation %s into %s failed: %s; vLLM recomputes it",
-                      spec.reservation_id, spec.req_id, exc)
+                      spec.target.reservation_id, spec.req_id, exc)
             bs = self.codec.block_size if self.codec is not None else self.block_size
             self._load_errors.update(spec.block_ids[spec.start // bs:(spec.end - 1) // bs + 1])
             self.counters.inc("load_errors")
             self.counters.inc("load_error_copy")
-            self._consume(spec.reservation_id)
+            self._consume(spec.target.reservation_id)
             return
-        self._consume(spec.reservation_id)
+        self._consume(spec.target.reservation_id)
         n = spec.end - spec.start
         self.counters.inc("load_copy_us_total", round((time.monotonic() - t0) * 1e6))
         self.counters.inc("loads_landed")
         self.counters.inc("tokens_loaded", n)
         self.counters.inc("bytes_loaded", n * self.codec.token_layer_bytes * len(self.flat))
-        self.trace("loaded", spec.reservation_id, spec.req_id)
+        self.trace("loaded", spec.target.reservation_id, spec.req_id)
 
     def load_errors(self) -> set[int]:
         """vLLM block ids whose synchronous load failed in this step (then forgotten)."""

@@ -111,6 +111,23 @@ class KvLayout:
             raise LayoutError(f"kv_layout has unknown fields: {sorted(unknown)}")
         return cls(**data)
 
+    def to_proto(self):
+        """As a ``kvpush.v1.KvLayout`` message: the one conversion, both ways."""
+        from kvpush.contract.v1 import types_pb2
+        return types_pb2.KvLayout(num_layers=self.num_layers, block_size=self.block_size,
+                                  num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype,
+                                  kv_parts=self.kv_parts)
+
+    @classmethod
+    def from_proto(cls, msg, field: str = "kv_layout") -> "KvLayout":
+        """From a ``kvpush.v1.KvLayout``; unset dtype and kv_parts take their defaults.
+        Raises ``LayoutError`` naming ``field`` on bad values."""
+        try:
+            return cls(num_layers=msg.num_layers, block_size=msg.block_size, num_kv_heads=msg.num_kv_heads,
+                       head_dim=msg.head_dim, dtype=msg.dtype or "float32", kv_parts=msg.kv_parts or 2)
+        except LayoutError as exc:
+            raise LayoutError(str(exc).replace("kv_layout", field, 1)) from None
+
     @classmethod
     def parse(cls, text: str) -> "KvLayout":
         """Parse the CLI form ``layers=32,block=16,heads=8,dim=128,dtype=bfloat16``."""

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvpush.contract.states import ROLES
+from kvpush.contract.target import PushTarget
+
 KEY = "kvpush"
-ROLES = ("prefill", "decode")
 
 
 class TransferParamsError(ValueError):
@@ -25,31 +27,24 @@ class TransferParamsError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class PushParams:
-    role: str                      # "prefill" or "decode"
-    reservation_id: str
-    engine_id: str                 # the decode engine holding the blocks
-    engine_incarnation: str
-    nixl_agent: str                # the decode sidecar's NIXL agent
-    block_ids: tuple[int, ...]     # landing block ids, in token order
-    block_size: int                # tokens per landing block
-    num_tokens: int                # prompt tokens reserved for
-    deadline_unix_ms: int = 0
+    """A role and the reservation it works on. On the wire (``to_dict``) the target's
+    fields are flat beside ``role``, as the router has always sent them."""
+
+    role: str  # "prefill" or "decode"
+    target: PushTarget
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise TransferParamsError(f"kvpush.role must be one of {ROLES}, got {self.role!r}")
-        if not self.reservation_id or not self.engine_id:
-            raise TransferParamsError("kvpush.reservation_id and kvpush.engine_id are required")
-        if self.block_size <= 0 or self.num_tokens <= 0:
-            raise TransferParamsError("kvpush.block_size and kvpush.num_tokens must be positive")
-        if len(self.block_ids) * self.block_size < self.num_tokens:
-            raise TransferParamsError(f"kvpush.block_ids: {len(self.block_ids)} blocks of {self.block_size} "
-                                      f"cannot hold {self.num_tokens} tokens")
+        problem = self.target.problem()
+        if problem:
+            raise TransferParamsError(f"kvpush: {problem}")
 
     def to_dict(self) -> dict:
-        data = dataclasses.asdict(self)
-        data["block_ids"] = list(self.block_ids)
-        return data
+        t = self.target
+        return {"role": self.role, "reservation_id": t.reservation_id, "engine_id": t.engine_id,
+                "engine_incarnation": t.incarnation, "nixl_agent": t.nixl_agent, "block_ids": list(t.block_ids),
+                "block_size": t.block_size, "num_tokens": t.num_tokens, "deadline_unix_ms": t.deadline_unix_ms}
 
     def as_kv_transfer_params(self) -> dict:
         return {KEY: self.to_dict()}
@@ -61,19 +56,21 @@ class PushParams:
     def from_dict(cls, data: dict) -> "PushParams":
         if not isinstance(data, dict):
             raise TransferParamsError("kvpush transfer params must be an object")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - known
+        unknown = set(data) - _WIRE_FIELDS
         if unknown:
             raise TransferParamsError(f"kvpush transfer params have unknown fields {sorted(unknown)}")
+        missing = {"role", "reservation_id", "engine_id", "engine_incarnation", "block_ids", "block_size",
+                   "num_tokens"} - set(data)
+        if missing:
+            raise TransferParamsError(f"kvpush transfer params lack {sorted(missing)}")
         try:
-            values = dict(data)
-            values["block_ids"] = tuple(int(b) for b in data.get("block_ids", ()))
-            for name in ("block_size", "num_tokens", "deadline_unix_ms"):
-                if name in values:
-                    values[name] = int(values[name])
-            return cls(**values)
-        except TypeError as exc:
+            target = PushTarget(str(data["reservation_id"]), str(data["engine_id"]), str(data["engine_incarnation"]),
+                                tuple(int(b) for b in data["block_ids"]), int(data["block_size"]),
+                                int(data["num_tokens"]), str(data.get("nixl_agent", "")),
+                                int(data.get("deadline_unix_ms", 0)))
+        except (TypeError, ValueError) as exc:
             raise TransferParamsError(f"kvpush transfer params: {exc}") from None
+        return cls(str(data["role"]), target)
 
     @classmethod
     def from_request(cls, kv_transfer_params: dict | None) -> "PushParams | None":
@@ -85,10 +82,11 @@ class PushParams:
     @classmethod
     def from_reservation(cls, res, role: str) -> "PushParams":
         """From a kvpush.v1.Reservation message."""
-        return cls(role=role, reservation_id=res.id, engine_id=res.engine_id,
-                   engine_incarnation=res.engine_incarnation, nixl_agent=res.nixl_agent,
-                   block_ids=tuple(res.block_ids), block_size=res.block_size, num_tokens=res.num_tokens,
-                   deadline_unix_ms=res.deadline_unix_ms)
+        return cls(role, PushTarget.from_proto(res))
+
+
+_WIRE_FIELDS = {"role", "reservation_id", "engine_id", "engine_incarnation", "nixl_agent", "block_ids", "block_size",
+                "num_tokens", "deadline_unix_ms"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from app.simulated import SimulatedEngine, layout_proto
+from app.simulated import SimulatedEngine
 from kvpush.contract.layout import KvLayout
 from kvpush.contract.v1 import registry_pb2, scheduler_pb2, types_pb2
 from tests.controlplane.helpers import expect_code, make_tenant, reserve, settle
@@ -34,8 +34,8 @@ RESERVE_CASES = [
     # More tokens than any engine has blocks for: capacity, not a bad argument.
     (dict(request_id="r", num_tokens=64 * 16 + 1), grpc.StatusCode.RESOURCE_EXHAUSTED, "num_tokens"),
     # A prefill layout no decode engine can take.
-    (dict(request_id="r", num_tokens=16, prefill_layout=layout_proto(
-        KvLayout(num_layers=8, block_size=16, num_kv_heads=2, head_dim=64))),
+    (dict(request_id="r", num_tokens=16, prefill_layout=
+        KvLayout(num_layers=8, block_size=16, num_kv_heads=2, head_dim=64).to_proto()),
      grpc.StatusCode.RESOURCE_EXHAUSTED, "no decode engine"),
 ]
 
@@ -94,8 +94,8 @@ async def test_release_and_get_bad_ids(cp, admin):
 
 def engine_msg(**over) -> types_pb2.Engine:
     base = dict(engine_id="decode-x", role=types_pb2.DECODE, model="m", nixl_agent="agent", num_blocks=8,
-                incarnation="i1", kv_layout=layout_proto(KvLayout(num_layers=2, block_size=16, num_kv_heads=1,
-                                                                   head_dim=32)))
+                incarnation="i1", kv_layout=KvLayout(num_layers=2, block_size=16, num_kv_heads=1,
+                                                                   head_dim=32).to_proto())
     base.update(over)
     return types_pb2.Engine(**base)
 

@@ -81,7 +81,7 @@ class Stack:
                       block_ids=tuple(ids), block_size=BS, num_tokens=num_tokens,
                       deadline_unix_ms=int((time.time() + deadline_s) * 1000))
         fields.update(over)
-        return PushParams(**fields)
+        return PushParams.from_dict(fields)
 
     def counters(self, name: str) -> dict:
         return read_counters(str(self.stats / f"{name}.json"))

@@ -10,13 +10,13 @@ import time
 import pytest
 
 from engine.connector.landing_watch import LandingWatch
-from engine.connector.metadata import Target
+from kvpush.contract.target import PushTarget
 from engine.connector.scheduler import DecodeTiming, KVPushScheduler
 from engine.connector.sidecar_link import SidecarInfo
 from kvpush.contract.layout import KvLayout
 from kvpush.contract.transfer_params import AwaitParams, PushParams
 from engine.frames import StateEvent
-from sidecar.pools import PoolInfo
+from engine.pool import PoolInfo
 
 BS = 32
 LAYOUT = KvLayout(num_layers=4, block_size=BS, num_kv_heads=2, head_dim=64)
@@ -57,8 +57,8 @@ class Out:
 def params(role: str, num_tokens: int, res: str = "res-1", engine_id: str = "D1", incarnation: str = "inc1",
            deadline: int = 0) -> dict:
     blocks = tuple(range(100, 100 + -(-num_tokens // BS)))
-    return PushParams(role, res, engine_id, incarnation, f"{engine_id}.{incarnation}", blocks, BS, num_tokens,
-                      deadline).as_kv_transfer_params()
+    return PushParams(role, PushTarget(res, engine_id, incarnation, blocks, BS, num_tokens,
+                                       f"{engine_id}.{incarnation}", deadline)).as_kv_transfer_params()
 
 
 class BlockTable:
@@ -149,7 +149,7 @@ def test_prefill_whole_prompt_in_one_step_is_one_final_piece_with_begin():
     meta = step(sched, [(r, 70)])
     (spec,) = meta.pushes
     assert (spec.req_id, spec.block_ids, spec.start, spec.end, spec.final) == ("a", (7, 3, 9), 0, 70, True)
-    assert spec.begin == Target("res-1", "D1", "inc1", (100, 101, 102), BS, 70)
+    assert spec.begin == PushTarget("res-1", "D1", "inc1", (100, 101, 102), BS, 70, "D1.inc1")
     # The next step (its one output token) pushes nothing; the request ends without holding blocks.
     assert not step(sched, [(r, 1)]).pushes
     # Its answer tells the router the whole reservation was pushed.
@@ -249,9 +249,9 @@ def test_decode_waits_unscheduled_until_landed_then_loads_synchronously_beyond_t
     sched.update_state_after_alloc(r, Blocks([4, 5, 6, 7]), 0)  # a later call: ignored
     meta = sched.build_connector_meta(Out({"d": 1}))
     (load,) = meta.loads
-    assert (load.req_id, load.reservation_id, load.block_ids, load.start, load.end) == ("d", "res-1", (4, 5, 6),
+    assert (load.req_id, load.target.reservation_id, load.block_ids, load.start, load.end) == ("d", "res-1", (4, 5, 6),
                                                                                       32, 69)
-    assert (load.landing_block_ids, load.landing_block_size, load.num_tokens) == ((100, 101, 102), BS, 70)
+    assert (load.target.block_ids, load.target.block_size, load.target.num_tokens) == ((100, 101, 102), BS, 70)
     assert meta.counts["loads_started"] == 1 and "load_wait_ms_max" in meta.maxima
     assert not sched.build_connector_meta(Out({})).loads  # planned once
     # Preempted later: num_computed_tokens back to 0, the prompt is recomputed locally.
@@ -452,7 +452,7 @@ def test_request_waits_for_its_reservation_then_pushes():
     table.tables["a"] = [7, 3, 9]
     meta = step(sched, [(r, 70)])
     (spec,) = meta.pushes
-    assert spec.begin == Target("res-1", "D1", "inc1", (100, 101, 102), BS, 70) and spec.final
+    assert spec.begin == PushTarget("res-1", "D1", "inc1", (100, 101, 102), BS, 70, "D1.inc1") and spec.final
     assert meta.counts["handover_awaited"] == 1 and meta.counts["handover_received"] == 1
     assert sched.request_finished(r) == (False, {"kvpush": {"reservation_id": "res-1", "pushed": True}})
     assert sched.tracked == 0

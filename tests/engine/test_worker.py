@@ -17,7 +17,8 @@ import torch
 from engine.cache_codec import BlockCodec
 from engine.connector.config import ConnectorConfig
 from engine.connector.landing_watch import LandingWatch
-from engine.connector.metadata import KVPushConnectorMetadata, LoadSpec, PushSpec, Target
+from engine.connector.metadata import KVPushConnectorMetadata, LoadSpec, PushSpec
+from kvpush.contract.target import PushTarget
 from engine.connector.scheduler import DecodeTiming, KVPushScheduler
 from engine.connector.sidecar_link import connect
 from engine.connector.stats import read_counters
@@ -69,18 +70,16 @@ def make_worker(sidecar, workdir, codec, name, **cfg):
     return w, caches
 
 
-def target(dec, res, landing, n):
-    return Target(res, dec.record["engine_id"], dec.record["incarnation"], tuple(landing),
-                  dec.record["kv_layout"]["block_size"], n)
+def target(dec, res, landing, n, deadline_ms=0, record=None, **over):
+    rec = record or dec.record
+    fields = dict(reservation_id=res, engine_id=rec["engine_id"], incarnation=rec["incarnation"],
+                  block_ids=tuple(landing), block_size=rec["layout"]["block_size"], num_tokens=n,
+                  nixl_agent=rec["nixl_agent"], deadline_unix_ms=deadline_ms)
+    return PushTarget(**{**fields, **over})
 
 
 def load_spec(dec, rid, res, landing, block_ids, n, deadline_ms=0, **over):
-    fields = dict(req_id=rid, reservation_id=res, engine_id=dec.record["engine_id"],
-                  incarnation=dec.record["incarnation"], landing_block_ids=tuple(landing),
-                  landing_block_size=dec.record["kv_layout"]["block_size"],
-                  num_tokens=n, block_ids=tuple(block_ids), start=0, end=n, deadline_unix_ms=deadline_ms)
-    fields.update(over)
-    return LoadSpec(**fields)
+    return LoadSpec(rid, target(dec, res, landing, n, deadline_ms, **over), tuple(block_ids), 0, n)
 
 
 def step_prefill(w, pushes, aborts=()):
@@ -126,8 +125,8 @@ class DecodeEngine:
     def arrive(self, rid, res, landing, n, prompt=None, deadline_ms=0, record=None):
         """A request for ``n`` reserved tokens (prompt n + 1 by default: all n can load)."""
         rec = record or self.dec.record
-        params = PushParams("decode", res, rec["engine_id"], rec["incarnation"], rec["nixl_agent"], tuple(landing),
-                            rec["kv_layout"]["block_size"], n, deadline_ms).as_kv_transfer_params()
+        params = PushParams("decode", target(self.dec, res, landing, n, deadline_ms, record=rec)
+                            ).as_kv_transfer_params()
         req = self.requests[rid] = Req(rid, prompt or n + 1, params)
         self.sched.on_new_request(req)
         return req

@@ -8,11 +8,12 @@ import numpy as np
 
 from kvpush.contract.layout import KvLayout
 from engine import frames as F
+from kvpush.contract.target import PushTarget
 from engine import reblock
 from engine.channel import SidecarClient
 from engine.geometry import DestGeometry
 from engine.memory import ShmMemory
-from sidecar.pools import PoolInfo, StagingAllocation
+from engine.pool import PoolInfo, StagingAllocation
 
 SENTINEL = 0xA5
 
@@ -48,9 +49,9 @@ class PrefillEngine:
 
     def begin(self, request_id: str, reservation_id: str, record: dict, block_ids, num_tokens: int,
               block_size: int | None = None) -> StagingAllocation:
-        return self.client.begin_push(F.BeginRequest(
-            request_id, reservation_id, record["engine_id"], record["incarnation"],
-            block_size or record["kv_layout"]["block_size"], num_tokens, tuple(block_ids)))
+        return self.client.begin_push(F.BeginRequest(request_id, PushTarget(
+            reservation_id, record["engine_id"], record["incarnation"], tuple(block_ids),
+            block_size or record["layout"]["block_size"], num_tokens)))
 
     def stage(self, alloc: StagingAllocation, dest_block_size: int, num_tokens: int, cache_ids, layer: int,
               start: int = 0, end: int | None = None) -> None:

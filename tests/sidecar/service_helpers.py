@@ -9,11 +9,10 @@ import time
 from controlplane import keys
 from client.control_plane import ControlPlaneClient
 from controlplane.etcd import EtcdClient
-from controlplane.lifecycle_states import State
-from controlplane.records import EngineRecord as CpEngineRecord
+from kvpush.contract.states import State
+from kvpush.contract.engine import EngineRecord
 from controlplane.records import ReservationRecord
 from kvpush.contract.layout import KvLayout
-from app.simulated import layout_proto
 from tests.controlplane.helpers import make_tenant, reserve, settle  # noqa: F401  (re-exported)
 from tests.conftest import ADMIN_TOKEN, ENGINE_TOKEN
 
@@ -21,11 +20,11 @@ from tests.conftest import ADMIN_TOKEN, ENGINE_TOKEN
 def record_of(res) -> dict:
     """The part of a decode engine's record a prefill engine needs, from a Reservation."""
     return {"engine_id": res.engine_id, "incarnation": res.engine_incarnation,
-            "kv_layout": {"block_size": res.block_size}}
+            "layout": {"block_size": res.block_size}}
 
 
 def layout_pb(text: str):
-    return layout_proto(KvLayout.parse(text))
+    return KvLayout.parse(text).to_proto()
 
 
 class Etcd:
@@ -39,9 +38,9 @@ class Etcd:
         kv = await self.client.get(keys.reservation(rid))
         return ReservationRecord.decode(kv.value) if kv else None
 
-    async def engine(self, engine_id: str) -> CpEngineRecord | None:
+    async def engine(self, engine_id: str) -> EngineRecord | None:
         kv = await self.client.get(keys.engine(engine_id))
-        return CpEngineRecord.decode(kv.value) if kv else None
+        return EngineRecord.decode(kv.value) if kv else None
 
     async def wait_reservation(self, rid: str, predicate, timeout_s: float = 10.0,
                                interval_s: float = 0.03) -> ReservationRecord:
@@ -58,7 +57,7 @@ class Etcd:
         return await self.wait_reservation(rid, lambda r: r.state == state, timeout_s, **kw)
 
     async def wait_engine(self, engine_id: str, present: bool, timeout_s: float = 10.0,
-                          predicate=lambda e: True) -> CpEngineRecord | None:
+                          predicate=lambda e: True) -> EngineRecord | None:
         deadline = time.monotonic() + timeout_s
         while True:
             rec = await self.engine(engine_id)

@@ -7,14 +7,16 @@ import pytest
 from kvpush.contract.layout import KvLayout
 from engine import frames as F
 from sidecar import notify
-from sidecar.peers import EngineRecord
-from sidecar.pools import StagingAllocation, StagingExtent
+from kvpush.contract.engine import EngineRecord
+from kvpush.contract.target import PushTarget
+from kvpush.contract.v1 import types_pb2
+from engine.pool import StagingAllocation, StagingExtent
 
 LAYOUT = KvLayout(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")
 
 
 def test_frames_round_trip():
-    begin = F.BeginRequest("req-1", "res-1", "decode-0", "inc9", 16, 1000, tuple(range(7, 70)))
+    begin = F.BeginRequest("req-1", PushTarget("res-1", "decode-0", "inc9", tuple(range(7, 70)), 16, 1000))
     assert F.decode_begin(F.encode_begin(begin)) == begin
     piece = F.PushPiece("req-1", 31, 512, 1000)
     assert F.decode_push(F.encode_push(piece)) == piece
@@ -58,25 +60,25 @@ def test_foreign_or_broken_notifications_are_refused(message):
         notify.decode(message)
 
 
-def record() -> EngineRecord:
-    return EngineRecord("decode-0", "inc1", "decode-0.inc1", b"\x00md\xff", 140000000000, LAYOUT.pool_bytes(100),
-                        100, LAYOUT)
+def record(**changes) -> EngineRecord:
+    fields = dict(engine_id="decode-0", role=types_pb2.DECODE, layout=LAYOUT, incarnation="inc1",
+                  nixl_agent="decode-0.inc1", nixl_metadata=b"\x00md\xff", num_blocks=100,
+                  pool_base_address=140000000000, pool_size_bytes=LAYOUT.pool_bytes(100))
+    return EngineRecord(**{**fields, **changes})
 
 
-def test_engine_record_round_trips_through_dict_and_proto():
-    from kvpush.contract.v1 import types_pb2
-
-    rec = record()
+def test_engine_record_round_trips_through_dict_json_and_proto():
+    rec = record(model="m", pool="p", sidecar_address="unix:/x", registered_ms=5)
     assert EngineRecord.from_dict(rec.to_dict()) == rec
-    engine = types_pb2.Engine()
-    rec.fill_proto(engine)
+    assert EngineRecord.decode(rec.encode()) == rec
+    engine = rec.to_proto()
     assert EngineRecord.from_proto(types_pb2.Engine.FromString(engine.SerializeToString())) == rec
     engine.kv_layout.kv_parts = 0  # proto default means 2
-    assert EngineRecord.from_proto(engine).kv_layout.kv_parts == 2
+    assert EngineRecord.from_proto(engine).layout.kv_parts == 2
 
 
-def test_engine_record_refuses_a_pool_too_small_for_its_blocks():
-    with pytest.raises(ValueError, match="cannot hold"):
-        EngineRecord("d", "i", "d.i", b"md", 1 << 30, LAYOUT.pool_bytes(100) - 1, 100, LAYOUT)
-    with pytest.raises(ValueError):
-        EngineRecord("d", "i", "", b"md", 1 << 30, LAYOUT.pool_bytes(1), 1, LAYOUT)
+def test_a_pusher_refuses_a_pool_too_small_for_its_blocks():
+    assert record().push_problem() == ""
+    assert "cannot hold" in record(pool_size_bytes=LAYOUT.pool_bytes(100) - 1).push_problem()
+    assert record(nixl_agent="").push_problem()
+    assert record(memory_kind="HBM").push_problem()

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvpush.contract.layout import KvLayout
 from engine.geometry import DestGeometry, blocks_segment_map, pair_descriptors, staging_segment_map
-from sidecar.pools import StagingAllocation, StagingExtent
+from engine.pool import StagingAllocation, StagingExtent
 
 
 def reference_mask(geom: DestGeometry, start: int, end: int) -> np.ndarray:

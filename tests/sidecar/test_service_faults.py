@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 import pytest
 
-from controlplane.lifecycle_states import State
+from kvpush.contract.states import State
 from tests.controlplane.helpers import expect_code
 from tests.sidecar.engines import SENTINEL, DecodeEngine, PrefillEngine, wait_state
 from tests.sidecar.service_helpers import Etcd, Scheduler, layout_pb, record_of, settle

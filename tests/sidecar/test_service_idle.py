@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from controlplane.lifecycle_states import State
+from kvpush.contract.states import State
 from tests.sidecar.engines import DecodeEngine, PrefillEngine, wait_state
 from tests.sidecar.service_helpers import Etcd, Scheduler, layout_pb, record_of
 from tests.sidecar.test_idle_and_channel import cpu_share

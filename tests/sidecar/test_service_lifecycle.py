@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 import pytest
 
-from controlplane.lifecycle_states import State
+from kvpush.contract.states import State
 from tests.controlplane.helpers import release
 from tests.sidecar.conftest import kvpush_segments
 from tests.sidecar.engines import DecodeEngine, PrefillEngine, wait_state

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from controlplane.lifecycle_states import State
+from kvpush.contract.states import State
 from tests.sidecar.engines import DecodeEngine, PrefillEngine, wait_state
 from tests.sidecar.service_helpers import Etcd, Scheduler, layout_pb, record_of, settle
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from controlplane.lifecycle_states import State
+from kvpush.contract.states import State
 from tests.controlplane.helpers import release
 from tests.sidecar.conftest import ControlPlaneProc
 from tests.sidecar.engines import DecodeEngine, PrefillEngine, wait_state

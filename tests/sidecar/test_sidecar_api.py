@@ -5,6 +5,7 @@ two ``Sidecar``s, peers added from ``Engine`` protos, reservations from
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import time
@@ -17,10 +18,12 @@ from kvpush.contract.v1 import types_pb2
 from tests.sidecar.engines import DecodeEngine, PrefillEngine, wait_state
 from engine import reblock
 from engine.geometry import DestGeometry
-from sidecar.landing import LandingState
-from sidecar.peers import EngineRecord
-from sidecar.push import PushError, PushState, PushTarget
-from sidecar.sidecar import DECODE, PREFILL, Sidecar, SidecarConfig
+from kvpush.contract.states import LandingState, PushState
+from kvpush.contract.engine import EngineRecord
+from kvpush.contract.target import PushTarget
+from sidecar.push import PushError
+from sidecar.sidecar import Sidecar, SidecarConfig
+from kvpush.contract.states import DECODE, PREFILL
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -48,8 +51,7 @@ class Recorder:
 
 
 def engine_proto(sidecar: Sidecar) -> types_pb2.Engine:
-    engine = types_pb2.Engine(role=types_pb2.DECODE, model="m")
-    sidecar.engine_record().fill_proto(engine)
+    engine = dataclasses.replace(sidecar.engine_record(), model="m").to_proto()
     return types_pb2.Engine.FromString(engine.SerializeToString())  # as if through the registry
 
 

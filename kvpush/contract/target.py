@@ -1,0 +1,43 @@
+"""``PushTarget``: where one request's KV goes, the one shape of it inside kvpush.
+
+It is the part of a reservation (``kvpush.v1.Reservation``) that moving bytes needs:
+which decode engine and which life of it, its landing blocks in token order, their
+size, and how many tokens. The router hands it to the engines inside ``PushParams``
+(vLLM's ``kv_transfer_params``), the prefill connector sends it to its sidecar in BEGIN,
+the pusher writes to it, the decode connector loads from it. The control plane's
+``ReservationRecord`` is the stored reservation (tenant, state, deadline lease) and is
+converted to the proto once, at its service edge.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class PushTarget:
+    reservation_id: str
+    engine_id: str  # the decode engine holding the blocks
+    incarnation: str  # the life of that engine the blocks belong to
+    block_ids: tuple[int, ...]  # landing blocks, token order
+    block_size: int  # tokens per landing block
+    num_tokens: int  # tokens reserved (and pushed)
+    nixl_agent: str = ""  # the decode sidecar's NIXL agent (informational: peers are resolved by engine)
+    deadline_unix_ms: int = 0
+
+    @classmethod
+    def from_proto(cls, reservation) -> "PushTarget":
+        """From a ``kvpush.v1.Reservation``."""
+        return cls(reservation.id, reservation.engine_id, reservation.engine_incarnation,
+                   tuple(reservation.block_ids), reservation.block_size, reservation.num_tokens,
+                   reservation.nixl_agent, reservation.deadline_unix_ms)
+
+    def problem(self) -> str:
+        """What makes this target unusable before any byte moves ("" if nothing)."""
+        if not self.reservation_id or not self.engine_id:
+            return "reservation_id and engine_id are required"
+        if self.block_size <= 0 or self.num_tokens <= 0:
+            return "block_size and num_tokens must be positive"
+        if len(self.block_ids) * self.block_size < self.num_tokens:
+            return f"{len(self.block_ids)} blocks of {self.block_size} cannot hold {self.num_tokens} tokens"
+        return ""
