@@ -4,7 +4,8 @@ Not used by kvpush. It reproduces, over the very same sidecar agents, what a
 pull connector does once prefill has finished: learn the prefill side's agent
 (metadata load and connection set-up, the "handshake"), then READ the
 request's KV from the prefill's registered memory into the landing blocks and
-wait until it is DONE. Reached through the channel's ADMIN op ``bench_pull``.
+wait until it is DONE. Reached through the channel's ADMIN op ``bench_pull`` of the
+benchmark's own decode sidecar (``bench/pull_sidecar.py``).
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ import time
 
 import numpy as np
 
-from sidecar.transport.nixl import NixlAgent
+from sidecar.transport.nixl import NixlTransport
 from sidecar.progress import ProgressDriver
 
 
-async def pull(agent: NixlAgent, driver: ProgressDriver, request: dict, timeout_s: float = 10.0) -> dict:
+async def pull(agent: NixlTransport, driver: ProgressDriver, request: dict, timeout_s: float = 10.0) -> dict:
     """``request``: ``metadata`` (base64 agent metadata of the prefill side), ``agent``
     (its name), ``local``/``remote``: lists of ``[address, length]`` pairs (same order)."""
     name = request["agent"]
@@ -32,7 +33,7 @@ async def pull(agent: NixlAgent, driver: ProgressDriver, request: dict, timeout_
     loc = np.array([(a, n, 0) for a, n in request["local"]], dtype=np.uint64)
     rem = np.array([(a, n, 0) for a, n in request["remote"]], dtype=np.uint64)
     done: asyncio.Future = asyncio.get_running_loop().create_future()
-    handle, finished = agent.post_write(loc, rem, name, op="READ")
+    handle, finished = agent.post_read(loc, rem, name)
     if finished:
         agent.release(handle)
         done.set_result((True, ""))

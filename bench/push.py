@@ -84,7 +84,9 @@ class Pair:
         self.procs = []
         for role, eid, blocks in (("decode", f"D-{tag}", landing_blocks), ("prefill", f"P-{tag}", staging_units)):
             log = open(workdir / f"{eid}.log", "w")
-            cmd = [sys.executable, "-m", "sidecar.sidecar", "--role", role, "--engine-id", eid, "--layout", layout,
+            # The decode side also answers the pull baseline's READ (bench/pull_sidecar.py).
+            module = "bench.pull_sidecar" if role == "decode" else "sidecar.sidecar"
+            cmd = [sys.executable, "-m", module, "--role", role, "--engine-id", eid, "--layout", layout,
                    "--blocks", str(blocks), "--socket", str(workdir / f"{eid}.sock"),
                    "--record-out", str(workdir / f"{eid}.json"), "--transfer-timeout", "10", *extra_args]
             self.procs.append(subprocess.Popen(cmd, cwd=str(ROOT), env=env, stdout=log, stderr=subprocess.STDOUT))

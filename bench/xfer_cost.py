@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from kvpush.contract.layout import KvLayout
-from sidecar.transport.nixl import AgentConfig, NixlAgent
+from sidecar.transport.nixl import NixlConfig, NixlTransport
 from engine.geometry import DestGeometry, blocks_segment_map, pair_descriptors
 from engine.memory import ShmMemory
 
@@ -31,7 +31,7 @@ class LayerCost:
     total_us: float  # create + post + wait DONE + release (median)
 
 
-def _wait(initiator: NixlAgent, target: NixlAgent, handle, timeout_s: float = 5.0) -> None:
+def _wait(initiator: NixlTransport, target: NixlTransport, handle, timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         state = initiator.check(handle)
@@ -51,8 +51,8 @@ def measure(layout: KvLayout, num_tokens: int, pool_blocks: int = 256, reps: int
         raise ValueError("pool too small for a scattered reservation")
     src = ShmMemory.create(f"{tag}.src", layout.pool_bytes(pool_blocks))
     dst = ShmMemory.create(f"{tag}.dst", layout.pool_bytes(pool_blocks))
-    a = NixlAgent(AgentConfig(f"{tag}-a"))
-    b = NixlAgent(AgentConfig(f"{tag}-b"))
+    a = NixlTransport(NixlConfig(f"{tag}-a"))
+    b = NixlTransport(NixlConfig(f"{tag}-b"))
     results = []
     try:
         a.register(src), b.register(dst)

@@ -23,6 +23,7 @@ from typing import Awaitable, Callable
 
 from kvpush.contract.engine import EngineRecord
 from kvpush.contract.layout import KvLayout
+from sidecar.transport.base import Transport
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +72,8 @@ Resolver = Callable[[str, str], Awaitable[EngineRecord]]
 class PeerRegistry:
     """Cache of remote peers keyed by ``(engine_id, incarnation)``; one NIXL load each."""
 
-    def __init__(self, agent, resolver: Resolver | None = None):
-        self.agent = agent
+    def __init__(self, transport: Transport, resolver: Resolver | None = None):
+        self.transport = transport
         self.resolver = resolver
         self._by_engine: dict[str, RemotePeer] = {}
         self.loads = 0  # metadata loads, for tests: must not grow per request
@@ -86,16 +87,16 @@ class PeerRegistry:
             raise ValueError(problem)
         if current is not None:
             self.remove(record.engine_id)
-        name = self.agent.add_remote(record.nixl_metadata)
+        name = self.transport.add_remote(record.nixl_metadata)
         self.loads += 1
         if name != record.nixl_agent:
-            self.agent.remove_remote(name)
+            self.transport.remove_remote(name)
             raise ValueError(f"engine {record.engine_id}: metadata is of agent {name!r}, "
                              f"record says {record.nixl_agent!r}")
         peer = RemotePeer(record, name)
         self._by_engine[record.engine_id] = peer
         try:
-            self.agent.connect(name)
+            self.transport.connect(name)
         except Exception as exc:  # the first transfer will connect (or fail) instead
             log.warning("early connect to %s failed: %s", name, exc)
         return peer
@@ -103,7 +104,7 @@ class PeerRegistry:
     def remove(self, engine_id: str) -> None:
         peer = self._by_engine.pop(engine_id, None)
         if peer is not None:
-            self.agent.remove_remote(peer.agent_name)
+            self.transport.remove_remote(peer.agent_name)
 
     def mark_dead(self, engine_id: str, incarnation: str, reason: str) -> None:
         peer = self._by_engine.get(engine_id)

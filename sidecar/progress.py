@@ -36,6 +36,8 @@ import os
 import time
 from typing import Callable
 
+from sidecar.transport.base import DONE, PROC, Transport
+
 log = logging.getLogger(__name__)
 
 
@@ -154,16 +156,16 @@ class TrackedTransfer:
 
 
 class ProgressDriver:
-    """Polls the agent for transfer completions and notifications, adaptively.
+    """Polls the transport for transfer completions and notifications, adaptively.
 
     ``track`` a posted transfer to get its completion callback; ``expect`` a
     key (e.g. a reservation id) to stay hot until ``unexpect`` or its timeout;
     notifications go to ``on_notif(sender_agent, message)``.
     """
 
-    def __init__(self, agent, policy: PollPolicy = PollPolicy(),
+    def __init__(self, transport: Transport, policy: PollPolicy = PollPolicy(),
                  on_notif: Callable[[str, bytes], None] | None = None):
-        self.agent = agent
+        self.transport = transport
         self.policy = policy
         self.on_notif = on_notif
         self._inflight: list[TrackedTransfer] = []
@@ -220,13 +222,13 @@ class ProgressDriver:
             # fresh list and are checked on the next round.
             current, self._inflight, still = self._inflight, [], []
             for xfer in current:
-                state = self.agent.check(xfer.handle)
-                if state == "PROC" and now < xfer.deadline:
+                state = self.transport.check(xfer.handle)
+                if state == PROC and now < xfer.deadline:
                     still.append(xfer)
                     continue
                 busy = True
-                released = self.agent.release(xfer.handle)  # cancels it if still running
-                if state == "DONE":
+                released = self.transport.release(xfer.handle)  # cancels it if still running
+                if state == DONE:
                     self._complete(xfer, True, "")
                 else:
                     self._complete(xfer, False, "transfer failed" if state == "ERR" else
@@ -239,11 +241,11 @@ class ProgressDriver:
         if self._unreleased:
             stuck, self._unreleased = self._unreleased, []
             for xfer in stuck:
-                if self.agent.release(xfer.handle):
+                if self.transport.release(xfer.handle):
                     self._released(xfer)
                 else:
                     self._unreleased.append(xfer)
-        notifs = self.agent.poll_notifs()
+        notifs = self.transport.poll_notifs()
         for sender, messages in notifs.items():
             for message in messages:
                 busy = True
@@ -310,7 +312,7 @@ class ProgressDriver:
             self._ticker.close()
             self._ticker = None
         for xfer in self._inflight + self._unreleased:  # the sidecar is going away: fail what is left
-            self.agent.release(xfer.handle)
+            self.transport.release(xfer.handle)
             if xfer in self._inflight:
                 self._complete(xfer, False, "sidecar stopping")
             self._released(xfer)

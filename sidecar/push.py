@@ -40,7 +40,7 @@ from kvpush.contract.states import PushState
 from kvpush.contract.target import PushTarget
 from kvpush.trace import Trace
 from sidecar import notify
-from sidecar.transport.nixl import TransferError
+from sidecar.transport.base import TransferError, Transport
 from engine.geometry import DestGeometry, SegmentMap, blocks_segment_map, block_checksums, \
     pair_descriptors, staging_segment_map
 from sidecar.peers import PeerRegistry, PeerUnavailable, RemotePeer
@@ -103,11 +103,11 @@ class _Outbound:
 
 
 class PushEngine:
-    def __init__(self, agent, driver: ProgressDriver, staging: StagingPool, layout: KvLayout,
+    def __init__(self, transport: Transport, driver: ProgressDriver, staging: StagingPool, layout: KvLayout,
                  peers: PeerRegistry, config: PushConfig = PushConfig(),
                  on_outcome: Callable[[PushOutcome], None] | None = None,
                  on_start: Callable[[str, str], None] | None = None):
-        self.agent = agent
+        self.transport = transport
         self.driver = driver
         self.staging = staging
         self.layout = layout
@@ -255,7 +255,7 @@ class PushEngine:
         if not ob.begun:
             ob.begun = True
             try:  # wake the decode side into hot polling: our writes need its progress
-                self.agent.send_notif(ob.peer.agent_name, notify.encode(notify.PushNotice(
+                self.transport.send_notif(ob.peer.agent_name, notify.encode(notify.PushNotice(
                     notify.BEGIN, ob.target.reservation_id, ob.target.incarnation)))
             except TransferError as exc:
                 return self._fail(ob, f"engine {ob.target.engine_id}: {exc}", peer_gone=exc.peer_gone)
@@ -282,7 +282,7 @@ class PushEngine:
         eta = 0.8 * float(loc[:, 1].sum()) / self.write_rate if self.write_rate else 0.0
         if eta >= self.config.final_hint_min_s:
             try:  # best effort: without it the decode side still sees LANDED at its next hot poll
-                self.agent.send_notif(ob.peer.agent_name, notify.encode(notify.PushNotice(
+                self.transport.send_notif(ob.peer.agent_name, notify.encode(notify.PushNotice(
                     notify.FINAL, t.reservation_id, t.incarnation, eta_s=eta)))
             except TransferError as exc:
                 log.info("final-write notice for %s not sent: %s", t.reservation_id, exc)
@@ -296,7 +296,7 @@ class PushEngine:
         nbytes = int(loc[:, 1].sum())
         posted = time.perf_counter()
         try:
-            handle, done = self.agent.post_write(loc, rem, peer.agent_name, local_kind=self.staging.memory.mem_kind,
+            handle, done = self.transport.post_write(loc, rem, peer.agent_name, local_kind=self.staging.memory.mem_kind,
                                                  remote_kind=peer.record.memory_kind, notif=notif)
         except TransferError as exc:
             return self._fail(ob, f"engine {ob.target.engine_id}: {exc}", peer_gone=exc.peer_gone)
@@ -315,7 +315,7 @@ class PushEngine:
             self._write_released(ob)
 
         if done:
-            self.agent.release(handle)
+            self.transport.release(handle)
             on_done(True, "")
             on_released()
         else:
@@ -364,7 +364,7 @@ class PushEngine:
             self.peers.mark_dead(t.engine_id, t.incarnation, reason)
         elif ob.begun and ob.peer is not None:
             try:  # let a waiting decode connector know before the control plane's deadline
-                self.agent.send_notif(ob.peer.agent_name, notify.encode(notify.PushNotice(
+                self.transport.send_notif(ob.peer.agent_name, notify.encode(notify.PushNotice(
                     notify.ABORT, t.reservation_id, t.incarnation, reason=reason)))
             except TransferError as exc:
                 log.info("abort notice for %s not sent: %s", t.reservation_id, exc)

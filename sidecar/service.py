@@ -54,7 +54,9 @@ from kvpush.contract.engine import EngineRecord
 from sidecar.peers import PeerUnavailable
 from sidecar.progress import PollPolicy
 from sidecar.push import PushConfig, PushOutcome
-from sidecar.sidecar import Sidecar, SidecarConfig
+from sidecar.base import SidecarConfig
+from sidecar.sidecar import make_sidecar
+from sidecar.transport.base import TransportUnavailable
 from kvpush.contract.states import DECODE, PREFILL, REPORTED, PushState, State
 
 from sidecar.membership import (ControlPlaneLink, FatalError, Membership, ServiceConfig, guarded, rpc_error_text,
@@ -73,9 +75,9 @@ class SidecarService:
         self.sidecar_config = sidecar_config
         self.config = config
         self.engine_id = sidecar_config.engine_id
-        self.sidecar = Sidecar(sidecar_config, on_push_outcome=self._on_push_outcome,
-                               on_landing_event=self._on_landing_event, resolver=self._resolve,
-                               on_push_start=self._on_push_start)
+        self.sidecar = make_sidecar(sidecar_config, on_push_outcome=self._on_push_outcome,
+                                    on_landing_event=self._on_landing_event, resolver=self._resolve,
+                                    on_push_start=self._on_push_start)
         self.link: ControlPlaneLink | None = None
         self.membership: Membership | None = None
         self.reporter: Reporter | None = None
@@ -118,8 +120,7 @@ class SidecarService:
         """A reservation the router named this prefill engine for: hold it for the request."""
         if self._started:
             params = PushParams.from_reservation(res, "prefill").to_dict()
-            self.sidecar.handover.offer(res.request_id, params, res.deadline_unix_ms)
-            self.sidecar.handover_trace(res.id, res.request_id)
+            self.sidecar.offer_reservation(params, res.request_id, res.id, res.deadline_unix_ms)
 
     def _ended(self, reservation_id: str, reason: str) -> None:
         """The control plane says the reservation is over: stop local work for it."""
@@ -223,9 +224,8 @@ class SidecarService:
         c = self.config
         self.sidecar.accepting = False
         t0 = time.monotonic()
-        if self.sidecar.pusher is not None:
-            while self.sidecar.pusher.active and time.monotonic() - t0 < c.drain_s:
-                await asyncio.sleep(0.02)
+        while self.sidecar.active_pushes and time.monotonic() - t0 < c.drain_s:
+            await asyncio.sleep(0.02)
         if self.reporter is not None:
             await self.reporter.flush(1.0)
         if self.membership is not None and self.membership.connected.is_set():
@@ -332,7 +332,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvpush sidecar: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(SidecarService(sidecar_config, service_config).run())
+    try:
+        return asyncio.run(SidecarService(sidecar_config, service_config).run())
+    except TransportUnavailable as exc:
+        print(f"kvpush sidecar: --backends {args.backends}: {exc}", file=sys.stderr)
+        return 2
 
 
 def main(argv=None) -> None:

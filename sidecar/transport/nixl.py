@@ -1,4 +1,5 @@
-"""One NIXL agent per sidecar, without NIXL's busy-polling progress thread.
+"""``NixlTransport``: the ``Transport`` seam on a NIXL agent, without NIXL's busy-polling
+progress thread.
 
 ``nixl_agent_config(enable_prog_thread=True)`` (NIXL's default) spins a core
 even when idle (see shared/STACK.md). We turn it off; progress then happens
@@ -6,11 +7,16 @@ only inside ``check_xfer_state`` / ``get_new_notifs``, which
 ``sidecar.progress.ProgressDriver`` calls from the sidecar's asyncio loop, fast
 while transfers are in flight and rarely when idle.
 
-Every NIXL call of a sidecar goes through this wrapper, on the loop thread
-(the agent is created with NIXL's no-locking sync mode, so it must never be
-touched from two threads). Errors of NIXL (which raises its own exception
-types, or returns "ERR") become ``TransferError`` with a message that names the
-peer and the operation.
+The backend is a setting (``--backends``): ``UCX`` (the default, and what this
+project runs on), or ``LIBFABRIC``, which AWS EFA needs. A backend this NIXL build
+lacks, or whose library or devices this host lacks (NIXL lists the LIBFABRIC plugin
+but cannot create it without libfabric and a provider), is refused at start with
+``TransportUnavailable`` naming the backend and what NIXL said.
+
+Every NIXL call of a sidecar goes through this class, on the loop thread (the agent
+is created with NIXL's no-locking sync mode, so it must never be touched from two
+threads). Errors of NIXL (which raises its own exception types, or returns "ERR")
+become ``TransferError`` with a message that names the peer and the operation.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import os
 import numpy as np
 
 from engine.memory import PoolMemory
+from sidecar.transport.base import ERR, TransferError, Transport, TransportUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -29,17 +36,12 @@ log = logging.getLogger(__name__)
 # sidecar's output for our own logs unless the operator asks otherwise.
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
-
-class TransferError(Exception):
-    """A NIXL operation failed; ``peer_gone`` when the remote agent disconnected."""
-
-    def __init__(self, message: str, peer_gone: bool = False):
-        super().__init__(message)
-        self.peer_gone = peer_gone
+BACKENDS = ("UCX", "LIBFABRIC")  # the ones kvpush is written for; NIXL has others we do not use
+_THREADED = ("UCX", "LIBFABRIC")  # backends that take num_threads
 
 
 @dataclasses.dataclass(frozen=True)
-class AgentConfig:
+class NixlConfig:
     name: str
     backends: tuple[str, ...] = ("UCX",)
     num_threads: int = 0
@@ -49,20 +51,29 @@ def _is_disconnect(exc: BaseException) -> bool:
     return "DISCONNECT" in str(exc).upper() or type(exc).__name__ == "nixlRemoteDisconnectError"
 
 
-class NixlAgent:
+class NixlTransport(Transport):
     """A NIXL agent with the progress thread off; see the module docstring."""
 
-    def __init__(self, config: AgentConfig):
+    def __init__(self, config: NixlConfig):
+        unknown = [b for b in config.backends if b not in BACKENDS]
+        if not config.backends or unknown:
+            raise TransportUnavailable(f"NIXL backend(s) {unknown or '(none)'}: kvpush runs on one of {BACKENDS}")
         from nixl._api import nixl_agent, nixl_agent_config  # heavy import, only where used
 
         self.config = config
-        conf = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
-                                 backends=list(config.backends), num_threads=config.num_threads)
+        conf = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[])
         self._agent = nixl_agent(config.name, conf)
-        missing = set(config.backends) - set(self._agent.backends)
-        if missing:
-            raise RuntimeError(f"NIXL backends not available: {sorted(missing)} "
-                               f"(plugins here: {self._agent.get_plugin_list()})")
+        plugins = self._agent.get_plugin_list()
+        for backend in config.backends:
+            if backend not in plugins:
+                raise TransportUnavailable(f"NIXL backend {backend} is not in this NIXL build (plugins: {plugins})")
+            init = {"num_threads": str(config.num_threads)} if config.num_threads and backend in _THREADED else {}
+            try:
+                self._agent.create_backend(backend, init)
+            except Exception as exc:
+                hint = " (AWS EFA needs libfabric with its efa provider on the host)" if backend == "LIBFABRIC" else ""
+                raise TransportUnavailable(f"NIXL cannot create its {backend} backend here: "
+                                           f"{type(exc).__name__} {exc}{hint}") from None
         self._registered: list[tuple[PoolMemory, object]] = []
 
     @property
@@ -75,7 +86,6 @@ class NixlAgent:
         self._registered.append((memory, descs))
 
     def metadata(self) -> bytes:
-        """Full agent metadata (connection info + registrations) for peers to cache."""
         return self._agent.get_agent_metadata()
 
     def add_remote(self, metadata: bytes) -> str:
@@ -92,7 +102,6 @@ class NixlAgent:
             log.debug("remove_remote_agent(%s): %s", name, exc)
 
     def connect(self, name: str) -> None:
-        """Start connection setup now so the first transfer does not pay for it."""
         try:
             self._agent.make_connection(name)
         except Exception as exc:
@@ -100,11 +109,8 @@ class NixlAgent:
                                 peer_gone=_is_disconnect(exc)) from exc
 
     def post_write(self, local: np.ndarray, remote: np.ndarray, remote_agent: str, *,
-                   local_kind: str = "DRAM", remote_kind: str = "DRAM", notif: bytes = b"", op: str = "WRITE"):
-        """Create and post one WRITE of paired descriptors; returns ``(handle, done_already)``.
-        (``op="READ"`` reads instead: used only by the pull baseline of the benchmarks.)
-
-        ``initialize_xfer`` (descriptor lists built per call) rather than
+                   local_kind: str = "DRAM", remote_kind: str = "DRAM", notif: bytes = b""):
+        """``initialize_xfer`` (descriptor lists built per call) rather than
         prepped lists. Measured here (bench/xfer_cost.py, 2 MiB layer of 32
         blocks): creating the handle costs ~25-35 us with initialize_xfer
         (including our pairing) against ~5 us with prepped lists; the transfer
@@ -113,6 +119,13 @@ class NixlAgent:
         of most requests, or re-blocked requests), and need every (layer, block)
         of every peer's pool prepared and held per incarnation.
         """
+        return self._post("WRITE", local, remote, remote_agent, local_kind, remote_kind, notif)
+
+    def post_read(self, local: np.ndarray, remote: np.ndarray, remote_agent: str):
+        """A READ, not part of the seam: only the pull baseline of ``bench/push.py`` reads."""
+        return self._post("READ", local, remote, remote_agent, "DRAM", "DRAM", b"")
+
+    def _post(self, op: str, local, remote, remote_agent: str, local_kind: str, remote_kind: str, notif: bytes):
         agent = self._agent
         try:
             handle = agent.initialize_xfer(op, agent.get_xfer_descs(local, local_kind),
@@ -133,15 +146,13 @@ class NixlAgent:
         return handle, state == "DONE"
 
     def check(self, handle) -> str:
-        """"DONE", "PROC" or "ERR" (exceptions of NIXL count as "ERR")."""
         try:
             return self._agent.check_xfer_state(handle)
-        except Exception as exc:
+        except Exception as exc:  # exceptions of NIXL count as ERR
             log.debug("check_xfer_state: %s", exc)
-            return "ERR"
+            return ERR
 
     def release(self, handle) -> bool:
-        """Release (and so cancel, if still running) a transfer; False if NIXL refused."""
         try:
             handle.release()
             return True
@@ -156,7 +167,6 @@ class NixlAgent:
             raise TransferError(f"cannot notify {remote_agent}: {exc}", peer_gone=_is_disconnect(exc)) from exc
 
     def poll_notifs(self) -> dict[str, list[bytes]]:
-        """New notifications by sender agent name (this call also drives progress)."""
         try:
             notifs = self._agent.get_new_notifs()
         except Exception as exc:

@@ -1,5 +1,5 @@
 """The Python API a sidecar main uses, in one process and one event loop:
-two ``Sidecar``s, peers added from ``Engine`` protos, reservations from
+two sidecars, peers added from ``Engine`` protos, reservations from
 ``Reservation`` protos, outcomes and landing events through the callbacks."""
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from kvpush.contract.states import LandingState, PushState
 from kvpush.contract.engine import EngineRecord
 from kvpush.contract.target import PushTarget
 from sidecar.push import PushError
-from sidecar.sidecar import Sidecar, SidecarConfig
+from sidecar.base import SidecarBase, SidecarConfig
+from sidecar.sidecar import make_sidecar
 from kvpush.contract.states import DECODE, PREFILL
 
 pytestmark = pytest.mark.timeout(30)
@@ -50,7 +51,7 @@ class Recorder:
         return await asyncio.wait_for(loop(), timeout_s)
 
 
-def engine_proto(sidecar: Sidecar) -> types_pb2.Engine:
+def engine_proto(sidecar: SidecarBase) -> types_pb2.Engine:
     engine = dataclasses.replace(sidecar.engine_record(), model="m").to_proto()
     return types_pb2.Engine.FromString(engine.SerializeToString())  # as if through the registry
 
@@ -61,7 +62,7 @@ def reservation(rid: str, engine: types_pb2.Engine, block_ids, num_tokens) -> ty
                                  block_size=engine.kv_layout.block_size, num_tokens=num_tokens)
 
 
-def stage_all(prefill: Sidecar, alloc, target: PushTarget, data: np.ndarray) -> None:
+def stage_all(prefill: SidecarBase, alloc, target: PushTarget, data: np.ndarray) -> None:
     geom = DestGeometry.for_layout(LAYOUT, target.block_size, target.num_tokens)
     for layer in range(LAYOUT.num_layers):
         reblock.stage_tokens(prefill.pool.memory.host_view(), alloc, geom, layer, data[layer], 0, target.num_tokens)
@@ -70,8 +71,8 @@ def stage_all(prefill: Sidecar, alloc, target: PushTarget, data: np.ndarray) -> 
 @pytest.fixture
 async def pair(tmp_path):
     outcomes, events = Recorder(), Recorder()
-    decode = Sidecar(SidecarConfig("dec-a", DECODE, LAYOUT, 32, str(tmp_path / "d.sock")), on_landing_event=events)
-    prefill = Sidecar(SidecarConfig("pre-a", PREFILL, LAYOUT, 64, str(tmp_path / "p.sock")),
+    decode = make_sidecar(SidecarConfig("dec-a", DECODE, LAYOUT, 32, str(tmp_path / "d.sock")), on_landing_event=events)
+    prefill = make_sidecar(SidecarConfig("pre-a", PREFILL, LAYOUT, 64, str(tmp_path / "p.sock")),
                       on_push_outcome=outcomes)
     await decode.start()
     await prefill.start()
@@ -129,7 +130,7 @@ async def test_peer_resolved_on_demand_and_replaced_on_new_incarnation(pair, tmp
     assert asked == [("dec-a", engine.incarnation)] and prefill.peers.loads == 1
 
     # The decode engine restarts: same id, new incarnation, new memory.
-    reborn = Sidecar(SidecarConfig("dec-a", DECODE, LAYOUT, 32, str(tmp_path / "d2.sock")))
+    reborn = make_sidecar(SidecarConfig("dec-a", DECODE, LAYOUT, 32, str(tmp_path / "d2.sock")))
     await reborn.start()
     try:
         current[0] = new = engine_proto(reborn)

@@ -1,0 +1,192 @@
+"""What every sidecar has, whatever its role: its pool, its transport, the progress
+driver and the local channel. ``PrefillSidecar`` (``sidecar/prefill.py``) and
+``DecodeSidecar`` (``sidecar/decode.py``) add their role's half of the channel;
+``sidecar/service.py`` makes either one a member of the system.
+
+    sidecar = make_sidecar(SidecarConfig(...), on_push_outcome=..., on_landing_event=..., resolver=...)
+    await sidecar.start()
+    record = sidecar.engine_record()        # -> the Engine proto: record.to_proto()
+    sidecar.add_peer(EngineRecord.from_proto(engine))   # prefill: learned from the control plane
+    ...
+    await sidecar.stop()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+
+from engine import frames as F
+from engine.memory import sweep_stale_segments
+from engine.pool import StagingAllocation
+from kvpush.contract.engine import EngineRecord
+from kvpush.contract.layout import KvLayout
+from kvpush.contract.states import DECODE, PREFILL, role_to_proto
+from kvpush.trace import Trace
+from sidecar.channel_server import ChannelServer, Connection
+from sidecar.landing import LandingConfig
+from sidecar.pools import LayerMajorPool
+from sidecar.progress import PollPolicy, ProgressDriver
+from sidecar.push import PushConfig
+from sidecar.transport.base import Transport
+from sidecar.transport.nixl import NixlConfig, NixlTransport
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class SidecarConfig:
+    engine_id: str
+    role: str  # "prefill" (staging pool, pushes) or "decode" (landing pool, receives)
+    layout: KvLayout
+    num_blocks: int  # landing blocks (decode) or staging units of layout.block_size tokens (prefill)
+    socket_path: str
+    incarnation: str = dataclasses.field(default_factory=lambda: secrets.token_hex(6))
+    backends: tuple[str, ...] = ("UCX",)  # NIXL backends (sidecar/transport/nixl.py)
+    poll: PollPolicy = PollPolicy()
+    push: PushConfig = PushConfig()
+    landing: LandingConfig = LandingConfig()
+
+    def __post_init__(self) -> None:
+        if self.role not in (PREFILL, DECODE):
+            raise ValueError(f"role must be {PREFILL!r} or {DECODE!r}, got {self.role!r}")
+
+    @property
+    def agent_name(self) -> str:
+        # One name per incarnation: NIXL refuses to load new metadata under a
+        # name it already holds, and a restarted engine is a new peer anyway.
+        return f"{self.engine_id}.{self.incarnation}"
+
+
+class SidecarBase:
+    """The role-independent half of a sidecar, and the ``ChannelHandler`` for the frames
+    every sidecar serves (HELLO, ADMIN, disconnects). A frame of the other role's half
+    is refused with an error naming it."""
+
+    def __init__(self, config: SidecarConfig):
+        self.config = config
+        self.accepting = True  # False while shutting down: new pushes are refused
+        self.pool: LayerMajorPool | None = None
+        self.transport: Transport | None = None
+        self.driver: ProgressDriver | None = None
+        self.server: ChannelServer | None = None
+        self.trace = Trace.off()
+
+    # -- what a role provides -------------------------------------------------------------------
+    def _make_pool(self, tag: str) -> LayerMajorPool:
+        raise NotImplementedError
+
+    def _start_role(self) -> None:
+        """Pool, transport and driver are up; the channel is not serving yet."""
+
+    def _stop_role(self) -> None:
+        pass
+
+    def cancel_reservation(self, reservation_id: str, reason: str = "cancelled") -> bool:
+        """The control plane ended a reservation (deadline, release): stop/ignore it here."""
+        raise NotImplementedError
+
+    def live_reservations(self) -> list[str]:
+        """Reservations this sidecar is still working on."""
+        raise NotImplementedError
+
+    @property
+    def active_pushes(self) -> int:
+        return 0
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        c = self.config
+        swept = sweep_stale_segments()
+        if swept:
+            log.info("removed %d stale shared-memory segments of dead sidecars", len(swept))
+        self.pool = self._make_pool(f"{c.engine_id}.{c.role}")
+        try:
+            self.transport = NixlTransport(NixlConfig(c.agent_name, c.backends))
+            self.transport.register(self.pool.memory)
+            self.driver = ProgressDriver(self.transport, c.poll)
+            self.trace = Trace(f"sidecar-{c.role}-{c.engine_id}")
+            self._start_role()
+            self.driver.start()
+            self.server = ChannelServer(c.socket_path, self)
+            await self.server.start()
+        except BaseException:
+            await self.stop()
+            raise
+        log.info("sidecar %s (%s, incarnation %s) serving on %s", c.engine_id, c.role, c.incarnation,
+                 c.socket_path)
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.close()
+            self.server = None
+        self._stop_role()
+        if self.driver is not None:
+            await self.driver.stop()
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+        if self.pool is not None:
+            self.pool.close()
+
+    def engine_record(self) -> EngineRecord:
+        """This engine as peers must know it (published through the control plane)."""
+        c, pool = self.config, self.pool
+        return EngineRecord(engine_id=c.engine_id, role=role_to_proto(c.role), layout=c.layout,
+                            incarnation=c.incarnation, nixl_agent=c.agent_name, nixl_metadata=self.transport.metadata(),
+                            num_blocks=pool.num_units, sidecar_address=f"unix:{c.socket_path}",
+                            memory_kind=pool.memory.mem_kind, pool_base_address=pool.base_address,
+                            pool_size_bytes=pool.size_bytes, device_id=pool.memory.device_id)
+
+    def stats(self) -> dict:
+        return {"role": self.config.role, "engine_id": self.config.engine_id,
+                "incarnation": self.config.incarnation, "polls": self.driver.polls,
+                "inflight": self.driver.inflight}
+
+    # -- ChannelHandler: every role ------------------------------------------------------------
+    def on_hello(self, conn: Connection, info: dict) -> dict:
+        return {"role": self.config.role, "engine_id": self.config.engine_id,
+                "incarnation": self.config.incarnation, "agent": self.config.agent_name,
+                "pool": self.pool.info().to_dict()}
+
+    def on_admin(self, conn: Connection, request: dict):
+        op = request.get("op")
+        if op == "stats":
+            return self.stats()
+        if op == "record":
+            return self.engine_record().to_dict()
+        if op == "cancel":
+            return {"cancelled": self.cancel_reservation(request["reservation_id"], request.get("reason", "cancelled"))}
+        if op == "expect":  # poll hot for a while: a peer is about to work with us (benchmarks)
+            self.driver.expect(("admin", request.get("key", "")), float(request.get("seconds", 1.0)))
+            return {}
+        raise ValueError(f"unknown admin op {op!r}")
+
+    def on_disconnect(self, conn: Connection) -> None:
+        pass
+
+    # -- ChannelHandler: the other role's frames ---------------------------------------------------
+    def _not_served(self, frame_name: str):
+        raise ValueError(f"{frame_name} is not served by a {self.config.role} sidecar")
+
+    def on_begin(self, conn: Connection, req: F.BeginRequest) -> StagingAllocation:
+        self._not_served("BEGIN")
+
+    def on_push(self, conn: Connection, piece: F.PushPiece) -> None:
+        self._not_served("PUSH")
+
+    def on_end(self, conn: Connection, end: F.EndRequest) -> None:
+        pass  # an END after a restart of the channel, or to the wrong role: nothing to stop
+
+    def on_await(self, conn: Connection, request_id: str) -> dict | None:
+        self._not_served("AWAIT")
+
+    def on_query(self, conn: Connection, reservation_id: str) -> F.StateEvent:
+        self._not_served("QUERY")
+
+    def on_subscribe(self, conn: Connection, reservation_id: str) -> F.StateEvent:
+        self._not_served("SUBSCRIBE")
+
+    def on_consumed(self, conn: Connection, reservation_id: str) -> F.StateEvent:
+        self._not_served("CONSUMED")

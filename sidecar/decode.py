@@ -1,0 +1,81 @@
+"""The decode sidecar: owns the landing pool prefill sidecars write into, and tells its
+engine when a reservation has landed.
+
+It never initiates a transfer. Serves QUERY, SUBSCRIBE (an event when the reservation
+ends: LANDED, FAILED, CANCELLED) and CONSUMED (the engine copied it out). The table of
+incoming reservations is ``sidecar/landing.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from engine import frames as F
+from sidecar.base import SidecarBase, SidecarConfig
+from sidecar.channel_server import Connection
+from sidecar.landing import LandingEvent, LandingTable
+from sidecar.pools import LandingPool
+
+
+class DecodeSidecar(SidecarBase):
+    def __init__(self, config: SidecarConfig, on_landing_event: Callable[[LandingEvent], None] | None = None):
+        super().__init__(config)
+        self.on_landing_event = on_landing_event
+        self.landing: LandingTable | None = None
+        self._subscriptions: dict[str, list[tuple[str, Callable]]] = {}
+
+    def _make_pool(self, tag: str) -> LandingPool:
+        return LandingPool.create_shm(tag, self.config.layout, self.config.num_blocks)
+
+    def _start_role(self) -> None:
+        c = self.config
+        self.landing = LandingTable(self.pool, c.incarnation, self.driver, c.landing, self._landing_event)
+        self.landing.trace = self.trace
+        self.driver.on_notif = self.landing.handle_notif
+
+    def _stop_role(self) -> None:
+        if self.landing is not None:
+            self.landing.close()
+
+    def cancel_reservation(self, reservation_id: str, reason: str = "cancelled") -> bool:
+        return self.landing.cancel(reservation_id, reason)
+
+    def live_reservations(self) -> list[str]:
+        return self.landing.live_reservations() if self.landing is not None else []
+
+    def stats(self) -> dict:
+        out = super().stats()
+        out.update(self.landing.counters)
+        return out
+
+    def _landing_event(self, event: LandingEvent) -> None:
+        if self.on_landing_event is not None:
+            self.on_landing_event(event)
+
+    # -- ChannelHandler -------------------------------------------------------------------------
+    def on_query(self, conn: Connection, reservation_id: str) -> F.StateEvent:
+        return _state(self.landing.expect(reservation_id))
+
+    def on_subscribe(self, conn: Connection, reservation_id: str) -> F.StateEvent:
+        def deliver(event: LandingEvent) -> None:
+            subs = self._subscriptions.get(conn.owner, [])
+            if (reservation_id, deliver) in subs:
+                subs.remove((reservation_id, deliver))
+            conn.send_event(_state(event))
+            self.trace("event_sent", reservation_id, event.state.value)
+
+        self._subscriptions.setdefault(conn.owner, []).append((reservation_id, deliver))
+        return _state(self.landing.subscribe(reservation_id, deliver))
+
+    def on_consumed(self, conn: Connection, reservation_id: str) -> F.StateEvent:
+        self.landing.consume(reservation_id)
+        return _state(self.landing.query(reservation_id))
+
+    def on_disconnect(self, conn: Connection) -> None:
+        for rid, callback in self._subscriptions.pop(conn.owner, []):
+            self.landing.unsubscribe(rid, callback)
+
+
+def _state(event: LandingEvent) -> F.StateEvent:
+    """The one conversion of a landing event to the channel's frame."""
+    return F.StateEvent(event.reservation_id, event.state.value, event.reason, "", event.num_tokens)

@@ -1,0 +1,123 @@
+"""The prefill sidecar: stages its engine's KV and pushes it into decode engines.
+
+Serves BEGIN (check the destination, allocate staging), PUSH (one write per staged
+piece), END and AWAIT (a reservation the router named this engine for, from the
+handover). The push itself is ``sidecar/push.py``; decode peers are cached by
+``sidecar/peers.py``; reservations heard before their request are held by
+``sidecar/handover.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from engine import frames as F
+from engine.pool import StagingAllocation
+from kvpush.contract.engine import EngineRecord
+from sidecar.base import SidecarBase, SidecarConfig
+from sidecar.channel_server import Connection
+from sidecar.handover import Handover
+from sidecar.peers import PeerRegistry, RemotePeer, Resolver
+from sidecar.pools import StagingPool
+from sidecar.push import PushEngine, PushOutcome
+
+log = logging.getLogger(__name__)
+
+
+class PrefillSidecar(SidecarBase):
+    def __init__(self, config: SidecarConfig,
+                 on_push_outcome: Callable[[PushOutcome], None] | None = None,
+                 resolver: Resolver | None = None,
+                 on_push_start: Callable[[str, str], None] | None = None):
+        super().__init__(config)
+        self.on_push_outcome = on_push_outcome
+        self.on_push_start = on_push_start  # (reservation_id, request_id): first write posted
+        self.resolver = resolver
+        self.peers: PeerRegistry | None = None
+        self.pusher: PushEngine | None = None
+        self.handover = Handover()
+        self._request_owner: dict[str, Connection] = {}
+
+    def _make_pool(self, tag: str) -> StagingPool:
+        return StagingPool.create_shm(tag, self.config.layout, self.config.num_blocks)
+
+    def _start_role(self) -> None:
+        c = self.config
+        self.peers = PeerRegistry(self.transport, self.resolver)
+        self.pusher = PushEngine(self.transport, self.driver, self.pool, c.layout, self.peers, c.push,
+                                 self._push_outcome, self.on_push_start)
+        self.pusher.trace = self.trace
+        self.driver.on_notif = self._notif
+
+    # -- what the process main needs ----------------------------------------------------------
+    def add_peer(self, record: EngineRecord) -> RemotePeer:
+        return self.peers.add(record)
+
+    def cancel_reservation(self, reservation_id: str, reason: str = "cancelled") -> bool:
+        return self.pusher.cancel_reservation(reservation_id, reason)
+
+    def live_reservations(self) -> list[str]:
+        return self.pusher.live_reservations() if self.pusher is not None else []
+
+    @property
+    def active_pushes(self) -> int:
+        return self.pusher.active if self.pusher is not None else 0
+
+    def offer_reservation(self, params: dict, request_id: str, reservation_id: str, deadline_unix_ms: int) -> None:
+        """The control plane granted a reservation naming this engine (the handover)."""
+        self.handover.offer(request_id, params, deadline_unix_ms)
+        self.trace("handover_heard", reservation_id, request_id)
+
+    def stats(self) -> dict:
+        out = super().stats()
+        out.update(self.handover.stats())
+        out.update(active=self.pusher.active, staging_free_units=self.pool.free_units,
+                   staging_units=self.pool.num_units, staging_allocations=self.pool.live_allocations,
+                   peer_loads=self.peers.loads, **dict(self.pusher.counters))
+        return out
+
+    # -- events -------------------------------------------------------------------------------
+    def _push_outcome(self, outcome: PushOutcome) -> None:
+        conn = self._request_owner.pop(outcome.request_id, None)
+        if conn is not None:
+            conn.send_event(F.StateEvent(outcome.reservation_id, outcome.state.value, outcome.reason,
+                                         outcome.request_id))
+        if self.on_push_outcome is not None:
+            self.on_push_outcome(outcome)
+
+    def _notif(self, sender: str, message: bytes) -> None:
+        log.debug("prefill sidecar ignores a notification from %s", sender)
+
+    # -- ChannelHandler -------------------------------------------------------------------------
+    def on_begin(self, conn: Connection, req: F.BeginRequest) -> StagingAllocation:
+        if not self.accepting:
+            raise ValueError(f"sidecar {self.config.engine_id} is shutting down; not accepting pushes")
+        self._request_owner[req.request_id] = conn
+        try:
+            return self.pusher.begin(req.request_id, req.target, owner=conn.owner)
+        except Exception:
+            self._request_owner.pop(req.request_id, None)
+            raise
+
+    def on_push(self, conn: Connection, piece: F.PushPiece) -> None:
+        self.pusher.push(piece.request_id, piece.layer, piece.start, piece.end or None)
+
+    def on_end(self, conn: Connection, end: F.EndRequest) -> None:
+        self.pusher.end(end.request_id, end.aborted, end.reason)
+
+    def on_await(self, conn: Connection, request_id: str) -> dict | None:
+        return self.handover.ask(request_id, conn)
+
+    def on_admin(self, conn: Connection, request: dict):
+        if request.get("op") == "add_peer":
+            peer = self.add_peer(EngineRecord.from_dict(request["record"]))
+            return {"agent": peer.agent_name, "loads": self.peers.loads}
+        return super().on_admin(conn, request)
+
+    def on_disconnect(self, conn: Connection) -> None:
+        if self.pusher is not None:
+            self.pusher.drop_owner(conn.owner)
+        for rid in [r for r, c in self._request_owner.items() if c is conn]:
+            del self._request_owner[rid]
+        self.handover.forget(conn)
