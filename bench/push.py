@@ -49,8 +49,8 @@ from kvpush.contract.target import PushTarget  # noqa: E402
 from engine import frames as F  # noqa: E402
 from engine.channel import SidecarClient, measure_rtt  # noqa: E402
 from engine.geometry import DestGeometry, blocks_segment_map, pair_descriptors, staging_segment_map  # noqa: E402
-from engine.memory import ShmMemory, sweep_stale_segments  # noqa: E402
-from engine.pool import PoolInfo  # noqa: E402
+from engine.memory import attach_pool, sweep_stale_segments  # noqa: E402
+from engine.pool import PoolDescription  # noqa: E402
 
 MODELS = {
     # name: (layout, prefill tokens/s). Rates: an 8B model at ~15k tokens/s is an
@@ -104,10 +104,10 @@ class Pair:
         self.record = self.dec.admin("record")
         self.pre.admin("add_peer", record=self.record)
         self.layout = KvLayout.parse(layout)
-        self.landing_info = PoolInfo.from_dict(self.dec.hello(name="bench")["pool"])
-        self.staging_info = PoolInfo.from_dict(self.pre.hello(name="bench")["pool"])
-        self.landing = ShmMemory.attach(self.landing_info.shm_name)
-        self.staging = ShmMemory.attach(self.staging_info.shm_name)
+        self.landing_info = PoolDescription.from_dict(self.dec.hello(name="bench")["pool"])
+        self.staging_info = PoolDescription.from_dict(self.pre.hello(name="bench")["pool"])
+        self.landing = attach_pool(self.landing_info)
+        self.staging = attach_pool(self.staging_info)
         self.staging_base = self.pre.admin("record")["pool_base_address"]
         pattern = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)
         mem = self.staging.host_view()

@@ -39,9 +39,7 @@ import functools
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-
-class CodecError(RuntimeError):
-    """The engine's KV cache cannot be read or written by this codec."""
+from engine.copier import CopyError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,19 +83,19 @@ class BlockCodec:
         per_part = block_size * num_kv_heads * head_dim
         n = 2 * per_part
         if n >= 1 << 24:
-            raise CodecError(f"a block of {n} elements is too large to probe in float32")
+            raise CopyError(f"a block of {n} elements is too large to probe in float32")
         canon = torch.arange(n, dtype=torch.float32).reshape(2, block_size, num_kv_heads, head_dim)
         scratch_flat = write_block(canon[0].contiguous(), canon[1].contiguous())
         got = np.asarray(scratch_flat, dtype=np.float64).reshape(-1)
         if got.size != n:
-            raise CodecError(f"probe block has {got.size} elements, expected {n}")
+            raise CopyError(f"probe block has {got.size} elements, expected {n}")
         if np.any(got < 0) or np.any(got != np.round(got)):
-            raise CodecError("the cache writer left parts of the probe block unwritten or altered values")
+            raise CopyError("the cache writer left parts of the probe block unwritten or altered values")
         positions = got.astype(np.int64)
         perm = np.full(n, -1, dtype=np.int64)
         perm[positions] = np.arange(n, dtype=np.int64)  # perm[canonical] = position
         if np.any(perm < 0):
-            raise CodecError("the cache writer's layout is not a permutation of the block")
+            raise CopyError("the cache writer's layout is not a permutation of the block")
         return cls(block_size, num_kv_heads, head_dim, perm.reshape(2, block_size, num_kv_heads, head_dim))
 
     @classmethod
@@ -231,13 +229,13 @@ class BlockCodec:
 def flat_layer(tensor, num_blocks: int, codec: BlockCodec) -> np.ndarray:
     """A writable flat numpy view of one layer's cache tensor (no copy)."""
     if tensor.device.type != "cpu":
-        raise CodecError(f"kvpush's connector copies through host memory; the cache is on {tensor.device}")
+        raise CopyError(f"kvpush's connector copies through host memory; the cache is on {tensor.device}")
     if not tensor.is_contiguous():
-        raise CodecError("the layer's KV cache tensor is not contiguous")
+        raise CopyError("the layer's KV cache tensor is not contiguous")
     if tensor.numel() != num_blocks * codec.block_elems:
-        raise CodecError(f"layer cache has {tensor.numel()} elements, expected {num_blocks} blocks of "
+        raise CopyError(f"layer cache has {tensor.numel()} elements, expected {num_blocks} blocks of "
                          f"{codec.block_elems}")
     arr = tensor.detach().view(-1).numpy()
     if arr.dtype != codec.dtype:
-        raise CodecError(f"KV cache dtype {arr.dtype} is not supported (only {codec.dtype})")
+        raise CopyError(f"KV cache dtype {arr.dtype} is not supported (only {codec.dtype})")
     return arr

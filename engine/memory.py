@@ -233,3 +233,17 @@ class ShmMemory(PoolMemory):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# How the engine maps a pool its sidecar made, by memory kind. The GPU data path adds
+# "VRAM" (device memory opened from its CUDA IPC handle) here; nothing else changes.
+_ATTACH = {"DRAM": lambda desc: ShmMemory.attach(desc.share_handle, desc.size_bytes)}
+
+
+def attach_pool(desc) -> PoolMemory:
+    """Map the pool an ``engine.pool.PoolDescription`` describes into this process."""
+    attach = _ATTACH.get(desc.memory_kind)
+    if attach is None:
+        raise ValueError(f"the sidecar's {desc.role} pool is {desc.memory_kind} memory; this build of the "
+                         f"engine side maps {sorted(_ATTACH)} only")
+    return attach(desc)

@@ -9,15 +9,18 @@ from kvpush.contract.layout import KvLayout
 
 
 @dataclasses.dataclass(frozen=True)
-class PoolInfo:
-    """What the engine process needs to map a pool and address it."""
+class PoolDescription:
+    """What the engine process needs to map a pool and address it: the sidecar's
+    HELLO answer. ``engine.memory.attach_pool`` maps it by its memory kind."""
 
     role: str  # "landing" | "staging"
-    shm_name: str
+    memory_kind: str  # "DRAM" (a shared-memory segment) or "VRAM" (device memory, by IPC handle)
+    share_handle: str  # what maps the same bytes in another process: a segment name, an IPC handle
     size_bytes: int
     num_units: int  # blocks (landing) or allocation units (staging)
     unit_bytes: int  # bytes of one unit in one layer
     layout: KvLayout
+    device_id: int = 0
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -25,7 +28,7 @@ class PoolInfo:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "PoolInfo":
+    def from_dict(cls, d: dict) -> "PoolDescription":
         return cls(**{**d, "layout": KvLayout.from_dict(d["layout"])})
 
 

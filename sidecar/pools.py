@@ -29,7 +29,7 @@ import numpy as np
 
 from kvpush.contract.layout import KvLayout
 from engine.memory import PoolMemory, ShmMemory
-from engine.pool import PoolInfo, StagingAllocation, StagingExtent
+from engine.pool import PoolDescription, StagingAllocation, StagingExtent
 
 
 class StagingFull(Exception):
@@ -82,9 +82,10 @@ class LayerMajorPool:
         flat = self.memory.host_view()[start:start + self.layer_stride]
         return flat.reshape(self.num_units, lo.kv_parts, lo.block_size, lo.num_kv_heads, lo.head_dim * lo.itemsize)
 
-    def info(self) -> PoolInfo:
-        return PoolInfo(self.role, self.memory.share_handle(), self.memory.size, self.num_units,
-                        self.unit_bytes, self.layout)
+    def info(self) -> PoolDescription:
+        m = self.memory
+        return PoolDescription(self.role, m.mem_kind, m.share_handle(), m.size, self.num_units, self.unit_bytes,
+                               self.layout, m.device_id)
 
     def close(self) -> None:
         self.memory.close()

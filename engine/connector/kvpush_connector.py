@@ -28,7 +28,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from engine.cache_codec import BlockCodec, CodecError
+from engine.cache_codec import BlockCodec
+from engine.copier import CopyError
+from engine.cpu_copier import CpuCopier
 from engine.connector.config import ConfigError, ConnectorConfig
 from engine.connector.handover_watch import HandoverWatch
 from engine.connector.landing_watch import LandingWatch
@@ -98,8 +100,8 @@ class KVPushConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
 
-        codec = self._probe_codec(kv_caches)
-        self._worker.register_kv_caches(kv_caches, codec, extract_layer_index)
+        copier = CpuCopier(self._probe_codec(kv_caches))
+        self._worker.register_kv_caches(kv_caches, copier, extract_layer_index)
 
     def _probe_codec(self, kv_caches: dict[str, torch.Tensor]) -> BlockCodec:
         mc = self._vllm_config.model_config
@@ -109,13 +111,13 @@ class KVPushConnector(KVConnectorBase_V1):
         layer = self._vllm_config.compilation_config.static_forward_context.get(name)
         backend = layer.attn_backend.get_name() if layer is not None else "?"
         if backend != "CPU_ATTN":
-            raise CodecError(f"KVPushConnector reads vLLM's KV cache through host memory and supports the "
+            raise CopyError(f"KVPushConnector reads vLLM's KV cache through host memory and supports the "
                              f"CPU_ATTN backend; this engine uses {backend}")
         if tensor.dtype != torch.float32:
-            raise CodecError(f"KVPushConnector supports float32 KV caches on the CPU, not {tensor.dtype}")
+            raise CopyError(f"KVPushConnector supports float32 KV caches on the CPU, not {tensor.dtype}")
         expected = (heads, self.block_size, 2 * head_dim)
         if tuple(tensor.shape[1:]) != expected:
-            raise CodecError(f"unexpected CPU KV cache shape {tuple(tensor.shape)}, expected (blocks, *{expected})")
+            raise CopyError(f"unexpected CPU KV cache shape {tuple(tensor.shape)}, expected (blocks, *{expected})")
         isa = getattr(layer, "isa", None)
         if isa is None:
             from vllm.v1.attention.backends.cpu_attn import _get_attn_isa

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from kvpush.contract.layout import KvLayout
 from engine.channel import ChannelError, SidecarClient
-from engine.pool import PoolInfo
+from engine.pool import PoolDescription
 
 log = logging.getLogger(f"vllm.{__name__}")  # under "vllm": logged with the engine's own handlers
 
@@ -29,7 +29,7 @@ class SidecarInfo:
     engine_id: str
     incarnation: str
     agent: str
-    pool: PoolInfo
+    pool: PoolDescription
 
     @property
     def layout(self) -> KvLayout:
@@ -38,7 +38,7 @@ class SidecarInfo:
     @classmethod
     def from_hello(cls, hello: dict) -> SidecarInfo:
         return cls(hello["role"], hello["engine_id"], hello["incarnation"], hello.get("agent", ""),
-                   PoolInfo.from_dict(hello["pool"]))
+                   PoolDescription.from_dict(hello["pool"]))
 
 
 def connect(path: str, connect_timeout_s: float, channel_timeout_s: float,

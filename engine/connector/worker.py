@@ -20,7 +20,8 @@ Decode (sidecar role decode):
     request's blocks as load errors: vLLM recomputes those tokens
     (``kv_load_failure_policy="recompute"``).
 
-Bytes move in kvpush's canonical block layout (``engine.cache_codec``).
+Bytes move in kvpush's canonical block layout, copied by a ``CacheCopier``
+(``engine/copier.py``; on the CPU ``engine.cpu_copier.CpuCopier``).
 """
 
 from __future__ import annotations
@@ -30,9 +31,8 @@ import logging
 import os
 import time
 
-import numpy as np
 
-from engine.cache_codec import BlockCodec, CodecError, flat_layer
+from engine.copier import CacheCopier, CopyError
 from engine.connector.config import ConnectorConfig
 from engine.connector.metadata import KVPushConnectorMetadata, LoadSpec, PushSpec
 from engine.connector.sidecar_link import SidecarInfo, connect
@@ -40,10 +40,9 @@ from kvpush.contract.states import DECODE, PREFILL
 from engine.connector.stats import Counters
 from kvpush.trace import Trace
 from engine import frames as F
-from engine import reblock
 from engine.channel import ChannelError, SidecarClient
 from engine.geometry import DestGeometry
-from engine.memory import ShmMemory
+from engine.memory import attach_pool
 from engine.pool import StagingAllocation
 
 log = logging.getLogger(f"vllm.{__name__}")  # under "vllm": logged with the engine's own handlers
@@ -59,7 +58,7 @@ class _Outbound:
 class _StepPush:
     spec: PushSpec
     out: _Outbound
-    index: np.ndarray | None = None  # cache element positions of the piece's tokens (None: strided copies)
+    plan: object = None  # the copier's plan for the piece, reused by every layer
     prepared: bool = False
     layers: int = 0
     failed: bool = False
@@ -77,7 +76,7 @@ class KVPushWorker:
         self.info = info
         client.on_event = self._on_event  # runs on the channel's reader thread
         self.role = info.role
-        self.pool = ShmMemory.attach(info.pool.shm_name, info.pool.size_bytes)
+        self.pool = attach_pool(info.pool)
         if counters is None:
             path = ""
             if config.stats_dir:
@@ -87,9 +86,9 @@ class KVPushWorker:
                                        "role": info.role, "pid": os.getpid()})
         self.counters = counters
         self.trace = Trace(config.engine_name or info.engine_id)
-        self.codec: BlockCodec | None = None
+        self.copier: CacheCopier | None = None
         self.layers: dict[str, int] = {}  # layer name -> index
-        self.flat: list[np.ndarray] = []  # per layer index: flat view of vLLM's cache
+        self.num_layers = 0
         # prefill
         self._outbound: dict[str, _Outbound] = {}
         self._step: list[_StepPush] = []
@@ -100,39 +99,22 @@ class KVPushWorker:
         self.counters.flush(force=True)
 
     # -- set-up ---------------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: dict, codec: BlockCodec, layer_index) -> None:
+    def register_kv_caches(self, kv_caches: dict, copier: CacheCopier, layer_index) -> None:
         """``kv_caches``: layer name -> cache tensor; ``layer_index(name) -> int``."""
         layout = self.info.layout
         indexed = sorted((layer_index(name), name) for name in kv_caches)
         if [i for i, _ in indexed] != list(range(len(indexed))):
-            raise CodecError(f"KV cache layers are not numbered 0..n-1: {[i for i, _ in indexed]}")
+            raise CopyError(f"KV cache layers are not numbered 0..n-1: {[i for i, _ in indexed]}")
         if len(indexed) != layout.num_layers:
-            raise CodecError(f"the model has {len(indexed)} KV layers, the sidecar's layout {layout.num_layers}")
-        if (codec.num_kv_heads, codec.head_dim) != (layout.num_kv_heads, layout.head_dim):
-            raise CodecError(f"the model has {codec.num_kv_heads} KV heads of {codec.head_dim}, the sidecar's "
-                             f"layout {layout.num_kv_heads} of {layout.head_dim}")
-        if layout.dtype != str(codec.dtype) or layout.kv_parts != 2:
-            raise CodecError(f"the sidecar's layout holds {layout.dtype} x{layout.kv_parts}, the cache "
-                             f"{codec.dtype} x2")
-        self.codec = codec
+            raise CopyError(f"the model has {len(indexed)} KV layers, the sidecar's layout {layout.num_layers}")
+        copier.bind_caches([kv_caches[name] for _, name in indexed], layout)
+        copier.bind_pool(self.pool, self.info.pool)
+        self.copier = copier
         self.layers = {name: i for i, name in indexed}
-        first = kv_caches[indexed[0][1]]
-        num_blocks = first.shape[0]
-        self.flat = [flat_layer(kv_caches[name], num_blocks, codec) for _, name in indexed]
-        self._map_landing()
+        self.num_layers = len(indexed)
         log.info("kvpush connector: %s engine %s (incarnation %s), %d layers, %d blocks of %d tokens",
-                 self.role, self.info.engine_id, self.info.incarnation, len(self.flat), num_blocks,
-                 codec.block_size)
-
-    def _map_landing(self) -> None:
-        self._landing = []
-        if self.role == DECODE:
-            lo, units = self.info.layout, self.info.pool.num_units
-            stride = units * lo.block_layer_bytes
-            mem = self.pool.host_view()
-            self._landing = [mem[i * stride:(i + 1) * stride].reshape(
-                units, lo.kv_parts, lo.block_size, lo.num_kv_heads, lo.head_dim * lo.itemsize)
-                for i in range(lo.num_layers)]
+                 self.role, self.info.engine_id, self.info.incarnation, self.num_layers,
+                 kv_caches[indexed[0][1]].shape[0], copier.block_size)
 
     # -- the channel: a sidecar that restarted is reconnected ------------------------------------
     def _reconnect(self, why: Exception) -> bool:
@@ -156,14 +138,15 @@ class KVPushWorker:
             return False
         old_client, old_pool = self.client, self.pool
         try:
-            self.pool = ShmMemory.attach(info.pool.shm_name, info.pool.size_bytes)
+            self.pool = attach_pool(info.pool)
         except OSError as exc:
-            log.warning("kvpush sidecar pool %s not mappable: %s", info.pool.shm_name, exc)
+            log.warning("kvpush sidecar pool %s not mappable: %s", info.pool.share_handle, exc)
             client.close()
             return False
         self.client, self.info = client, info
         client.on_event = self._on_event
-        self._map_landing()
+        if self.copier is not None:
+            self.copier.bind_pool(self.pool, info.pool)
         for rid in list(self._outbound):
             del self._outbound[rid]  # its staging went with the old sidecar
         self._step = [sp for sp in self._step if sp.spec.req_id in self._outbound]
@@ -220,18 +203,14 @@ class KVPushWorker:
         layer = self.layers.get(layer_name)
         if layer is None:
             return
-        staging = self.pool.host_view()
-        cache = self.flat[layer]
         for sp in self._step:
             if sp.failed:
                 continue
             spec = sp.spec
             try:
                 if not sp.prepared:
-                    sp.index, sp.prepared = self.codec.prepare(spec.block_ids, spec.start, spec.end), True
-                tokens = self.codec.read(cache, spec.block_ids, spec.start, spec.end, sp.index)
-                reblock.stage_tokens(staging, sp.out.alloc, sp.out.geom, layer,
-                                     tokens.view(np.uint8), spec.start, spec.end)
+                    sp.plan, sp.prepared = self.copier.plan(spec.block_ids, spec.start, spec.end), True
+                self.copier.stage(layer, spec.block_ids, spec.start, spec.end, sp.out.alloc, sp.out.geom, sp.plan)
                 self.client.push(spec.req_id, layer, spec.start, spec.end)
             except Exception as exc:  # never let a push break the forward pass
                 log.error("push of %s layer %d failed: %s", spec.req_id, layer, exc)
@@ -242,7 +221,7 @@ class KVPushWorker:
             sp.layers += 1
             self.counters.inc("layers_pushed")
             self.trace("layer_staged", sp.out.reservation_id, layer)
-            self.counters.inc("bytes_staged", (spec.end - spec.start) * self.codec.token_layer_bytes)
+            self.counters.inc("bytes_staged", (spec.end - spec.start) * self.copier.token_layer_bytes)
 
     # -- after the forward --------------------------------------------------------------------------
     def wait_for_save(self) -> None:
@@ -252,9 +231,9 @@ class KVPushWorker:
             rid = sp.spec.req_id
             if sp.failed or rid not in self._outbound:
                 continue
-            if sp.layers != len(self.flat):
+            if sp.layers != self.num_layers:
                 self._outbound.pop(rid, None)
-                self._end(rid, aborted=True, reason=f"only {sp.layers} of {len(self.flat)} layers staged")
+                self._end(rid, aborted=True, reason=f"only {sp.layers} of {self.num_layers} layers staged")
             elif sp.spec.final:
                 self.trace("push_end", sp.out.reservation_id, rid)
                 self._outbound.pop(rid, None)
@@ -286,19 +265,16 @@ class KVPushWorker:
                     and self._channel_broken():
                 self._reconnect(ChannelError("channel closed"))  # the sidecar restarted: a new incarnation
             if spec.target.engine_id != self.info.engine_id or spec.target.incarnation != self.info.incarnation:
-                raise CodecError(f"the reservation is for {spec.target.engine_id}/{spec.target.incarnation}, this pool is "
+                raise CopyError(f"the reservation is for {spec.target.engine_id}/{spec.target.incarnation}, this pool is "
                                  f"{self.info.engine_id}/{self.info.incarnation}")
             layout = self.info.layout
             if spec.target.block_size != layout.block_size:
-                raise CodecError(f"landing blocks of {spec.target.block_size} tokens, pool has {layout.block_size}")
-            index = self.codec.prepare(spec.block_ids, spec.start, spec.end)
-            for layer, cache in enumerate(self.flat):
-                raw = reblock.gather_tokens(self._landing[layer], spec.target.block_ids, spec.start, spec.end)
-                self.codec.write(cache, spec.block_ids, raw.view(self.codec.dtype), spec.start, spec.end, index)
+                raise CopyError(f"landing blocks of {spec.target.block_size} tokens, pool has {layout.block_size}")
+            self.copier.load(spec.block_ids, spec.start, spec.end, spec.target.block_ids)
         except Exception as exc:
             log.error("kvpush: loading reservation %s into %s failed: %s; vLLM recomputes it",
                       spec.target.reservation_id, spec.req_id, exc)
-            bs = self.codec.block_size if self.codec is not None else self.block_size
+            bs = self.copier.block_size if self.copier is not None else self.block_size
             self._load_errors.update(spec.block_ids[spec.start // bs:(spec.end - 1) // bs + 1])
             self.counters.inc("load_errors")
             self.counters.inc("load_error_copy")
@@ -309,7 +285,7 @@ class KVPushWorker:
         self.counters.inc("load_copy_us_total", round((time.monotonic() - t0) * 1e6))
         self.counters.inc("loads_landed")
         self.counters.inc("tokens_loaded", n)
-        self.counters.inc("bytes_loaded", n * self.codec.token_layer_bytes * len(self.flat))
+        self.counters.inc("bytes_loaded", n * self.copier.token_layer_bytes * self.num_layers)
         self.trace("loaded", spec.target.reservation_id, spec.req_id)
 
     def load_errors(self) -> set[int]:

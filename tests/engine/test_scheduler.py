@@ -16,14 +16,14 @@ from engine.connector.sidecar_link import SidecarInfo
 from kvpush.contract.layout import KvLayout
 from kvpush.contract.transfer_params import AwaitParams, PushParams
 from engine.frames import StateEvent
-from engine.pool import PoolInfo
+from engine.pool import PoolDescription
 
 BS = 32
 LAYOUT = KvLayout(num_layers=4, block_size=BS, num_kv_heads=2, head_dim=64)
 
 
 def info(role: str, engine_id: str = "D1", incarnation: str = "inc1") -> SidecarInfo:
-    pool = PoolInfo("landing" if role == "decode" else "staging", "kvpush-x-1-ab", 1 << 20, 16,
+    pool = PoolDescription("landing" if role == "decode" else "staging", "DRAM", "kvpush-x-1-ab", 1 << 20, 16,
                     LAYOUT.block_layer_bytes, LAYOUT)
     return SidecarInfo(role, engine_id, incarnation, f"{engine_id}.{incarnation}", pool)
 

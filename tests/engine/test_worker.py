@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from engine.cache_codec import BlockCodec
+from engine.cpu_copier import CpuCopier
 from engine.connector.config import ConnectorConfig
 from engine.connector.landing_watch import LandingWatch
 from engine.connector.metadata import KVPushConnectorMetadata, LoadSpec, PushSpec
@@ -66,7 +67,7 @@ def make_worker(sidecar, workdir, codec, name, **cfg):
                              connect_timeout_s=10, **cfg)
     w = KVPushWorker(config, BS)
     caches = paged_caches()
-    w.register_kv_caches(caches, codec, layer_index)
+    w.register_kv_caches(caches, CpuCopier(codec), layer_index)
     return w, caches
 
 

@@ -12,8 +12,8 @@ from kvpush.contract.target import PushTarget
 from engine import reblock
 from engine.channel import SidecarClient
 from engine.geometry import DestGeometry
-from engine.memory import ShmMemory
-from engine.pool import PoolInfo, StagingAllocation
+from engine.memory import attach_pool
+from engine.pool import PoolDescription, StagingAllocation
 
 SENTINEL = 0xA5
 
@@ -31,9 +31,9 @@ class PrefillEngine:
     def __init__(self, client: SidecarClient, cache_blocks: int = 64, seed: int = 0):
         self.client = client
         hello = client.hello(name="test-prefill")
-        self.info = PoolInfo.from_dict(hello["pool"])
+        self.info = PoolDescription.from_dict(hello["pool"])
         self.layout = self.info.layout
-        self.staging = ShmMemory.attach(self.info.shm_name)
+        self.staging = attach_pool(self.info)
         self.rng = np.random.default_rng(seed)
         lo = self.layout
         self.cache = self.rng.integers(0, 256, size=(lo.num_layers, cache_blocks, lo.kv_parts, lo.block_size,
@@ -80,9 +80,9 @@ class DecodeEngine:
     def __init__(self, client: SidecarClient):
         self.client = client
         hello = client.hello(name="test-decode")
-        self.info = PoolInfo.from_dict(hello["pool"])
+        self.info = PoolDescription.from_dict(hello["pool"])
         self.layout = self.info.layout
-        self.landing = ShmMemory.attach(self.info.shm_name)
+        self.landing = attach_pool(self.info)
 
     @property
     def mem(self) -> np.ndarray:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 from kvpush.contract.layout import KvLayout
 from engine import reblock
 from engine.geometry import DestGeometry
-from engine.memory import SHM_DIR, ShmMemory, sweep_stale_segments
+from engine.memory import SHM_DIR, ShmMemory, attach_pool, sweep_stale_segments
 from sidecar.pools import LandingPool, StagingFull, StagingPool
 
 LAYOUT = KvLayout(num_layers=3, block_size=16, num_kv_heads=2, head_dim=4, dtype="float16")
@@ -32,6 +33,19 @@ def test_shm_pool_is_shared_by_name_and_removed_on_close():
     pool.close()
     assert not os.path.exists(os.path.join(SHM_DIR, name))
     pool.close()  # idempotent
+
+
+def test_the_engine_attaches_a_pool_from_its_description_and_refuses_a_kind_it_cannot_map():
+    pool = StagingPool.create_shm("t-describe", LAYOUT, 8)
+    desc = pool.info()
+    assert (desc.memory_kind, desc.share_handle, desc.size_bytes) == ("DRAM", pool.memory.name, pool.memory.size)
+    mapped = attach_pool(desc)
+    pool.memory.host_view()[7] = 9
+    assert mapped.host_view()[7] == 9 and mapped.mem_kind == "DRAM"
+    mapped.close()
+    with pytest.raises(ValueError, match="VRAM memory"):
+        attach_pool(dataclasses.replace(desc, memory_kind="VRAM"))
+    pool.close()
 
 
 def test_sweep_removes_only_segments_of_dead_processes():

@@ -1,0 +1,80 @@
+"""The ``CacheCopier`` seam: the engine's paged KV cache <-> kvpush's canonical blocks.
+
+kvpush moves KV between engines in one canonical layout (``kvpush.contract.layout``:
+per block ``[K/V][token][kv_head][head_dim]``, layer-major pools). Each attention
+backend keeps its cache its own way; a copier translates, inside vLLM's worker process.
+Every call comes from the connector's worker side (``engine/connector/worker.py``) on
+the thread that runs the model's forward pass:
+
+==================  ========  ===============================================================
+method              side      moment
+==================  ========  ===============================================================
+``bind_caches``     both      ``register_kv_caches``, once: the per-layer cache tensors
+``bind_pool``       both      after the channel's HELLO, and again after a reconnect to a
+                              restarted sidecar (a new pool)
+``plan``            both      once per request piece per step, before its first layer: what
+                              every layer's copy of that piece reuses (index tensors, say)
+``stage``           prefill   ``save_kv_layer``, after each attention layer, for each request
+                              pushing in the step; the PUSH frame follows at once
+``load``            decode    ``start_load_kv``, before the forward pass, for each landed
+                              request; CONSUMED follows
+==================  ========  ===============================================================
+
+Implementations: ``engine.cpu_copier.CpuCopier`` (host memory; the probed block codec of
+``engine/cache_codec.py``, numpy copies). A device implementation takes the same calls:
+the caches are tensors on their device, the pool is device memory from
+``engine.memory.attach_pool``, and ``stage`` must return only once the piece's bytes are
+in the pool (or ordered before the sidecar can read them), since PUSH follows it.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Sequence
+
+from engine.geometry import DestGeometry
+from engine.memory import PoolMemory
+from engine.pool import PoolDescription, StagingAllocation
+from kvpush.contract.layout import KvLayout
+
+
+class CopyError(RuntimeError):
+    """The engine's KV cache cannot be read or written this way (layout, dtype, device)."""
+
+
+class CacheCopier(abc.ABC):
+    @property
+    @abc.abstractmethod
+    def block_size(self) -> int:
+        """Tokens per block of the engine's cache."""
+
+    @property
+    @abc.abstractmethod
+    def token_layer_bytes(self) -> int:
+        """Bytes of one token's K and V in one layer."""
+
+    @abc.abstractmethod
+    def bind_caches(self, caches: Sequence, layout: KvLayout) -> None:
+        """The engine's cache tensors, layer 0..n-1; ``CopyError`` if they do not match
+        ``layout`` (the sidecar's, which its peers were told)."""
+
+    @abc.abstractmethod
+    def bind_pool(self, memory: PoolMemory, desc: PoolDescription) -> None:
+        """The sidecar's pool, mapped into this process."""
+
+    @abc.abstractmethod
+    def plan(self, cache_block_ids: Sequence[int], start: int, end: int) -> object:
+        """What copying tokens ``[start, end)`` of a request whose cache blocks (token order)
+        are ``cache_block_ids`` needs in every layer; passed back to ``stage``/``load``."""
+
+    @abc.abstractmethod
+    def stage(self, layer: int, cache_block_ids: Sequence[int], start: int, end: int, alloc: StagingAllocation,
+              geom: DestGeometry, plan: object = None) -> None:
+        """Prefill: tokens ``[start, end)`` of ``layer`` from the cache into the request's staging
+        allocation, in the destination's block geometry ``geom``."""
+
+    @abc.abstractmethod
+    def load(self, cache_block_ids: Sequence[int], start: int, end: int, landing_block_ids: Sequence[int],
+             plan: object = None) -> None:
+        """Decode: tokens ``[start, end)`` of every layer from the landing blocks (token order)
+        into the cache."""
