@@ -48,7 +48,8 @@ from kvpush.contract.layout import KvLayout  # noqa: E402
 from kvpush.contract.target import PushTarget  # noqa: E402
 from engine import frames as F  # noqa: E402
 from engine.channel import SidecarClient, measure_rtt  # noqa: E402
-from engine.geometry import DestGeometry, blocks_segment_map, pair_descriptors, staging_segment_map  # noqa: E402
+from engine.geometry import DestGeometry  # noqa: E402
+from sidecar.descriptors import blocks_segment_map, pair_descriptors, staging_segment_map  # noqa: E402
 from engine.memory import attach_pool, sweep_stale_segments  # noqa: E402
 from engine.pool import PoolDescription  # noqa: E402
 

@@ -17,7 +17,8 @@ import numpy as np
 
 from kvpush.contract.layout import KvLayout
 from sidecar.transport.nixl import NixlConfig, NixlTransport
-from engine.geometry import DestGeometry, blocks_segment_map, pair_descriptors
+from engine.geometry import DestGeometry
+from sidecar.descriptors import blocks_segment_map, pair_descriptors
 from engine.memory import ShmMemory
 
 

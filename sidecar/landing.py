@@ -31,7 +31,8 @@ from typing import Callable
 from kvpush.contract.states import LandingState
 from kvpush.trace import Trace
 from sidecar import notify
-from engine.geometry import DestGeometry, blocks_segment_map, block_checksums
+from engine.geometry import DestGeometry
+from sidecar.descriptors import blocks_segment_map, block_checksums
 from sidecar.pools import LandingPool
 from sidecar.progress import ProgressDriver
 

@@ -41,8 +41,8 @@ from kvpush.contract.target import PushTarget
 from kvpush.trace import Trace
 from sidecar import notify
 from sidecar.transport.base import TransferError, Transport
-from engine.geometry import DestGeometry, SegmentMap, blocks_segment_map, block_checksums, \
-    pair_descriptors, staging_segment_map
+from engine.geometry import DestGeometry
+from sidecar.descriptors import SegmentMap, blocks_segment_map, block_checksums, pair_descriptors, staging_segment_map
 from sidecar.peers import PeerRegistry, PeerUnavailable, RemotePeer
 from sidecar.pools import StagingFull, StagingPool
 from engine.pool import StagingAllocation

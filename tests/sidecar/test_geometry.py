@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpush.contract.layout import KvLayout
-from engine.geometry import DestGeometry, blocks_segment_map, pair_descriptors, staging_segment_map
+from engine.geometry import DestGeometry
+from sidecar.descriptors import blocks_segment_map, pair_descriptors, staging_segment_map
 from engine.pool import StagingAllocation, StagingExtent
 
 
