@@ -1,4 +1,18 @@
-"""The engine's end of the local channel: ``SidecarClient``."""
+"""The engine's end of the local channel: ``SidecarClient``, for the connector.
+
+Plain synchronous code for vLLM's threads. ``push``/``end_request`` are fire-and-forget:
+one non-blocking ``send`` of a small frame into the socket buffer (a few
+microseconds), no reply awaited; if the buffer is full (the sidecar is busy or
+stopped) the frame joins a backlog that a writer thread flushes, so the forward
+pass never waits on the sidecar. Order is kept: one stream carries every frame
+and nothing overtakes the backlog. Calls that need an answer (``begin_push``,
+``query``, ...) block for their reply with a timeout. A reader thread, asleep in
+``recv`` when nothing comes, matches replies to callers and queues events (push
+outcomes on the prefill side, LANDED/FAILED on the decode side).
+
+The sidecar's end is ``sidecar/channel_server.py`` (what each frame does there:
+``ChannelHandler``); the frames are ``engine/frames.py``; round-trip time: ``measure_rtt``.
+"""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """kvpush: push-based KV cache transfer for disaggregated vLLM serving.
 
-This package holds what every component shares: the KV layout record, logging,
-the embedded etcd launcher, the CLI, and (under ``kvpush.contract.v1``) the gRPC stubs
-generated from ``proto/kvpush/v1``.
+The ground floor, which every other package may import and which imports none of
+them: ``contract/`` (the generated gRPC stubs, the KV layout, the engine record, the
+push target and parameters, every state vocabulary), ``log`` (structlog set-up),
+``aio`` (event-loop helpers) and ``trace`` (the opt-in request timeline).
 """
 
 __version__ = "0.1.0"

@@ -24,7 +24,7 @@ from kvpush.contract.engine import EngineRecord
 from kvpush.contract.layout import KvLayout
 from kvpush.contract.states import DECODE, PREFILL, role_to_proto
 from kvpush.trace import Trace
-from sidecar.channel_server import ChannelServer, Connection
+from sidecar.channel_server import ChannelHandler, ChannelServer, Connection
 from sidecar.landing import LandingConfig
 from sidecar.pools import LayerMajorPool
 from sidecar.progress import PollPolicy, ProgressDriver
@@ -59,7 +59,7 @@ class SidecarConfig:
         return f"{self.engine_id}.{self.incarnation}"
 
 
-class SidecarBase:
+class SidecarBase(ChannelHandler):
     """The role-independent half of a sidecar, and the ``ChannelHandler`` for the frames
     every sidecar serves (HELLO, ADMIN, disconnects). A frame of the other role's half
     is refused with an error naming it."""

@@ -1,31 +1,20 @@
-"""The local channel: a Unix-domain socket between vLLM's connector and its sidecar.
+"""The sidecar's end of the local channel: a Unix-domain socket to its engine's connector.
 
-Server side (in the sidecar): ``ChannelServer`` parses frames straight from
-an asyncio ``Protocol`` buffer and calls a ``ChannelHandler`` synchronously,
-in arrival order; replies and events are written without awaiting (the
-connector reads them on its own thread).
-
-Client side (in the engine process): ``SidecarClient`` is plain synchronous
-code for vLLM's worker thread. ``push``/``end_request`` are fire-and-forget:
-one non-blocking ``send`` of a small frame into the socket buffer (a few
-microseconds), no reply awaited; if the buffer is full (the sidecar is busy or
-stopped) the frame joins a backlog that a writer thread flushes, so the forward
-pass never waits on the sidecar. Order is kept: one stream carries every frame
-and nothing overtakes the backlog. Calls that need an answer (``begin_push``, ``query``, ...)
-block for their reply with a timeout. A reader thread, asleep in ``recv`` when
-nothing comes, matches replies to callers and queues events (push outcomes on
-the prefill side, LANDED/FAILED on the decode side).
-
-Frame format: ``engine/frames.py``. Round-trip time: ``measure_rtt``.
+``ChannelServer`` parses frames straight from an asyncio ``Protocol`` buffer and
+calls the ``ChannelHandler`` (the sidecar: ``sidecar/base.py`` and its role's
+class) synchronously, on the loop, in arrival order; replies and events are
+written without awaiting (the engine reads them on its own thread). The engine's
+end is ``engine/channel.py`` (``SidecarClient``); the frames are ``engine/frames.py``.
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import itertools
 import logging
 import os
-from typing import Awaitable, Protocol
+from typing import Awaitable
 
 from engine import frames as F
 from engine.pool import StagingAllocation
@@ -33,7 +22,6 @@ from engine.pool import StagingAllocation
 log = logging.getLogger(__name__)
 
 MAX_UNSENT = 8 << 20  # a client that stops reading events is dropped past this
-
 
 
 class Connection:
@@ -60,17 +48,63 @@ class Connection:
         self.send(F.frame(F.EVENT, 0, F.encode_state(event)))
 
 
-class ChannelHandler(Protocol):
-    def on_hello(self, conn: Connection, info: dict) -> dict: ...
-    def on_begin(self, conn: Connection, req: F.BeginRequest) -> StagingAllocation: ...
-    def on_push(self, conn: Connection, piece: F.PushPiece) -> None: ...
-    def on_end(self, conn: Connection, end: F.EndRequest) -> None: ...
-    def on_query(self, conn: Connection, reservation_id: str) -> F.StateEvent: ...
-    def on_subscribe(self, conn: Connection, reservation_id: str) -> F.StateEvent: ...
-    def on_consumed(self, conn: Connection, reservation_id: str) -> F.StateEvent: ...
-    def on_await(self, conn: Connection, request_id: str) -> dict | None: ...
-    def on_admin(self, conn: Connection, request: dict) -> dict | Awaitable[dict]: ...
-    def on_disconnect(self, conn: Connection) -> None: ...
+class ChannelHandler(abc.ABC):
+    """What a sidecar answers on its channel. Every method runs on the sidecar's loop,
+    called by ``ChannelServer`` as the frame arrives, and must not block: what the engine
+    waits for comes back as the reply, what it must hear later as an EVENT frame on
+    ``conn``. An exception becomes an error reply (or a log line, for frames without one).
+
+    Callers (all in the engine process, ``engine/connector/``): the *worker side* runs in
+    vLLM's worker process around each forward pass; the *scheduler side* in its
+    scheduler (EngineCore) process, once per engine step.
+    """
+
+    @abc.abstractmethod
+    def on_hello(self, conn: Connection, info: dict) -> dict:
+        """HELLO, first on every connection (both sides, at start and after a reconnect):
+        this sidecar's role, engine id, incarnation and pool description."""
+
+    @abc.abstractmethod
+    def on_begin(self, conn: Connection, req: F.BeginRequest) -> StagingAllocation:
+        """BEGIN, prefill worker side, before the forward pass of a request's first pushed
+        step: check the target, allocate staging; the reply says where to stage."""
+
+    @abc.abstractmethod
+    def on_push(self, conn: Connection, piece: F.PushPiece) -> None:
+        """PUSH (no reply), prefill worker side, inside the forward pass right after a
+        layer's piece was staged: write it out."""
+
+    @abc.abstractmethod
+    def on_end(self, conn: Connection, end: F.EndRequest) -> None:
+        """END (no reply), prefill worker side, after the forward pass that staged a
+        request's last piece, or when it stops early (aborted)."""
+
+    @abc.abstractmethod
+    def on_await(self, conn: Connection, request_id: str) -> dict | None:
+        """AWAIT, prefill scheduler side, when a request arrives before its reservation:
+        its push params if the handover has them, else None and a RESERVATION event later."""
+
+    @abc.abstractmethod
+    def on_query(self, conn: Connection, reservation_id: str) -> F.StateEvent:
+        """QUERY, decode: a reservation's landing state now (and poll hot for it)."""
+
+    @abc.abstractmethod
+    def on_subscribe(self, conn: Connection, reservation_id: str) -> F.StateEvent:
+        """SUBSCRIBE, decode scheduler side, when a request of the reservation arrives:
+        its state now, and one EVENT when it ends (LANDED, FAILED, CANCELLED)."""
+
+    @abc.abstractmethod
+    def on_consumed(self, conn: Connection, reservation_id: str) -> F.StateEvent:
+        """CONSUMED, decode worker side after its load copied the reservation out (or the
+        scheduler side for one it gave up on): the landing blocks are free again."""
+
+    @abc.abstractmethod
+    def on_admin(self, conn: Connection, request: dict) -> dict | Awaitable[dict]:
+        """ADMIN, from operators, tests and benchmarks (stats, record, add_peer, cancel, ...)."""
+
+    @abc.abstractmethod
+    def on_disconnect(self, conn: Connection) -> None:
+        """The connection closed (the engine exited or reconnected): drop what it owned."""
 
 
 class _ServerProtocol(asyncio.Protocol):
