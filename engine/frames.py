@@ -41,6 +41,9 @@ class FrameError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class BeginRequest:
+    """BEGIN: the request and its ``PushTarget`` (the one target shape; the frame is only
+    its binary encoding)."""
+
     request_id: str  # the engine's request
     target: PushTarget  # where it goes (the BEGIN frame carries all but nixl_agent and the deadline)
 

@@ -39,6 +39,10 @@ class NotifError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class PushNotice:
+    """One notification. A LANDED notice repeats the target's blocks, block size and
+    token count: the decode sidecar checks them against its own pool before it says
+    LANDED, without having to trust (or have heard of) the reservation."""
+
     kind: str
     reservation_id: str
     incarnation: str

@@ -27,7 +27,8 @@ class TransferParamsError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class PushParams:
-    """A role and the reservation it works on. On the wire (``to_dict``) the target's
+    """A role and the reservation it works on: a ``PushTarget``, not a shape of its own.
+    On the wire (``to_dict``, JSON inside vLLM's ``kv_transfer_params``) the target's
     fields are flat beside ``role``, as the router has always sent them."""
 
     role: str  # "prefill" or "decode"
