@@ -128,8 +128,9 @@ def run_poisson(url: str, prompts: list[str], max_tokens: int, rate: float, seed
     t0 = time.perf_counter()
     threads = []
     for i, off in enumerate(offsets):
-        while time.perf_counter() - t0 < off:
-            time.sleep(min(0.002, off - (time.perf_counter() - t0)) if off > time.perf_counter() - t0 else 0)
+        # One clock read per turn: reading it twice could make the sleep negative.
+        while (left := off - (time.perf_counter() - t0)) > 0:
+            time.sleep(min(0.002, left))
         th = threading.Thread(target=one, args=(i,), daemon=True)
         th.start()
         threads.append(th)

@@ -57,7 +57,7 @@ from sidecar.push import PushConfig, PushOutcome
 from sidecar.base import SidecarConfig
 from sidecar.sidecar import make_sidecar
 from sidecar.transport.base import TransportUnavailable
-from kvpush.contract.states import DECODE, PREFILL, REPORTED, PushState, State
+from kvpush.contract.states import DECODE, PREFILL, PushState, State, reported
 
 from sidecar.membership import (ControlPlaneLink, FatalError, Membership, ServiceConfig, guarded, rpc_error_text,
                             status_code)
@@ -100,7 +100,7 @@ class SidecarService:
         # Outcomes are terminal. A FAILED report replaces a PUSHING still held; otherwise
         # PUSHING is moot (decode reports LANDED, or the control plane ended it, and then
         # a push it cancelled is not a failure to report).
-        state = REPORTED.get(outcome.state)
+        state = reported(outcome.state)
         if outcome.state == PushState.CANCELLED and outcome.reservation_id in self._ended_remotely:
             state = None
         if state is None:
@@ -110,7 +110,7 @@ class SidecarService:
             self.reporter.report(outcome.reservation_id, state, f"prefill {self.engine_id}: {what}{outcome.reason}")
 
     def _on_landing_event(self, event: LandingEvent) -> None:
-        state = REPORTED.get(event.state)
+        state = reported(event.state)
         if state is not None:
             reason = f"decode {self.engine_id}: {event.reason}" if event.reason else ""
             hold = self.config.report_hold_s if state in (State.LANDED, State.CONSUMED) else 0.0

@@ -7,7 +7,7 @@
 * ``PushState``: one push as the prefill sidecar runs it (local, never stored).
 * ``LandingState``: one reservation as the decode sidecar sees it land (local);
   the decode connector reads it from the channel's events.
-* ``REPORTED``: the one mapping from those two local vocabularies to the lifecycle,
+* ``reported``: the one mapping from those two local vocabularies to the lifecycle,
   i.e. which local outcome the sidecar reports to the control plane as what.
 * Engine roles: ``PREFILL``/``DECODE`` as strings (CLI, channel, transfer params)
   and ``role_to_proto``/``role_from_proto`` at the proto edge.
@@ -74,16 +74,18 @@ class LandingState(str, enum.Enum):
         return self in (LandingState.FAILED, LandingState.CANCELLED, LandingState.CONSUMED)
 
 
-# What the sidecar reports to the control plane for a local state; absent: nothing.
-# A push ends in LANDED on the decode side, which reports it; a prefill reports only its
-# failures (a cancelled push that the control plane did not end itself is a failure too).
-REPORTED: dict[PushState | LandingState, State] = {
-    PushState.FAILED: State.FAILED,
-    PushState.CANCELLED: State.FAILED,
-    LandingState.LANDED: State.LANDED,
-    LandingState.CONSUMED: State.CONSUMED,
-    LandingState.FAILED: State.FAILED,
-}
+# What the sidecar reports to the control plane for a local state. A push ends in LANDED
+# on the decode side, which reports it; a prefill reports only its failures (a cancelled
+# push that the control plane did not end itself is a failure too). Two tables, because
+# the two enums share values ("FAILED" == "FAILED"), so one dict would merge their keys.
+_PUSH_REPORTS = {PushState.FAILED: State.FAILED, PushState.CANCELLED: State.FAILED}
+_LANDING_REPORTS = {LandingState.LANDED: State.LANDED, LandingState.CONSUMED: State.CONSUMED,
+                    LandingState.FAILED: State.FAILED}
+
+
+def reported(state: PushState | LandingState) -> State | None:
+    """The lifecycle state a sidecar reports for a local one; None: nothing to report."""
+    return (_PUSH_REPORTS if isinstance(state, PushState) else _LANDING_REPORTS).get(state)
 
 PREFILL, DECODE = "prefill", "decode"
 ROLES = (PREFILL, DECODE)

@@ -1,0 +1,77 @@
+"""The contract's types: the lifecycle is the proto's enum, the wire form of the push
+parameters is what the router has always sent, and the conversions go both ways."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpush.contract.layout import KvLayout, LayoutError
+from kvpush.contract.states import (DECODE, LIVE, PREFILL, TERMINAL, LandingState, PushState, State, reported,
+                                    role_from_proto, role_to_proto)
+from kvpush.contract.target import PushTarget
+from kvpush.contract.transfer_params import PushParams, TransferParamsError
+from kvpush.contract.v1 import types_pb2
+
+
+def test_the_lifecycle_is_the_proto_enum():
+    proto = {name: value for name, value in types_pb2.ReservationState.items() if value}
+    assert {s.name: int(s) for s in State} == proto
+    assert LIVE | TERMINAL == set(State) and not LIVE & TERMINAL
+    assert State(types_pb2.LANDED) is State.LANDED and State.LANDED.live and State.CONSUMED.terminal
+
+
+def test_local_outcomes_map_to_reports_once():
+    assert {s: reported(s) for s in PushState if reported(s)} == {PushState.FAILED: State.FAILED,
+                                                                 PushState.CANCELLED: State.FAILED}
+    assert {s: reported(s) for s in LandingState if reported(s)} == {
+        LandingState.LANDED: State.LANDED, LandingState.CONSUMED: State.CONSUMED, LandingState.FAILED: State.FAILED}
+    # The two enums share values: a cancelled landing (the control plane ended it) is not
+    # a cancelled push (a failure to report).
+    assert reported(LandingState.CANCELLED) is None and reported(PushState.CANCELLED) == State.FAILED
+    assert {LandingState.FAILED, LandingState.CANCELLED, LandingState.CONSUMED} == {s for s in LandingState if s.ended}
+
+
+def test_roles_convert_at_the_proto_edge():
+    assert role_from_proto(role_to_proto(PREFILL)) == PREFILL and role_from_proto(types_pb2.DECODE) == DECODE
+    with pytest.raises(ValueError, match="role"):
+        role_to_proto("router")
+    with pytest.raises(ValueError):
+        role_from_proto(0)
+
+
+def test_push_params_keep_their_wire_form():
+    target = PushTarget("res-1", "decode-0", "inc1", (4, 5), 16, 20, "decode-0.inc1", 1234)
+    params = PushParams("decode", target)
+    wire = params.to_dict()
+    assert wire == {"role": "decode", "reservation_id": "res-1", "engine_id": "decode-0",
+                    "engine_incarnation": "inc1", "nixl_agent": "decode-0.inc1", "block_ids": [4, 5],
+                    "block_size": 16, "num_tokens": 20, "deadline_unix_ms": 1234}
+    assert PushParams.from_dict(wire) == params
+    assert PushParams.from_request(params.as_kv_transfer_params()).for_role("prefill").target == target
+    res = types_pb2.Reservation(id="res-1", engine_id="decode-0", engine_incarnation="inc1", nixl_agent="decode-0.inc1",
+                                block_ids=[4, 5], block_size=16, num_tokens=20, deadline_unix_ms=1234)
+    assert PushParams.from_reservation(res, "decode") == params
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"extra": 1}, "unknown fields"),
+    ({"num_tokens": None}, "kvpush transfer params"),
+    ({"block_ids": [4]}, "cannot hold"),
+    ({"role": "router"}, "kvpush.role"),
+])
+def test_bad_push_params_are_refused_naming_the_field(change, message):
+    good = PushParams("decode", PushTarget("r", "d", "i", (4, 5), 16, 20)).to_dict()
+    with pytest.raises(TransferParamsError, match=message):
+        PushParams.from_dict({**good, **change})
+    missing = dict(good)
+    del missing["engine_incarnation"]
+    with pytest.raises(TransferParamsError, match="engine_incarnation"):
+        PushParams.from_dict(missing)
+
+
+def test_the_layout_converts_to_and_from_its_proto_once():
+    layout = KvLayout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=8, dtype="bfloat16", kv_parts=1)
+    assert KvLayout.from_proto(layout.to_proto()) == layout
+    with pytest.raises(LayoutError, match="engine.kv_layout"):
+        KvLayout.from_proto(types_pb2.KvLayout(num_layers=0, block_size=16, num_kv_heads=2, head_dim=8),
+                            "engine.kv_layout")
