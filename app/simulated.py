@@ -10,6 +10,7 @@ import secrets
 import grpc
 
 from client.control_plane import ControlPlaneClient
+from kvpush.contract.engine import EngineRecord
 from kvpush.contract.layout import KvLayout
 from kvpush.contract.v1 import registry_pb2, types_pb2
 
@@ -34,10 +35,10 @@ class SimulatedEngine:
         self._stop = asyncio.Event()
 
     def record(self) -> types_pb2.Engine:
-        return types_pb2.Engine(engine_id=self.engine_id, role=self.role, model=self.model,
-                                kv_layout=self.layout.to_proto(), nixl_agent=f"sim-{self.engine_id}",
-                                nixl_metadata=SIMULATED_METADATA, num_blocks=self.num_blocks,
-                                sidecar_address="simulated", pool=self.pool, incarnation=self.incarnation)
+        return EngineRecord(engine_id=self.engine_id, role=self.role, layout=self.layout, incarnation=self.incarnation,
+                            nixl_agent=f"sim-{self.engine_id}", nixl_metadata=SIMULATED_METADATA,
+                            num_blocks=self.num_blocks, model=self.model, pool=self.pool,
+                            sidecar_address="simulated").to_proto()
 
     async def register(self) -> registry_pb2.RegisterEngineResponse:
         resp = await self.client.registry.RegisterEngine(

@@ -16,11 +16,22 @@ import time
 
 import numpy as np
 
-from sidecar.transport.nixl import NixlTransport
+from sidecar.transport.nixl import NixlConfig, NixlTransport
 from sidecar.progress import ProgressDriver
 
 
-async def pull(agent: NixlTransport, driver: ProgressDriver, request: dict, timeout_s: float = 10.0) -> dict:
+class ReadingNixlTransport(NixlTransport):
+    """The sidecar's NIXL transport plus the READ that only this baseline does."""
+
+    def post_read(self, local: np.ndarray, remote: np.ndarray, remote_agent: str):
+        return self._post("READ", local, remote, remote_agent, "DRAM", "DRAM", b"")
+
+
+def reading_transport(config) -> ReadingNixlTransport:
+    return ReadingNixlTransport(NixlConfig(config.agent_name, config.backends))
+
+
+async def pull(agent: ReadingNixlTransport, driver: ProgressDriver, request: dict, timeout_s: float = 10.0) -> dict:
     """``request``: ``metadata`` (base64 agent metadata of the prefill side), ``agent``
     (its name), ``local``/``remote``: lists of ``[address, length]`` pairs (same order)."""
     name = request["agent"]

@@ -1,5 +1,6 @@
 """A local decode sidecar that also answers ``bench_pull``: the pull baseline's READ
-(``bench/pull_baseline.py``), run inside a real sidecar over its own NIXL agent.
+(``bench/pull_baseline.py``), run inside a real sidecar over its own NIXL agent (a
+``NixlTransport`` that can READ, given to the sidecar as its transport factory).
 The production sidecar has no such op; ``bench/push.py`` starts its decode side with
 ``python -m bench.pull_sidecar`` instead of ``python -m sidecar.sidecar``."""
 
@@ -10,7 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.pull_baseline import pull  # noqa: E402
+from bench.pull_baseline import pull, reading_transport  # noqa: E402
 from kvpush.contract.states import DECODE  # noqa: E402
 from sidecar.decode import DecodeSidecar  # noqa: E402
 from sidecar.sidecar import main, make_sidecar  # noqa: E402
@@ -24,7 +25,9 @@ class PullingDecodeSidecar(DecodeSidecar):
 
 
 def factory(config):
-    return PullingDecodeSidecar(config) if config.role == DECODE else make_sidecar(config)
+    if config.role == DECODE:
+        return PullingDecodeSidecar(config, transport_factory=reading_transport)
+    return make_sidecar(config)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,9 @@ method              side      moment
 ``bind_caches``     both      ``register_kv_caches``, once: the per-layer cache tensors
 ``bind_pool``       both      after the channel's HELLO, and again after a reconnect to a
                               restarted sidecar (a new pool)
-``plan``            both      once per request piece per step, before its first layer: what
-                              every layer's copy of that piece reuses (index tensors, say)
+``plan``            prefill   once per request piece per step, before its first layer: what
+                              every layer's copy of that piece reuses (index tensors, say);
+                              ``load`` plans for itself when given none
 ``stage``           prefill   ``save_kv_layer``, after each attention layer, for each request
                               pushing in the step; the PUSH frame follows at once
 ``load``            decode    ``start_load_kv``, before the forward pass, for each landed

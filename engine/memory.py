@@ -19,7 +19,12 @@ import os
 import re
 import secrets
 
+import typing
+
 import numpy as np
+
+if typing.TYPE_CHECKING:
+    from engine.pool import PoolDescription
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "kvpush"
@@ -29,12 +34,21 @@ _TAG_SAFE = re.compile(r"[^A-Za-z0-9_.]")
 
 
 class PoolMemory(abc.ABC):
-    """One contiguous, registrable region of pool memory.
+    """One contiguous, registrable region of pool memory, mapped by two processes.
 
-    What NIXL needs (``base_address``, ``size``, ``mem_kind``, ``device_id``),
-    what a peer needs to address it (the same numbers, published in the
-    ``Engine`` record) and what the local engine needs to map it
-    (``share_handle``).
+    Who uses what, and when:
+
+    * the sidecar makes it at start (``SidecarBase.start``, through ``sidecar/pools.py``:
+      ``ShmMemory.create``); its transport registers it (``base_address``, ``size``,
+      ``mem_kind``, ``device_id``) and the same numbers go into the engine's record for
+      peers to address it;
+    * the sidecar's HELLO answer describes it (``PoolDescription``: ``mem_kind``,
+      ``share_handle``, sizes); the engine maps it with ``attach_pool`` when its
+      connector starts (``KVPushWorker.__init__``) and again after reconnecting to a
+      restarted sidecar;
+    * ``host_view`` is for host memory only: the CPU copier's views
+      (``CpuCopier.bind_pool``), the pools' block views and the debug checksums;
+    * ``close`` when either process is done with it (the creator's also destroys it).
     """
 
     @property
@@ -240,7 +254,7 @@ class ShmMemory(PoolMemory):
 _ATTACH = {"DRAM": lambda desc: ShmMemory.attach(desc.share_handle, desc.size_bytes)}
 
 
-def attach_pool(desc) -> PoolMemory:
+def attach_pool(desc: "PoolDescription") -> PoolMemory:
     """Map the pool an ``engine.pool.PoolDescription`` describes into this process."""
     attach = _ATTACH.get(desc.memory_kind)
     if attach is None:

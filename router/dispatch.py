@@ -29,6 +29,7 @@ from aiohttp import web
 from client.control_plane import ControlPlaneClient
 from client.reserve_stream import ReserveRefused, StreamReserver
 from kvpush import log
+from kvpush.contract.states import DECODE, PREFILL
 from kvpush.contract.transfer_params import AwaitParams, PushParams, read_push_report
 from kvpush.contract.v1 import scheduler_pb2
 from router import ask as asks
@@ -152,7 +153,7 @@ class Dispatcher:
                 held.append(res)
                 timings["reserved"] = time.perf_counter()
                 if ask.path == asks.PUSH:
-                    response = await self._push(ask, PushParams.from_reservation(res, "prefill"),
+                    response = await self._push(ask, PushParams.from_reservation(res, PREFILL),
                                                 self.cfg.decode_url(res.engine_id), request, timings)
                 else:
                     response = await self._first_token(ask, request_id, prefill_url, request, timings, held)
@@ -178,7 +179,7 @@ class Dispatcher:
                     timings: dict) -> web.StreamResponse:
         prefill_url = self._least_loaded(self.cfg.prefill_urls)
         p_body = prefill_body(ask.body, params.as_kv_transfer_params(), first_token=False)
-        d_body = dict(ask.body, kv_transfer_params=params.for_role("decode").as_kv_transfer_params())
+        d_body = dict(ask.body, kv_transfer_params=params.for_role(DECODE).as_kv_transfer_params())
         prefill = asyncio.create_task(self._prefill_then_release(prefill_url, ask.endpoint, p_body,
                                                                  params.target.reservation_id, timings))
         try:
@@ -223,7 +224,7 @@ class Dispatcher:
         if reserving is not None:
             kv = AwaitParams(request_id, self.await_ms).as_kv_transfer_params()
         else:
-            kv = PushParams.from_reservation(held[0], "prefill").as_kv_transfer_params()
+            kv = PushParams.from_reservation(held[0], PREFILL).as_kv_transfer_params()
         prefill = asyncio.create_task(self._post(prefill_url, ask.endpoint, prefill_body(ask.body, kv, True), timings))
         try:
             if reserving is not None:
@@ -279,7 +280,7 @@ class Dispatcher:
             metrics.FALLBACKS.labels(reason="not_pushed").inc()
             await self.release(res.id, "the prefill engine did not push")
             res = None
-        kv = PushParams.from_reservation(res, "decode").as_kv_transfer_params() if res is not None else None
+        kv = PushParams.from_reservation(res, DECODE).as_kv_transfer_params() if res is not None else None
         d_body = decode_body(ask, head, self.cfg.model, kv)
         tail = Tail(ask, head, self.counter.output_text(head.prompt_ids, ask.body.get("skip_special_tokens", True)))
         decode_url = (self.cfg.decode_url(res.engine_id) if res is not None

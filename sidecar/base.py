@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import secrets
+from typing import Callable
 
 from engine import frames as F
 from engine.memory import sweep_stale_segments
@@ -59,13 +60,19 @@ class SidecarConfig:
         return f"{self.engine_id}.{self.incarnation}"
 
 
+def nixl_transport(config: SidecarConfig) -> Transport:
+    """The production transport: NIXL on the configured backends."""
+    return NixlTransport(NixlConfig(config.agent_name, config.backends))
+
+
 class SidecarBase(ChannelHandler):
     """The role-independent half of a sidecar, and the ``ChannelHandler`` for the frames
     every sidecar serves (HELLO, ADMIN, disconnects). A frame of the other role's half
     is refused with an error naming it."""
 
-    def __init__(self, config: SidecarConfig):
+    def __init__(self, config: SidecarConfig, transport_factory: Callable[[SidecarConfig], Transport] | None = None):
         self.config = config
+        self.transport_factory = transport_factory or nixl_transport
         self.accepting = True  # False while shutting down: new pushes are refused
         self.pool: LayerMajorPool | None = None
         self.transport: Transport | None = None
@@ -103,7 +110,7 @@ class SidecarBase(ChannelHandler):
             log.info("removed %d stale shared-memory segments of dead sidecars", len(swept))
         self.pool = self._make_pool(f"{c.engine_id}.{c.role}")
         try:
-            self.transport = NixlTransport(NixlConfig(c.agent_name, c.backends))
+            self.transport = self.transport_factory(c)
             self.transport.register(self.pool.memory)
             self.driver = ProgressDriver(self.transport, c.poll)
             self.trace = Trace(f"sidecar-{c.role}-{c.engine_id}")

@@ -86,7 +86,8 @@ class ChannelHandler(abc.ABC):
 
     @abc.abstractmethod
     def on_query(self, conn: Connection, reservation_id: str) -> F.StateEvent:
-        """QUERY, decode: a reservation's landing state now (and poll hot for it)."""
+        """QUERY, decode, from tests and tools (the connector subscribes instead): a
+        reservation's landing state now (and poll hot for it)."""
 
     @abc.abstractmethod
     def on_subscribe(self, conn: Connection, reservation_id: str) -> F.StateEvent:

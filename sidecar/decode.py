@@ -15,11 +15,13 @@ from sidecar.base import SidecarBase, SidecarConfig
 from sidecar.channel_server import Connection
 from sidecar.landing import LandingEvent, LandingTable
 from sidecar.pools import LandingPool
+from sidecar.transport.base import Transport
 
 
 class DecodeSidecar(SidecarBase):
-    def __init__(self, config: SidecarConfig, on_landing_event: Callable[[LandingEvent], None] | None = None):
-        super().__init__(config)
+    def __init__(self, config: SidecarConfig, on_landing_event: Callable[[LandingEvent], None] | None = None,
+                 transport_factory: Callable[[SidecarConfig], Transport] | None = None):
+        super().__init__(config, transport_factory)
         self.on_landing_event = on_landing_event
         self.landing: LandingTable | None = None
         self._subscriptions: dict[str, list[tuple[str, Callable]]] = {}

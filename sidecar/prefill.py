@@ -21,6 +21,7 @@ from sidecar.handover import Handover
 from sidecar.peers import PeerRegistry, RemotePeer, Resolver
 from sidecar.pools import StagingPool
 from sidecar.push import PushEngine, PushOutcome
+from sidecar.transport.base import Transport
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +30,9 @@ class PrefillSidecar(SidecarBase):
     def __init__(self, config: SidecarConfig,
                  on_push_outcome: Callable[[PushOutcome], None] | None = None,
                  resolver: Resolver | None = None,
-                 on_push_start: Callable[[str, str], None] | None = None):
-        super().__init__(config)
+                 on_push_start: Callable[[str, str], None] | None = None,
+                 transport_factory: Callable[[SidecarConfig], Transport] | None = None):
+        super().__init__(config, transport_factory)
         self.on_push_outcome = on_push_outcome
         self.on_push_start = on_push_start  # (reservation_id, request_id): first write posted
         self.resolver = resolver

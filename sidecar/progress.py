@@ -36,7 +36,7 @@ import os
 import time
 from typing import Callable
 
-from sidecar.transport.base import DONE, PROC, Transport
+from sidecar.transport.base import DONE, ERR, PROC, Transport
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ class ProgressDriver:
                 if state == DONE:
                     self._complete(xfer, True, "")
                 else:
-                    self._complete(xfer, False, "transfer failed" if state == "ERR" else
+                    self._complete(xfer, False, "transfer failed" if state == ERR else
                                    f"transfer not done after {now - xfer.posted_at:.3f} s")
                 if released:
                     self._released(xfer)

@@ -1,7 +1,7 @@
 """``kvpush sidecar``: a sidecar wired to the control plane.
 
-One process, one NIXL agent, one ``sidecar.sidecar.Sidecar`` (pool, agent,
-progress, push/landing, local channel), plus what makes it a member of the
+One process, one sidecar from ``sidecar.sidecar.make_sidecar`` (``PrefillSidecar`` or
+``DecodeSidecar``: pool, transport, progress, push or landing, local channel), plus what makes it a member of the
 system:
 
 * ``Membership`` registers the engine (``Registry.RegisterEngine``: NIXL
@@ -119,7 +119,7 @@ class SidecarService:
     def _reserved(self, res: types_pb2.Reservation) -> None:
         """A reservation the router named this prefill engine for: hold it for the request."""
         if self._started:
-            params = PushParams.from_reservation(res, "prefill").to_dict()
+            params = PushParams.from_reservation(res, PREFILL).to_dict()
             self.sidecar.offer_reservation(params, res.request_id, res.id, res.deadline_unix_ms)
 
     def _ended(self, reservation_id: str, reason: str) -> None:
@@ -162,7 +162,7 @@ class SidecarService:
         tune_gc()
         if self.config.ready_file:
             record = self.sidecar.engine_record().to_dict()
-            record.update(role=self.sidecar_config.role, model=self.config.model, lease_id=resp.lease_id,
+            record.update(model=self.config.model, lease_id=resp.lease_id,
                           pid=os.getpid(), socket=self.sidecar_config.socket_path)
             write_ready_file(self.config.ready_file, json.dumps(record))
 

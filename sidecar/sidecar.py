@@ -24,17 +24,20 @@ from sidecar.peers import Resolver
 from sidecar.prefill import PrefillSidecar
 from sidecar.progress import PollPolicy
 from sidecar.push import PushConfig, PushOutcome
+from sidecar.transport.base import Transport
 
 
 def make_sidecar(config: SidecarConfig,
                  on_push_outcome: Callable[[PushOutcome], None] | None = None,
                  on_landing_event: Callable[[LandingEvent], None] | None = None,
                  resolver: Resolver | None = None,
-                 on_push_start: Callable[[str, str], None] | None = None) -> SidecarBase:
-    """The sidecar of ``config.role``; the other role's hooks are not used."""
+                 on_push_start: Callable[[str, str], None] | None = None,
+                 transport_factory: Callable[[SidecarConfig], Transport] | None = None) -> SidecarBase:
+    """The sidecar of ``config.role``; the other role's hooks are not used. The transport
+    is NIXL unless ``transport_factory`` makes another (``sidecar/transport/``)."""
     if config.role == PREFILL:
-        return PrefillSidecar(config, on_push_outcome, resolver, on_push_start)
-    return DecodeSidecar(config, on_landing_event)
+        return PrefillSidecar(config, on_push_outcome, resolver, on_push_start, transport_factory)
+    return DecodeSidecar(config, on_landing_event, transport_factory)
 
 
 # -- process main for local runs and tests ---------------------------------------------------------
@@ -47,6 +50,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--socket", required=True)
     p.add_argument("--record-out", help="write this engine's record (JSON) here once serving")
     p.add_argument("--incarnation", default=None)
+    p.add_argument("--backends", default="UCX", help="NIXL backends, comma-separated (UCX, LIBFABRIC)")
     p.add_argument("--checksums", action="store_true", help="send per-block CRC32 with each push")
     p.add_argument("--transfer-timeout", type=float, default=2.0)
     p.add_argument("--idle-interval", type=float, default=PollPolicy.idle_interval_s)
@@ -60,7 +64,7 @@ async def _serve(args: argparse.Namespace, factory=make_sidecar) -> None:
     config = SidecarConfig(args.engine_id, args.role, KvLayout.parse(args.layout), args.blocks, args.socket,
                            poll=PollPolicy(hot_interval_s=args.hot_interval, idle_interval_s=args.idle_interval),
                            push=PushConfig(transfer_timeout_s=args.transfer_timeout, checksums=args.checksums),
-                           **extra)
+                           backends=tuple(b.strip() for b in args.backends.split(",") if b.strip()), **extra)
     sidecar = factory(config)
     stop = stop_on_signals()
     await sidecar.start()

@@ -3,7 +3,7 @@ Its bytes are copied by a CacheCopier (``engine/copier.py``).
 
     kvpush_connector.py  KVPushConnector, the class vLLM loads (facade)
     scheduler.py         scheduler side: who pushes, who loads, each step's plan
-    worker.py            worker side: BEGIN/PUSH/END (prefill), SUBSCRIBE/copy/CONSUMED (decode)
+    worker.py            worker side: BEGIN/PUSH/END (prefill), copy/CONSUMED (decode)
     metadata.py          the step's plan, scheduler -> worker
     landing_watch.py     decode scheduler side: what the sidecar says of awaited reservations
     handover_watch.py    prefill scheduler side: reservations of requests that arrived first

@@ -139,7 +139,7 @@ class KVPushWorker:
         old_client, old_pool = self.client, self.pool
         try:
             self.pool = attach_pool(info.pool)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # gone, resized, or a memory kind this side cannot map
             log.warning("kvpush sidecar pool %s not mappable: %s", info.pool.share_handle, exc)
             client.close()
             return False

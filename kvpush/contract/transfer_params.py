@@ -60,18 +60,19 @@ class PushParams:
         unknown = set(data) - _WIRE_FIELDS
         if unknown:
             raise TransferParamsError(f"kvpush transfer params have unknown fields {sorted(unknown)}")
-        missing = {"role", "reservation_id", "engine_id", "engine_incarnation", "block_ids", "block_size",
-                   "num_tokens"} - set(data)
+        missing = (_WIRE_FIELDS - {"deadline_unix_ms"}) - set(data)
         if missing:
             raise TransferParamsError(f"kvpush transfer params lack {sorted(missing)}")
+        wrong = [name for name in _TEXT_FIELDS if not isinstance(data[name], str)]
+        if wrong:
+            raise TransferParamsError(f"kvpush transfer params: {', '.join(wrong)} must be strings")
         try:
-            target = PushTarget(str(data["reservation_id"]), str(data["engine_id"]), str(data["engine_incarnation"]),
+            target = PushTarget(data["reservation_id"], data["engine_id"], data["engine_incarnation"],
                                 tuple(int(b) for b in data["block_ids"]), int(data["block_size"]),
-                                int(data["num_tokens"]), str(data.get("nixl_agent", "")),
-                                int(data.get("deadline_unix_ms", 0)))
+                                int(data["num_tokens"]), data["nixl_agent"], int(data.get("deadline_unix_ms", 0)))
         except (TypeError, ValueError) as exc:
             raise TransferParamsError(f"kvpush transfer params: {exc}") from None
-        return cls(str(data["role"]), target)
+        return cls(data["role"], target)
 
     @classmethod
     def from_request(cls, kv_transfer_params: dict | None) -> "PushParams | None":
@@ -87,7 +88,8 @@ class PushParams:
 
 
 _WIRE_FIELDS = {"role", "reservation_id", "engine_id", "engine_incarnation", "nixl_agent", "block_ids", "block_size",
-                "num_tokens", "deadline_unix_ms"}
+                "num_tokens", "deadline_unix_ms"}  # all required but the deadline
+_TEXT_FIELDS = ("role", "reservation_id", "engine_id", "engine_incarnation", "nixl_agent")
 
 
 @dataclasses.dataclass(frozen=True)

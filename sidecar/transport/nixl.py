@@ -28,7 +28,7 @@ import os
 import numpy as np
 
 from engine.memory import PoolMemory
-from sidecar.transport.base import ERR, TransferError, Transport, TransportUnavailable
+from sidecar.transport.base import DONE, ERR, TransferError, Transport, TransportUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -121,10 +121,6 @@ class NixlTransport(Transport):
         """
         return self._post("WRITE", local, remote, remote_agent, local_kind, remote_kind, notif)
 
-    def post_read(self, local: np.ndarray, remote: np.ndarray, remote_agent: str):
-        """A READ, not part of the seam: only the pull baseline of ``bench/push.py`` reads."""
-        return self._post("READ", local, remote, remote_agent, "DRAM", "DRAM", b"")
-
     def _post(self, op: str, local, remote, remote_agent: str, local_kind: str, remote_kind: str, notif: bytes):
         agent = self._agent
         try:
@@ -140,10 +136,10 @@ class NixlTransport(Transport):
             self.release(handle)
             raise TransferError(f"{op} with {remote_agent} failed to post: {exc}",
                                 peer_gone=_is_disconnect(exc)) from exc
-        if state == "ERR":
+        if state == ERR:
             self.release(handle)
             raise TransferError(f"{op} with {remote_agent} failed to post")
-        return handle, state == "DONE"
+        return handle, state == DONE
 
     def check(self, handle) -> str:
         try:

@@ -3,6 +3,8 @@ in whatever order the test says, and a write can fail, with real bytes moved."""
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
@@ -134,3 +136,48 @@ def test_a_peer_that_left_the_fabric_fails_the_push_and_is_not_tried_again(pair)
     assert pair.staging.live_allocations == 0
     with pytest.raises(Exception, match="gone"):
         pair.pusher.begin("req-2", PushTarget("res-2", "D", "inc-d", BLOCKS, LAYOUT.block_size, TOKENS))
+
+
+async def test_a_whole_sidecar_pair_runs_on_an_injected_transport(tmp_path):
+    from kvpush.contract.states import DECODE, PREFILL
+    from sidecar.base import SidecarConfig
+    from sidecar.sidecar import make_sidecar
+    from sidecar.transport.fake import FakeTransport
+
+    fabric = FakeFabric(auto_complete=True)  # every write lands as it is posted
+
+    def transport(config):
+        return fabric.transport(config.agent_name)
+
+    events = []
+    decode = make_sidecar(SidecarConfig("dec-f", DECODE, LAYOUT, 16, str(tmp_path / "d.sock")),
+                          on_landing_event=events.append, transport_factory=transport)
+    prefill = make_sidecar(SidecarConfig("pre-f", PREFILL, LAYOUT, 16, str(tmp_path / "p.sock")),
+                           transport_factory=transport)
+    await decode.start()
+    await prefill.start()
+    try:
+        assert isinstance(prefill.transport, FakeTransport) and isinstance(decode.transport, FakeTransport)
+        prefill.add_peer(decode.engine_record())
+        target = PushTarget("res-f", "dec-f", decode.config.incarnation, (2, 3), LAYOUT.block_size, TOKENS - 20)
+        alloc = prefill.pusher.begin("req-f", target)
+        geom = DestGeometry.for_layout(LAYOUT, LAYOUT.block_size, target.num_tokens)
+        width = LAYOUT.head_dim * LAYOUT.itemsize
+        data = np.random.default_rng(3).integers(0, 256, (LAYOUT.num_layers, LAYOUT.kv_parts, target.num_tokens,
+                                                          LAYOUT.num_kv_heads, width), dtype=np.uint8)
+        for layer in range(LAYOUT.num_layers):
+            reblock.stage_tokens(prefill.pool.memory.host_view(), alloc, geom, layer, data[layer], 0, target.num_tokens)
+            prefill.pusher.push("req-f", layer)
+        for _ in range(200):  # the decode sidecar's own progress driver hears LANDED
+            if decode.landing.query("res-f").state == LandingState.LANDED:
+                break
+            await asyncio.sleep(0.01)
+        assert decode.landing.query("res-f").state == LandingState.LANDED
+        for layer in range(LAYOUT.num_layers):
+            got = reblock.gather_tokens(decode.pool.blocks_view(layer), [2, 3], 0, target.num_tokens)
+            assert np.array_equal(got, data[layer])
+        await asyncio.sleep(0.05)
+        assert [e.state for e in events] == [LandingState.LANDED]
+    finally:
+        await prefill.stop()
+        await decode.stop()
