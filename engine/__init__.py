@@ -9,7 +9,8 @@ channel codec and pool types.
     memory.py       PoolMemory (the seam), ShmMemory, attach_pool (description -> mapping)
     geometry.py     DestGeometry: a request's bytes in the destination's block geometry
     copier.py       the CacheCopier seam: engine cache <-> canonical blocks
-    cpu_copier.py   CpuCopier: the CacheCopier for host caches
+    cpu_copier.py   CpuCopier: the CacheCopier for the CPU backend's packed caches
+    torch_copier.py TorchCopier: the CacheCopier for vLLM's plain (GPU) layouts, in torch ops
     cache_codec.py  BlockCodec: a backend's block layout, probed from its kernel
     reblock.py      numpy re-blocking copies: paged cache <-> staging/landing
 """

@@ -22,7 +22,8 @@ method              side      moment
 ==================  ========  ===============================================================
 
 Implementations: ``engine.cpu_copier.CpuCopier`` (host memory; the probed block codec of
-``engine/cache_codec.py``, numpy copies). A device implementation takes the same calls:
+``engine/cache_codec.py``, numpy copies) and ``engine.torch_copier.TorchCopier`` (vLLM's
+plain layouts, torch ops on the cache's device). A device implementation takes the same calls:
 the caches are tensors on their device, the pool is device memory from
 ``engine.memory.attach_pool``, and ``stage`` must return only once the piece's bytes are
 in the pool (or ordered before the sidecar can read them), since PUSH follows it.

@@ -1,0 +1,153 @@
+"""``TorchCopier``: the ``CacheCopier`` for vLLM's plain KV layouts, in torch ops on the
+cache's own device.
+
+In the vLLM we pin (0.32, RFC #42082, ``vllm/v1/kv_cache_layout.py``) every attention
+backend but the CPU one sees a layer's cache as the *logical* view
+``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``: K in the first ``head_dim``
+of the last axis, V in the second (FlashAttention splits it so:
+``kv_cache.transpose(1, 2).split(head_size, dim=-1)``). What differs between backends
+and settings is the physical order of those axes (``KVCacheLayout``: NHD, HND, block
+or layer outermost), which the view's strides carry; the content axis is always the
+innermost, so a layer is viewable as bytes and moves as it is stored (fp8 included).
+
+This copier indexes the logical view, so one code path serves every stride order and
+dtype: a request's tokens are gathered (prefill) or scattered (decode) with two index
+tensors, block and slot per token, computed once per piece (``plan``) and reused by
+every layer; no per-token Python. Staging and landing blocks are kvpush's canonical
+``[K/V][token][kv_head][head_dim]`` per block (``kvpush.contract.layout``), so a pool
+row of ``num_kv_heads * head_dim`` bytes is one token's K or V.
+
+What is not here yet (issue #11): the device pool (VRAM by IPC handle; ``bind_pool``
+takes the pool's bytes through ``PoolMemory.host_view`` today), the CUDA event that
+orders PUSH after ``stage``'s copy, and the connector choosing this copier for a GPU
+backend. The CPU tests run this very code on CPU tensors in each stride order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+from engine.copier import CacheCopier, CopyError
+from engine.geometry import DestGeometry
+from engine.memory import PoolMemory
+from engine.pool import PoolDescription, StagingAllocation
+from kvpush.contract.layout import KvLayout
+
+TORCH_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+                torch.float8_e4m3fn: "float8_e4m3fn", torch.uint8: "uint8"}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    blocks: torch.Tensor  # (T,) cache block of each token, on the cache's device
+    slots: torch.Tensor  # (T,) slot of each token in its block
+
+
+class TorchCopier(CacheCopier):
+    def __init__(self, block_size: int):
+        self._block_size = block_size
+        self._layers: list[torch.Tensor] = []  # per layer: the logical view as bytes (B, H, N, 2 * D * itemsize)
+        self._rows: torch.Tensor | None = None  # the pool as rows of one token's K or V bytes
+        self._pool: PoolDescription | None = None
+        self._token_part = 0  # bytes of one token's K (or V) in one layer
+        self._device = torch.device("cpu")
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def token_layer_bytes(self) -> int:
+        return 2 * self._token_part
+
+    def bind_caches(self, caches: Sequence[torch.Tensor], layout: KvLayout) -> None:
+        if layout.kv_parts != 2:
+            raise CopyError(f"the sidecar's layout has {layout.kv_parts} KV part(s); this copier moves K and V "
+                            "(an MLA latent cache is not supported)")
+        views = []
+        for i, cache in enumerate(caches):
+            name = TORCH_DTYPES.get(cache.dtype)
+            if name is None or name != layout.dtype:
+                raise CopyError(f"layer {i}: a {cache.dtype} KV cache, the sidecar's layout holds {layout.dtype}")
+            want = (layout.num_kv_heads, self._block_size, 2 * layout.head_dim)
+            if cache.dim() != 4 or tuple(cache.shape[1:]) != want:
+                raise CopyError(f"layer {i}: KV cache of logical shape {tuple(cache.shape)}, expected "
+                                f"(blocks, {want[0]}, {want[1]}, {want[2]}) = (blocks, kv_heads, block_size, 2 * head_dim)")
+            if cache.stride(-1) != 1:
+                raise CopyError(f"layer {i}: the cache's content axis is not innermost (strides {cache.stride()})")
+            views.append(cache.view(torch.uint8))  # bytes as stored: no conversion, fp8 as it is
+        self._layers = views
+        self._token_part = layout.token_part_bytes
+        self._device = caches[0].device
+
+    def bind_pool(self, memory: PoolMemory, desc: PoolDescription) -> None:
+        lo = desc.layout
+        if lo.token_part_bytes != self._token_part:
+            raise CopyError(f"the sidecar's pool holds {lo.token_part_bytes}-byte token parts, the cache "
+                            f"{self._token_part}")
+        pool = torch.from_numpy(memory.host_view())
+        self._rows = pool.view(-1, self._token_part)
+        self._pool = desc
+
+    def plan(self, cache_block_ids: Sequence[int], start: int, end: int) -> _Plan:
+        if not 0 <= start < end:
+            raise ValueError(f"bad token range [{start}, {end})")
+        if (end - 1) // self._block_size >= len(cache_block_ids):
+            raise ValueError(f"tokens [{start}, {end}) need {(end - 1) // self._block_size + 1} blocks, "
+                             f"the request has {len(cache_block_ids)}")
+        tokens = torch.arange(start, end)
+        ids = torch.as_tensor(list(cache_block_ids), dtype=torch.long)
+        return _Plan(ids[tokens // self._block_size].to(self._device), (tokens % self._block_size).to(self._device))
+
+    def stage(self, layer: int, cache_block_ids: Sequence[int], start: int, end: int, alloc: StagingAllocation,
+              geom: DestGeometry, plan: _Plan | None = None) -> None:
+        plan = plan or self.plan(cache_block_ids, start, end)
+        tokens = self._layers[layer][plan.blocks, :, plan.slots, :]  # (T, H, 2 * Db): a gather, on the device
+        k_rows, v_rows = self._staging_rows(alloc, geom, layer, start, end)
+        half = tokens.shape[-1] // 2
+        self._rows[k_rows] = tokens[..., :half].reshape(len(k_rows), -1).to(self._rows.device)
+        self._rows[v_rows] = tokens[..., half:].reshape(len(v_rows), -1).to(self._rows.device)
+
+    def load(self, cache_block_ids: Sequence[int], start: int, end: int, landing_block_ids: Sequence[int],
+             plan: _Plan | None = None) -> None:
+        plan = plan or self.plan(cache_block_ids, start, end)
+        lo = self._pool.layout
+        t = torch.arange(start, end)
+        ids = torch.as_tensor(list(landing_block_ids), dtype=torch.long)
+        if (end - 1) // lo.block_size >= len(ids):
+            raise ValueError(f"tokens [{start}, {end}) need more than the {len(ids)} landing blocks")
+        heads = lo.num_kv_heads
+        for layer, cache in enumerate(self._layers):
+            k_rows = self._block_rows(layer, ids[t // lo.block_size], t % lo.block_size, lo.block_size,
+                                      self._pool.num_units)
+            both = torch.cat([self._rows[k_rows], self._rows[k_rows + lo.block_size]], dim=-1)  # (T, 2 * H * Db)
+            # (T, 2, H, Db) -> (T, H, 2 * Db): K and V side by side per head, as the logical view holds them
+            both = both.view(len(t), 2, heads, -1).transpose(1, 2).reshape(len(t), heads, -1)
+            cache[plan.blocks, :, plan.slots, :] = both.to(cache.device)
+
+    # -- pool rows --------------------------------------------------------------------------
+    def _block_rows(self, layer: int, blocks: torch.Tensor, slots: torch.Tensor, block_size: int,
+                    num_units: int) -> torch.Tensor:
+        """Rows of K for ``(block, slot)`` pairs of a pool of ``num_units`` blocks of ``block_size``
+        tokens (V is ``block_size`` rows further); the pool is layer-major, one block
+        ``[K/V][slot]`` rows."""
+        per_block = 2 * block_size
+        return layer * num_units * per_block + blocks * per_block + slots
+
+    def _staging_rows(self, alloc: StagingAllocation, geom: DestGeometry, layer: int, start: int,
+                      end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V rows of tokens ``[start, end)`` in the request's staging allocation, which
+        holds them in the destination's block geometry, extent by extent."""
+        d = geom.block_size
+        t = torch.arange(start, end)
+        dest = t // d
+        base = torch.empty(alloc.num_dest_blocks, dtype=torch.long)
+        for ext in alloc.extents:  # a handful of extents: each a run of destination blocks
+            first = alloc.extent_offset(ext, layer) // self._token_part
+            base[ext.first_block:ext.first_block + ext.num_blocks] = (
+                first + torch.arange(ext.num_blocks) * 2 * d)
+        k = base[dest] + t % d
+        return k, k + d

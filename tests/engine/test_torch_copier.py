@@ -1,0 +1,117 @@
+"""The torch copier on CPU tensors laid out as vLLM's GPU backends lay out their caches:
+every KVCacheLayout of the pinned vLLM, every dtype, a re-blocked, chunked, scattered
+request staged, moved and loaded byte for byte, and nothing else touched."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from engine import reblock
+from engine.copier import CopyError
+from engine.geometry import DestGeometry
+from engine.torch_copier import TorchCopier
+from kvpush.contract.layout import KvLayout
+from sidecar.pools import LandingPool, StagingPool
+
+HEADS, DIM, LAYERS, BLOCKS = 2, 8, 3, 12
+P_BS, D_BS = 16, 32  # prefill and decode block sizes differ: the push re-blocks
+TOKENS = 70  # five prefill blocks, three decode blocks, the last of each partial
+P_IDS, D_IDS, LANDING_IDS = [7, 2, 9, 4, 0], [5, 1, 10], [6, 3, 11]
+SENTINEL = 0xAB
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn]
+
+
+def layer_views(layout: KVCacheLayout, dtype, block_size: int, fill) -> list[torch.Tensor]:
+    """One allocation for every layer in ``layout``'s physical order, seen through the logical
+    ``[L, B, H, N, 2 * D]`` axes, as vLLM hands a connector its per-layer views."""
+    logical = (LAYERS, BLOCKS, HEADS, block_size, 2 * DIM)
+    order = layout.stride_order
+    physical = torch.empty([logical[o] for o in order], dtype=dtype)
+    flat = physical.view(torch.uint8).view(-1)
+    flat.copy_(fill(flat.numel()))
+    view = physical.permute(*np.argsort(order).tolist())
+    assert tuple(view.shape) == logical
+    return [view[i] for i in range(LAYERS)]
+
+
+def token_bytes(views, layer: int, ids, block_size: int, t: int) -> np.ndarray:
+    return views[layer][ids[t // block_size], :, t % block_size, :].contiguous().view(torch.uint8).numpy()
+
+
+@pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda x: x.name)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_request_staged_moved_and_loaded_arrives_byte_for_byte(layout, dtype):
+    name = str(dtype).removeprefix("torch.")
+    lp = KvLayout(num_layers=LAYERS, block_size=P_BS, num_kv_heads=HEADS, head_dim=DIM, dtype=name)
+    ld = KvLayout(num_layers=LAYERS, block_size=D_BS, num_kv_heads=HEADS, head_dim=DIM, dtype=name)
+    rng = np.random.default_rng(11)
+    src = layer_views(layout, dtype, P_BS, lambda n: torch.from_numpy(rng.integers(0, 256, n, dtype=np.uint8)))
+    dst = layer_views(layout, dtype, D_BS, lambda n: torch.full((n,), SENTINEL, dtype=torch.uint8))
+    staging = StagingPool.create_shm("t-torch.staging", lp, 8)
+    landing = LandingPool.create_shm("t-torch.landing", ld, 12)
+    try:
+        geom = DestGeometry.for_layout(lp, D_BS, TOKENS)
+        # Fragment staging so the request lies in two extents.
+        x = staging.allocate(geom.block_layer_bytes, 1)
+        staging.allocate(geom.block_layer_bytes, 1)
+        staging.free(x.alloc_id)
+        alloc = staging.allocate(geom.block_layer_bytes, geom.num_blocks)
+        assert len(alloc.extents) == 2
+
+        prefill = TorchCopier(P_BS)
+        prefill.bind_caches(src, lp)
+        prefill.bind_pool(staging.memory, staging.info())
+        for start, end in ((0, 40), (40, TOKENS)):  # chunked prefill: two pieces, every layer each
+            plan = prefill.plan(P_IDS, start, end)
+            for layer in range(LAYERS):
+                prefill.stage(layer, P_IDS, start, end, alloc, geom, plan)
+
+        # The push: each staged destination block to its landing block, as the sidecar writes it.
+        host_s, host_l = staging.memory.host_view(), landing.memory.host_view()
+        for layer in range(LAYERS):
+            for ext in alloc.extents:
+                for i in range(ext.num_blocks):
+                    j = ext.first_block + i
+                    s = alloc.extent_offset(ext, layer) + i * geom.block_layer_bytes
+                    d = landing.unit_offset(layer, LANDING_IDS[j])
+                    host_l[d:d + geom.block_layer_bytes] = host_s[s:s + geom.block_layer_bytes]
+
+        # The landing blocks hold kvpush's canonical layout: K then V, token-major, per block.
+        for layer in range(LAYERS):
+            got = reblock.gather_tokens(landing.blocks_view(layer), LANDING_IDS, 0, TOKENS)
+            for t in (0, 15, 16, 31, 32, 69):
+                want = token_bytes(src, layer, P_IDS, P_BS, t).reshape(HEADS, 2, -1)
+                assert np.array_equal(got[0, t], want[:, 0]) and np.array_equal(got[1, t], want[:, 1])
+
+        decode = TorchCopier(D_BS)
+        decode.bind_caches(dst, ld)
+        decode.bind_pool(landing.memory, landing.info())
+        decode.load(D_IDS, 0, TOKENS, LANDING_IDS)
+        for layer in range(LAYERS):
+            for t in range(TOKENS):
+                assert np.array_equal(token_bytes(dst, layer, D_IDS, D_BS, t), token_bytes(src, layer, P_IDS, P_BS, t))
+            # Untouched: other blocks, and the tail of the last, partial block.
+            bytes_of = [dst[layer][b].contiguous().view(torch.uint8) for b in range(BLOCKS)]
+            assert all(bool((bytes_of[b] == SENTINEL).all()) for b in range(BLOCKS) if b not in D_IDS)
+            tail = dst[layer][D_IDS[-1], :, TOKENS % D_BS:, :].contiguous().view(torch.uint8)
+            assert bool((tail == SENTINEL).all())
+    finally:
+        staging.close()
+        landing.close()
+
+
+def test_caches_the_copier_cannot_move_are_refused_naming_what_is_wrong():
+    layout = KvLayout(num_layers=1, block_size=P_BS, num_kv_heads=HEADS, head_dim=DIM, dtype="bfloat16")
+    good = torch.zeros(4, HEADS, P_BS, 2 * DIM, dtype=torch.bfloat16)
+    with pytest.raises(CopyError, match="torch.float16 KV cache, the sidecar's layout holds bfloat16"):
+        TorchCopier(P_BS).bind_caches([good.to(torch.float16)], layout)
+    with pytest.raises(CopyError, match="kv_heads, block_size, 2 \\* head_dim"):
+        TorchCopier(P_BS).bind_caches([torch.zeros(4, P_BS, HEADS, 2 * DIM, dtype=torch.bfloat16)], layout)
+    with pytest.raises(CopyError, match="MLA"):
+        TorchCopier(P_BS).bind_caches([good], KvLayout(num_layers=1, block_size=P_BS, num_kv_heads=HEADS,
+                                                       head_dim=DIM, dtype="bfloat16", kv_parts=1))
+    with pytest.raises(CopyError, match="content axis"):
+        TorchCopier(P_BS).bind_caches([good.transpose(2, 3).contiguous().transpose(2, 3)], layout)
