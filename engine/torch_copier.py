@@ -19,8 +19,10 @@ row of ``num_kv_heads * head_dim`` bytes is one token's K or V.
 
 What is not here yet (issue #11): the device pool (VRAM by IPC handle; ``bind_pool``
 takes the pool's bytes through ``PoolMemory.host_view`` today), the CUDA event that
-orders PUSH after ``stage``'s copy, and the connector choosing this copier for a GPU
-backend. The CPU tests run this very code on CPU tensors in each stride order.
+orders PUSH after ``stage``'s copy (today the copy to the host pool is synchronous, so it
+is ordered, and slow). The connector chooses this copier for every backend but
+``CPU_ATTN`` and MLA ones (``choose_copier``); it has not been run on a GPU yet. The CPU
+tests run this very code on CPU tensors in each stride order.
 """
 
 from __future__ import annotations

@@ -29,8 +29,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from engine.cache_codec import BlockCodec
-from engine.copier import CopyError
+from engine.copier import CacheCopier, CopyError
 from engine.cpu_copier import CpuCopier
+from engine.torch_copier import TORCH_DTYPES, TorchCopier
 from engine.connector.config import ConfigError, ConnectorConfig
 from engine.connector.handover_watch import HandoverWatch
 from engine.connector.landing_watch import LandingWatch
@@ -50,6 +51,28 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(f"vllm.{__name__}")  # under "vllm": logged with the engine's own handlers
+
+
+def choose_copier(backend: str, cache: torch.Tensor, block_size: int, cpu_copier) -> CacheCopier:
+    """The ``CacheCopier`` for an attention backend's cache, or ``CopyError`` naming the
+    backend, the cache's layout and its dtype. ``CPU_ATTN`` packs its blocks for its SIMD
+    kernel: its codec is probed (``cpu_copier()``). Every other backend of the vLLM we pin
+    hands a connector the logical per-layer view ``[blocks, kv_heads, block_size,
+    2 * head_dim]`` (any stride order): ``TorchCopier``. MLA backends keep one latent
+    vector per token, which kvpush does not move."""
+    if backend == "CPU_ATTN":
+        return cpu_copier()
+    described = (f"the {backend} attention backend's KV cache (shape {tuple(cache.shape)}, strides "
+                 f"{tuple(cache.stride())}, dtype {cache.dtype})")
+    if "MLA" in backend.upper():
+        raise CopyError(f"KVPushConnector cannot move {described}: an MLA latent cache; kvpush moves K/V caches")
+    if cache.dtype not in TORCH_DTYPES:
+        raise CopyError(f"KVPushConnector cannot move {described}: dtype not one of "
+                        f"{sorted(TORCH_DTYPES.values())}")
+    if cache.dim() != 4 or cache.shape[2] != block_size or cache.shape[3] % 2 or cache.stride(-1) != 1:
+        raise CopyError(f"KVPushConnector cannot move {described}: expected the logical view (blocks, kv_heads, "
+                        f"{block_size}, 2 * head_dim) with the content axis innermost")
+    return TorchCopier(block_size)
 
 
 class KVPushConnector(KVConnectorBase_V1):
@@ -100,19 +123,18 @@ class KVPushConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
 
-        copier = CpuCopier(self._probe_codec(kv_caches))
+        name = next(iter(kv_caches))
+        layer = self._vllm_config.compilation_config.static_forward_context.get(name)
+        backend = layer.attn_backend.get_name() if layer is not None else "?"
+        copier = choose_copier(backend, kv_caches[name], self.block_size,
+                               lambda: CpuCopier(self._probe_codec(kv_caches, layer)))
         self._worker.register_kv_caches(kv_caches, copier, extract_layer_index)
 
-    def _probe_codec(self, kv_caches: dict[str, torch.Tensor]) -> BlockCodec:
+    def _probe_codec(self, kv_caches: dict[str, torch.Tensor], layer) -> BlockCodec:
         mc = self._vllm_config.model_config
         heads = mc.get_num_kv_heads(self._vllm_config.parallel_config)
         head_dim = mc.get_head_size()
-        name, tensor = next(iter(kv_caches.items()))
-        layer = self._vllm_config.compilation_config.static_forward_context.get(name)
-        backend = layer.attn_backend.get_name() if layer is not None else "?"
-        if backend != "CPU_ATTN":
-            raise CopyError(f"KVPushConnector reads vLLM's KV cache through host memory and supports the "
-                             f"CPU_ATTN backend; this engine uses {backend}")
+        tensor = next(iter(kv_caches.values()))
         if tensor.dtype != torch.float32:
             raise CopyError(f"KVPushConnector supports float32 KV caches on the CPU, not {tensor.dtype}")
         expected = (heads, self.block_size, 2 * head_dim)

@@ -115,3 +115,22 @@ def test_caches_the_copier_cannot_move_are_refused_naming_what_is_wrong():
                                                        head_dim=DIM, dtype="bfloat16", kv_parts=1))
     with pytest.raises(CopyError, match="content axis"):
         TorchCopier(P_BS).bind_caches([good.transpose(2, 3).contiguous().transpose(2, 3)], layout)
+
+
+def test_the_connector_chooses_its_copier_by_backend_and_refuses_what_it_cannot_move():
+    from engine.connector.kvpush_connector import choose_copier
+    from engine.cpu_copier import CpuCopier
+
+    probed = []
+    cpu = lambda: probed.append(1) or CpuCopier.__new__(CpuCopier)  # noqa: E731 (the probe needs vLLM's CPU kernel)
+    flash = layer_views(KVCacheLayout.LBNHC, torch.bfloat16, P_BS, lambda n: torch.zeros(n, dtype=torch.uint8))[0]
+    assert isinstance(choose_copier("CPU_ATTN", flash, P_BS, cpu), CpuCopier) and probed == [1]
+    for backend in ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN"):
+        copier = choose_copier(backend, flash, P_BS, cpu)
+        assert isinstance(copier, TorchCopier) and copier.block_size == P_BS
+    with pytest.raises(CopyError, match=r"FLASHMLA attention backend's KV cache \(shape .*dtype torch.bfloat16\).*MLA"):
+        choose_copier("FLASHMLA", torch.zeros(BLOCKS, P_BS, 576, dtype=torch.bfloat16), P_BS, cpu)
+    with pytest.raises(CopyError, match=r"FLASH_ATTN attention backend's KV cache .*dtype torch.int8.*dtype not one of"):
+        choose_copier("FLASH_ATTN", flash.to(torch.int8), P_BS, cpu)
+    with pytest.raises(CopyError, match=r"FLASH_ATTN .*shape \(12, 2, 32, 16\).*expected the logical view"):
+        choose_copier("FLASH_ATTN", torch.zeros(BLOCKS, HEADS, 32, 2 * DIM, dtype=torch.bfloat16), P_BS, cpu)

@@ -62,12 +62,12 @@ def write_request(caches, block_ids, num_tokens, seed=0):
     return kv
 
 
-def make_worker(sidecar, workdir, codec, name, **cfg):
+def make_worker(sidecar, workdir, codec, name, copier=None, caches=None, **cfg):
     config = ConnectorConfig(sidecar_socket=sidecar.socket, stats_dir=str(workdir / "stats"), engine_name=name,
                              connect_timeout_s=10, **cfg)
     w = KVPushWorker(config, BS)
-    caches = paged_caches()
-    w.register_kv_caches(caches, CpuCopier(codec), layer_index)
+    caches = paged_caches() if caches is None else caches
+    w.register_kv_caches(caches, copier or CpuCopier(codec), layer_index)
     return w, caches
 
 
@@ -115,9 +115,9 @@ class DecodeEngine:
     """The decode connector's two halves as vLLM drives them, minus the model: the
     scheduler half admits a request when its KV has landed, the worker copies it."""
 
-    def __init__(self, dec, workdir, codec, timing=DecodeTiming(idle_wait_s=0), **cfg):
+    def __init__(self, dec, workdir, codec, timing=DecodeTiming(idle_wait_s=0), copier=None, caches=None, **cfg):
         self.dec = dec
-        self.worker, self.cache = make_worker(dec, workdir, codec, "D", **cfg)
+        self.worker, self.cache = make_worker(dec, workdir, codec, "D", copier, caches, **cfg)
         self.watch = LandingWatch(lambda: connect(dec.socket, 2, 5, name="test-scheduler"))
         self.sched = KVPushScheduler(self.watch.connect(), BS, produce=False, consume=True,
                                      block_ids_of=lambda rid: [], watch=self.watch, timing=timing)
@@ -164,6 +164,47 @@ class DecodeEngine:
     def close(self):
         self.worker.close()
         self.watch.close()
+
+
+def gpu_layout_caches(order, fill):
+    """Per-layer logical views ``[blocks, kv_heads, block_size, 2 * head_dim]`` of one
+    allocation in a GPU backend's physical order (``KVCacheLayout.stride_order``)."""
+    logical = (LAYERS, NB, HEADS, BS, 2 * DIM)
+    physical = fill(torch.empty([logical[o] for o in order], dtype=torch.float32))
+    view = physical.permute(*np.argsort(order).tolist())
+    return {name: view[i] for i, name in enumerate(NAMES)}
+
+
+def test_the_same_push_through_the_torch_copier_in_gpu_layouts(sidecars, workdir, codec):
+    """The copier a GPU engine uses, on CPU tensors: prefill in FlashAttention's NHD order
+    with layers outermost, decode in HND with blocks outermost, through real sidecars."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from engine.torch_copier import TorchCopier
+
+    dec, pre = sidecars(LAYOUT, d_layout=LAYOUT.replace(f"block={BS}", "block=16"))
+    gen = torch.Generator().manual_seed(5)
+    pcache = gpu_layout_caches(KVCacheLayout.LBNHC.stride_order, lambda x: x.normal_(generator=gen))
+    dcache = gpu_layout_caches(KVCacheLayout.BLHNC.stride_order, lambda x: x.zero_())
+    pw, _ = make_worker(pre, workdir, codec, "P", copier=TorchCopier(BS), caches=pcache)
+    de = DecodeEngine(dec, workdir, codec, copier=TorchCopier(BS), caches=dcache)
+    try:
+        n, p_blocks, d_blocks = 75, [5, 2, 9], [3, 7, 1]
+        landing = list(range(40, 40 + -(-n // 16)))
+        req = de.arrive("d1", "res-t", landing, n)
+        assert de.sched.get_num_new_matched_tokens(req, 0) == (None, False)
+        step_prefill(pw, [PushSpec("p1", tuple(p_blocks), 0, 40, False, target(dec, "res-t", landing, n))])
+        step_prefill(pw, [PushSpec("p1", tuple(p_blocks), 40, n, True)])
+        assert de.schedule("d1", d_blocks) == n
+        for name in NAMES:
+            for t in range(n):
+                want = pcache[name][p_blocks[t // BS], :, t % BS, :]
+                assert torch.equal(dcache[name][d_blocks[t // BS], :, t % BS, :], want), (name, t)
+        others = [b for b in range(NB) if b not in d_blocks]
+        assert all(not dcache[name][others].any() for name in NAMES)
+        assert de.worker.counters.get("loads_landed") == 1 and de.worker.counters.get("load_errors") == 0
+    finally:
+        pw.close()
+        de.close()
 
 
 @pytest.mark.parametrize("landing_bs", [BS, 16])
