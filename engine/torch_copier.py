@@ -42,15 +42,25 @@ TORCH_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat
                 torch.float8_e4m3fn: "float8_e4m3fn", torch.uint8: "uint8"}
 
 
+def describe_cache(backend: str, cache: torch.Tensor) -> str:
+    """A cache as refusals name it: the backend, its layout (shape, strides) and dtype."""
+    return (f"the {backend} attention backend's KV cache (shape {tuple(cache.shape)}, strides "
+            f"{tuple(cache.stride())}, dtype {cache.dtype})")
+
+
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     blocks: torch.Tensor  # (T,) cache block of each token, on the cache's device
     slots: torch.Tensor  # (T,) slot of each token in its block
+    # staging allocation id -> K rows of the piece's tokens in layer 0 (every layer is the
+    # same rows, one layer stride further): computed by the first layer's stage, reused
+    staging_rows: dict = dataclasses.field(default_factory=dict)
 
 
 class TorchCopier(CacheCopier):
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, backend: str = "?"):
         self._block_size = block_size
+        self._backend = backend  # the attention backend's name, for refusals
         self._layers: list[torch.Tensor] = []  # per layer: the logical view as bytes (B, H, N, 2 * D * itemsize)
         self._rows: torch.Tensor | None = None  # the pool as rows of one token's K or V bytes
         self._pool: PoolDescription | None = None
@@ -66,20 +76,23 @@ class TorchCopier(CacheCopier):
         return 2 * self._token_part
 
     def bind_caches(self, caches: Sequence[torch.Tensor], layout: KvLayout) -> None:
-        if layout.kv_parts != 2:
-            raise CopyError(f"the sidecar's layout has {layout.kv_parts} KV part(s); this copier moves K and V "
-                            "(an MLA latent cache is not supported)")
         views = []
         for i, cache in enumerate(caches):
+            what = f"KVPushConnector cannot move {describe_cache(self._backend, cache)}: layer {i}"
+            if layout.kv_parts != 2:
+                raise CopyError(f"{what}: the sidecar's layout has {layout.kv_parts} KV part(s); this copier "
+                                "moves K and V (an MLA latent cache is not supported)")
             name = TORCH_DTYPES.get(cache.dtype)
-            if name is None or name != layout.dtype:
-                raise CopyError(f"layer {i}: a {cache.dtype} KV cache, the sidecar's layout holds {layout.dtype}")
+            if name is None:
+                raise CopyError(f"{what}: dtype not one of {sorted(TORCH_DTYPES.values())}")
+            if name != layout.dtype:
+                raise CopyError(f"{what}: a {cache.dtype} KV cache, the sidecar's layout holds {layout.dtype}")
             want = (layout.num_kv_heads, self._block_size, 2 * layout.head_dim)
             if cache.dim() != 4 or tuple(cache.shape[1:]) != want:
-                raise CopyError(f"layer {i}: KV cache of logical shape {tuple(cache.shape)}, expected "
-                                f"(blocks, {want[0]}, {want[1]}, {want[2]}) = (blocks, kv_heads, block_size, 2 * head_dim)")
+                raise CopyError(f"{what}: expected the logical view (blocks, {want[0]}, {want[1]}, {want[2]}) = "
+                                "(blocks, kv_heads, block_size, 2 * head_dim)")
             if cache.stride(-1) != 1:
-                raise CopyError(f"layer {i}: the cache's content axis is not innermost (strides {cache.stride()})")
+                raise CopyError(f"{what}: the cache's content axis is not innermost")
             views.append(cache.view(torch.uint8))  # bytes as stored: no conversion, fp8 as it is
         self._layers = views
         self._token_part = layout.token_part_bytes
@@ -108,10 +121,13 @@ class TorchCopier(CacheCopier):
               geom: DestGeometry, plan: _Plan | None = None) -> None:
         plan = plan or self.plan(cache_block_ids, start, end)
         tokens = self._layers[layer][plan.blocks, :, plan.slots, :]  # (T, H, 2 * Db): a gather, on the device
-        k_rows, v_rows = self._staging_rows(alloc, geom, layer, start, end)
+        rows0 = plan.staging_rows.get(alloc.alloc_id)
+        if rows0 is None:
+            rows0 = plan.staging_rows[alloc.alloc_id] = self._staging_rows(alloc, geom, start, end)
+        k_rows = rows0 + layer * (alloc.layer_stride // self._token_part)
         half = tokens.shape[-1] // 2
         self._rows[k_rows] = tokens[..., :half].reshape(len(k_rows), -1).to(self._rows.device)
-        self._rows[v_rows] = tokens[..., half:].reshape(len(v_rows), -1).to(self._rows.device)
+        self._rows[k_rows + geom.block_size] = tokens[..., half:].reshape(len(k_rows), -1).to(self._rows.device)
 
     def load(self, cache_block_ids: Sequence[int], start: int, end: int, landing_block_ids: Sequence[int],
              plan: _Plan | None = None) -> None:
@@ -121,35 +137,28 @@ class TorchCopier(CacheCopier):
         ids = torch.as_tensor(list(landing_block_ids), dtype=torch.long)
         if (end - 1) // lo.block_size >= len(ids):
             raise ValueError(f"tokens [{start}, {end}) need more than the {len(ids)} landing blocks")
-        heads = lo.num_kv_heads
+        heads, per_block = lo.num_kv_heads, 2 * lo.block_size
+        # K rows in layer 0 (a landing block is [K/V][slot] rows; V is block_size rows further);
+        # every layer is the same rows, one layer of the pool further.
+        rows0 = ids[t // lo.block_size] * per_block + t % lo.block_size
         for layer, cache in enumerate(self._layers):
-            k_rows = self._block_rows(layer, ids[t // lo.block_size], t % lo.block_size, lo.block_size,
-                                      self._pool.num_units)
+            k_rows = rows0 + layer * self._pool.num_units * per_block
             both = torch.cat([self._rows[k_rows], self._rows[k_rows + lo.block_size]], dim=-1)  # (T, 2 * H * Db)
             # (T, 2, H, Db) -> (T, H, 2 * Db): K and V side by side per head, as the logical view holds them
             both = both.view(len(t), 2, heads, -1).transpose(1, 2).reshape(len(t), heads, -1)
             cache[plan.blocks, :, plan.slots, :] = both.to(cache.device)
 
     # -- pool rows --------------------------------------------------------------------------
-    def _block_rows(self, layer: int, blocks: torch.Tensor, slots: torch.Tensor, block_size: int,
-                    num_units: int) -> torch.Tensor:
-        """Rows of K for ``(block, slot)`` pairs of a pool of ``num_units`` blocks of ``block_size``
-        tokens (V is ``block_size`` rows further); the pool is layer-major, one block
-        ``[K/V][slot]`` rows."""
-        per_block = 2 * block_size
-        return layer * num_units * per_block + blocks * per_block + slots
-
-    def _staging_rows(self, alloc: StagingAllocation, geom: DestGeometry, layer: int, start: int,
-                      end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V rows of tokens ``[start, end)`` in the request's staging allocation, which
-        holds them in the destination's block geometry, extent by extent."""
+    def _staging_rows(self, alloc: StagingAllocation, geom: DestGeometry, start: int, end: int) -> torch.Tensor:
+        """K rows of tokens ``[start, end)`` in layer 0 of the request's staging allocation,
+        which holds them in the destination's block geometry, extent by extent (a
+        destination block is [K/V][slot] rows: V is ``geom.block_size`` rows further)."""
         d = geom.block_size
         t = torch.arange(start, end)
         dest = t // d
         base = torch.empty(alloc.num_dest_blocks, dtype=torch.long)
         for ext in alloc.extents:  # a handful of extents: each a run of destination blocks
-            first = alloc.extent_offset(ext, layer) // self._token_part
+            first = alloc.extent_offset(ext, 0) // self._token_part
             base[ext.first_block:ext.first_block + ext.num_blocks] = (
                 first + torch.arange(ext.num_blocks) * 2 * d)
-        k = base[dest] + t % d
-        return k, k + d
+        return base[dest] + t % d

@@ -31,7 +31,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from engine.cache_codec import BlockCodec
 from engine.copier import CacheCopier, CopyError
 from engine.cpu_copier import CpuCopier
-from engine.torch_copier import TORCH_DTYPES, TorchCopier
+from engine.torch_copier import TorchCopier, describe_cache
 from engine.connector.config import ConfigError, ConnectorConfig
 from engine.connector.handover_watch import HandoverWatch
 from engine.connector.landing_watch import LandingWatch
@@ -54,25 +54,18 @@ log = logging.getLogger(f"vllm.{__name__}")  # under "vllm": logged with the eng
 
 
 def choose_copier(backend: str, cache: torch.Tensor, block_size: int, cpu_copier) -> CacheCopier:
-    """The ``CacheCopier`` for an attention backend's cache, or ``CopyError`` naming the
-    backend, the cache's layout and its dtype. ``CPU_ATTN`` packs its blocks for its SIMD
+    """The ``CacheCopier`` for an attention backend's cache; a refusal (here, or when the
+    copier binds the caches) names the backend, the cache's layout and its dtype. ``CPU_ATTN`` packs its blocks for its SIMD
     kernel: its codec is probed (``cpu_copier()``). Every other backend of the vLLM we pin
     hands a connector the logical per-layer view ``[blocks, kv_heads, block_size,
     2 * head_dim]`` (any stride order): ``TorchCopier``. MLA backends keep one latent
     vector per token, which kvpush does not move."""
     if backend == "CPU_ATTN":
         return cpu_copier()
-    described = (f"the {backend} attention backend's KV cache (shape {tuple(cache.shape)}, strides "
-                 f"{tuple(cache.stride())}, dtype {cache.dtype})")
     if "MLA" in backend.upper():
-        raise CopyError(f"KVPushConnector cannot move {described}: an MLA latent cache; kvpush moves K/V caches")
-    if cache.dtype not in TORCH_DTYPES:
-        raise CopyError(f"KVPushConnector cannot move {described}: dtype not one of "
-                        f"{sorted(TORCH_DTYPES.values())}")
-    if cache.dim() != 4 or cache.shape[2] != block_size or cache.shape[3] % 2 or cache.stride(-1) != 1:
-        raise CopyError(f"KVPushConnector cannot move {described}: expected the logical view (blocks, kv_heads, "
-                        f"{block_size}, 2 * head_dim) with the content axis innermost")
-    return TorchCopier(block_size)
+        raise CopyError(f"KVPushConnector cannot move {describe_cache(backend, cache)}: an MLA latent cache; "
+                        "kvpush moves K/V caches")
+    return TorchCopier(block_size, backend)  # it checks the caches against the layout at bind_caches
 
 
 class KVPushConnector(KVConnectorBase_V1):

@@ -130,7 +130,12 @@ def test_the_connector_chooses_its_copier_by_backend_and_refuses_what_it_cannot_
         assert isinstance(copier, TorchCopier) and copier.block_size == P_BS
     with pytest.raises(CopyError, match=r"FLASHMLA attention backend's KV cache \(shape .*dtype torch.bfloat16\).*MLA"):
         choose_copier("FLASHMLA", torch.zeros(BLOCKS, P_BS, 576, dtype=torch.bfloat16), P_BS, cpu)
+    # The copier it chooses refuses what it cannot move when the connector binds the caches
+    # at start-up, naming the backend, the cache's layout and dtype.
+    layout = KvLayout(num_layers=1, block_size=P_BS, num_kv_heads=HEADS, head_dim=DIM, dtype="bfloat16")
+    int8 = flash.to(torch.int8)
     with pytest.raises(CopyError, match=r"FLASH_ATTN attention backend's KV cache .*dtype torch.int8.*dtype not one of"):
-        choose_copier("FLASH_ATTN", flash.to(torch.int8), P_BS, cpu)
+        choose_copier("FLASH_ATTN", int8, P_BS, cpu).bind_caches([int8], layout)
+    odd = torch.zeros(BLOCKS, HEADS, 32, 2 * DIM, dtype=torch.bfloat16)
     with pytest.raises(CopyError, match=r"FLASH_ATTN .*shape \(12, 2, 32, 16\).*expected the logical view"):
-        choose_copier("FLASH_ATTN", torch.zeros(BLOCKS, HEADS, 32, 2 * DIM, dtype=torch.bfloat16), P_BS, cpu)
+        choose_copier("FLASH_ATTN", odd, P_BS, cpu).bind_caches([odd], layout)
