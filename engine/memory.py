@@ -19,12 +19,9 @@ import os
 import re
 import secrets
 
-import typing
-
 import numpy as np
 
-if typing.TYPE_CHECKING:
-    from engine.pool import PoolDescription
+from engine.pool import PoolDescription
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "kvpush"
@@ -254,7 +251,7 @@ class ShmMemory(PoolMemory):
 _ATTACH = {"DRAM": lambda desc: ShmMemory.attach(desc.share_handle, desc.size_bytes)}
 
 
-def attach_pool(desc: "PoolDescription") -> PoolMemory:
+def attach_pool(desc: PoolDescription) -> PoolMemory:
     """Map the pool an ``engine.pool.PoolDescription`` describes into this process."""
     attach = _ATTACH.get(desc.memory_kind)
     if attach is None:

@@ -13,6 +13,7 @@ driver and the local channel. ``PrefillSidecar`` (``sidecar/prefill.py``) and
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import logging
 import secrets
@@ -81,8 +82,9 @@ class SidecarBase(ChannelHandler):
         self.trace = Trace.off()
 
     # -- what a role provides -------------------------------------------------------------------
+    @abc.abstractmethod
     def _make_pool(self, tag: str) -> LayerMajorPool:
-        raise NotImplementedError
+        """The role's pool (landing or staging), made at start."""
 
     def _start_role(self) -> None:
         """Pool, transport and driver are up; the channel is not serving yet."""
@@ -90,13 +92,13 @@ class SidecarBase(ChannelHandler):
     def _stop_role(self) -> None:
         pass
 
+    @abc.abstractmethod
     def cancel_reservation(self, reservation_id: str, reason: str = "cancelled") -> bool:
         """The control plane ended a reservation (deadline, release): stop/ignore it here."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def live_reservations(self) -> list[str]:
         """Reservations this sidecar is still working on."""
-        raise NotImplementedError
 
     @property
     def active_pushes(self) -> int:

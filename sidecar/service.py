@@ -57,6 +57,7 @@ from sidecar.push import PushConfig, PushOutcome
 from sidecar.base import SidecarConfig
 from sidecar.sidecar import make_sidecar
 from sidecar.transport.base import TransportUnavailable
+from sidecar.transport.nixl import parse_backends
 from kvpush.contract.states import DECODE, PREFILL, PushState, State, reported
 
 from sidecar.membership import (ControlPlaneLink, FatalError, Membership, ServiceConfig, guarded, rpc_error_text,
@@ -309,7 +310,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[SidecarConfig, ServiceC
         layout = KvLayout.parse(args.kv_layout)
     except LayoutError as exc:
         raise ValueError(f"--kv-layout: {exc}") from None
-    backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
+    backends = parse_backends(args.backends)
     extra = {"incarnation": args.incarnation} if args.incarnation else {}
     sidecar = SidecarConfig(args.engine_id, args.role, layout, args.num_blocks, args.socket, backends=backends,
                             poll=PollPolicy(hot_interval_s=args.hot_interval, idle_interval_s=args.idle_interval),

@@ -25,6 +25,7 @@ from sidecar.prefill import PrefillSidecar
 from sidecar.progress import PollPolicy
 from sidecar.push import PushConfig, PushOutcome
 from sidecar.transport.base import Transport
+from sidecar.transport.nixl import parse_backends
 
 
 def make_sidecar(config: SidecarConfig,
@@ -64,7 +65,7 @@ async def _serve(args: argparse.Namespace, factory=make_sidecar) -> None:
     config = SidecarConfig(args.engine_id, args.role, KvLayout.parse(args.layout), args.blocks, args.socket,
                            poll=PollPolicy(hot_interval_s=args.hot_interval, idle_interval_s=args.idle_interval),
                            push=PushConfig(transfer_timeout_s=args.transfer_timeout, checksums=args.checksums),
-                           backends=tuple(b.strip() for b in args.backends.split(",") if b.strip()), **extra)
+                           backends=parse_backends(args.backends), **extra)
     sidecar = factory(config)
     stop = stop_on_signals()
     await sidecar.start()

@@ -40,6 +40,11 @@ BACKENDS = ("UCX", "LIBFABRIC")  # the ones kvpush is written for; NIXL has othe
 _THREADED = ("UCX", "LIBFABRIC")  # backends that take num_threads
 
 
+def parse_backends(text: str) -> tuple[str, ...]:
+    """The ``--backends`` setting: comma-separated NIXL backend names."""
+    return tuple(b.strip() for b in text.split(",") if b.strip())
+
+
 @dataclasses.dataclass(frozen=True)
 class NixlConfig:
     name: str
