@@ -23,21 +23,28 @@ method              side      moment
 
 Implementations: ``engine.cpu_copier.CpuCopier`` (host memory; the probed block codec of
 ``engine/cache_codec.py``, numpy copies) and ``engine.torch_copier.TorchCopier`` (vLLM's
-plain layouts, torch ops on the cache's device). A device implementation takes the same calls:
-the caches are tensors on their device, the pool is device memory from
-``engine.memory.attach_pool``, and ``stage`` must return only once the piece's bytes are
-in the pool (or ordered before the sidecar can read them), since PUSH follows it.
+plain layouts, torch ops on the cache's device). On a GPU the caches are tensors on
+their device and the pool is device memory from ``engine.memory.attach_pool``; a copy
+is then only enqueued when ``stage`` or ``load`` returns, and what they return is a
+fence (``wait()`` returns once the copy is done) that the connector waits on before the
+frame that lets the sidecar read the staged bytes (PUSH) or reuse the landing blocks
+(CONSUMED). None means the copy is already complete (host memory).
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Sequence
+from typing import Protocol, Sequence
 
 from engine.geometry import DestGeometry
 from engine.memory import PoolMemory
 from engine.pool import PoolDescription, StagingAllocation
 from kvpush.contract.layout import KvLayout
+
+
+class Fence(Protocol):
+    def wait(self) -> None:
+        """Block the calling thread (asleep) until the copies it marks are complete."""
 
 
 class CopyError(RuntimeError):
@@ -71,12 +78,18 @@ class CacheCopier(abc.ABC):
 
     @abc.abstractmethod
     def stage(self, layer: int, cache_block_ids: Sequence[int], start: int, end: int, alloc: StagingAllocation,
-              geom: DestGeometry, plan: object = None) -> None:
+              geom: DestGeometry, plan: object = None) -> Fence | None:
         """Prefill: tokens ``[start, end)`` of ``layer`` from the cache into the request's staging
-        allocation, in the destination's block geometry ``geom``."""
+        allocation, in the destination's block geometry ``geom``. Returns a fence for the copy
+        (None: done)."""
 
     @abc.abstractmethod
     def load(self, cache_block_ids: Sequence[int], start: int, end: int, landing_block_ids: Sequence[int],
-             plan: object = None) -> None:
+             plan: object = None) -> Fence | None:
         """Decode: tokens ``[start, end)`` of every layer from the landing blocks (token order)
-        into the cache."""
+        into the cache. Returns a fence for the reads of the landing blocks (None: done);
+        the forward pass is ordered after the copy by the copier (same stream)."""
+
+    def fence(self) -> Fence | None:
+        """A fence for every copy enqueued so far (None: nothing can be pending)."""
+        return None

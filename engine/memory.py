@@ -2,9 +2,9 @@
 
 A pool is one contiguous region. On the CPU it is a POSIX shared-memory segment
 (a file under /dev/shm): the sidecar creates it, the engine process maps the
-same bytes by name, and NIXL registers it as DRAM. On a GPU the same role is
-played by device memory exported with a CUDA IPC handle; ``PoolMemory`` is the
-seam for that (see ``DeviceMemory`` below) and nothing here pretends to have one.
+same bytes by name, and NIXL registers it as DRAM. On a GPU it is device memory on
+the engine's GPU, registered as VRAM and mapped by the engine through a CUDA IPC
+handle (``DeviceMemory``; ``engine/device_memory.py``).
 
 Segment names embed the creating process id, so a sidecar that was killed
 (SIGKILL leaves its segments behind) can be cleaned up by the next one:
@@ -82,12 +82,15 @@ class PoolMemory(abc.ABC):
         """Unmap and, for the owner, destroy the region. Idempotent."""
 
 
+class PoolMapError(ValueError):
+    """A pool cannot be made or mapped in this process; the message says which and why."""
+
+
 class DeviceMemory(PoolMemory, abc.ABC):
-    """Seam for GPU pools: device memory allocated by the sidecar (or by the
-    engine and imported), registered with NIXL as VRAM, shared with the engine
-    by a CUDA IPC handle (``share_handle`` returns it serialised). Not
-    implemented here: this machine has no GPU, and a fake would test nothing.
-    """
+    """GPU pools: device memory the sidecar allocates on its engine's GPU, registered
+    with NIXL as VRAM, shared with the engine by a CUDA IPC handle (``share_handle``
+    returns it serialised). ``tensor`` is what copies use instead of ``host_view``.
+    The implementation is ``engine.device_memory.CudaPoolMemory``."""
 
     @property
     def mem_kind(self) -> str:
@@ -95,6 +98,10 @@ class DeviceMemory(PoolMemory, abc.ABC):
 
     def host_view(self) -> np.ndarray:
         raise TypeError("device memory has no host view; copy through the engine")
+
+    @abc.abstractmethod
+    def tensor(self):
+        """The pool as a 1-D uint8 tensor on its device."""
 
 
 def _segment_path(name: str) -> str:
@@ -107,7 +114,7 @@ def make_segment_name(tag: str) -> str:
     return f"{NAME_PREFIX}-{safe}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -132,7 +139,7 @@ def sweep_stale_segments(tag_prefix: str = "") -> list[str]:
         match = _NAME_RE.match(entry)
         if not match or not match.group("tag").startswith(_TAG_SAFE.sub("_", tag_prefix)):
             continue
-        if _pid_alive(int(match.group("pid"))):
+        if pid_alive(int(match.group("pid"))):
             continue
         try:
             os.unlink(_segment_path(entry))
@@ -246,15 +253,22 @@ class ShmMemory(PoolMemory):
         self.close()
 
 
-# How the engine maps a pool its sidecar made, by memory kind. The GPU data path adds
-# "VRAM" (device memory opened from its CUDA IPC handle) here; nothing else changes.
-_ATTACH = {"DRAM": lambda desc: ShmMemory.attach(desc.share_handle, desc.size_bytes)}
+def _attach_vram(desc: PoolDescription, engine_device: int | None) -> PoolMemory:
+    from engine.device_memory import CudaPoolMemory  # torch and CUDA only where a VRAM pool is used
+    return CudaPoolMemory.attach(desc, engine_device)
 
 
-def attach_pool(desc: PoolDescription) -> PoolMemory:
-    """Map the pool an ``engine.pool.PoolDescription`` describes into this process."""
+# How the engine maps a pool its sidecar made, by memory kind.
+_ATTACH = {"DRAM": lambda desc, _device: ShmMemory.attach(desc.share_handle, desc.size_bytes),
+           "VRAM": _attach_vram}
+
+
+def attach_pool(desc: PoolDescription, engine_device: int | None = None) -> PoolMemory:
+    """Map the pool an ``engine.pool.PoolDescription`` describes into this process.
+    ``engine_device``: the CUDA device index of the engine (None: none), which a VRAM pool
+    must be on. Raises ``PoolMapError`` (a ``ValueError``) or ``OSError`` naming the pool."""
     attach = _ATTACH.get(desc.memory_kind)
     if attach is None:
-        raise ValueError(f"the sidecar's {desc.role} pool is {desc.memory_kind} memory; this build of the "
-                         f"engine side maps {sorted(_ATTACH)} only")
-    return attach(desc)
+        raise PoolMapError(f"the sidecar's {desc.role} pool is {desc.memory_kind!r} memory; the engine side "
+                           f"maps {sorted(_ATTACH)}")
+    return attach(desc, engine_device)

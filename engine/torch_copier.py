@@ -17,12 +17,27 @@ every layer; no per-token Python. Staging and landing blocks are kvpush's canoni
 ``[K/V][token][kv_head][head_dim]`` per block (``kvpush.contract.layout``), so a pool
 row of ``num_kv_heads * head_dim`` bytes is one token's K or V.
 
-What is not here yet (issue #11): the device pool (VRAM by IPC handle; ``bind_pool``
-takes the pool's bytes through ``PoolMemory.host_view`` today), the CUDA event that
-orders PUSH after ``stage``'s copy (today the copy to the host pool is synchronous, so it
-is ordered, and slow). The connector chooses this copier for every backend but
-``CPU_ATTN`` and MLA ones (``choose_copier``); it has not been run on a GPU yet. The CPU
-tests run this very code on CPU tensors in each stride order.
+Where the bytes go and on which stream (the GPU data path, docs/ARCHITECTURE.md):
+
+* the pool is the sidecar's: device memory on the cache's GPU, mapped through its CUDA
+  IPC handle (``engine.device_memory``), or a host segment (a CPU engine; or a GPU engine
+  whose sidecar keeps a DRAM pool, where each copy is a synchronous device<->host copy,
+  the forward pass waiting for it: a fallback, not the product);
+* every copy runs on the engine's current stream, the one vLLM runs the forward pass on.
+  ``stage`` follows the attention layer that wrote the layer's KV on that stream, so it
+  needs no cross-stream wait, and ``load`` precedes the forward pass that reads it.
+  The cost is the copy's time on that stream: a gather of the request's KV, well under
+  the layer's own compute (an 8B model's 1k-token layer is 4 MiB: ~1-2 us at H200 bandwidth);
+* the host does not wait: ``stage`` and ``load`` return a ``CudaFence`` (an event recorded
+  after the copy) and the connector sends the frame that lets the sidecar read (PUSH) or
+  reuse (CONSUMED) the pool only once it has passed (``engine/connector/ordered_sends.py``);
+  on CPU tensors the copy is complete on return and the fence is None;
+* index tensors reach the GPU from pinned memory without blocking (a pageable host to
+  device copy in torch synchronises the stream: the forward pass would stall on it).
+
+The connector chooses this copier for every backend but ``CPU_ATTN`` and MLA ones
+(``choose_copier``); the CPU tests run this very code on CPU tensors in each stride order.
+It has not been run on a GPU yet (no machine lent); ``bench/gpu_check.py`` is the check.
 """
 
 from __future__ import annotations
@@ -34,18 +49,47 @@ import torch
 
 from engine.copier import CacheCopier, CopyError
 from engine.geometry import DestGeometry
-from engine.memory import PoolMemory
+from engine.memory import DeviceMemory, PoolMemory
 from engine.pool import PoolDescription, StagingAllocation
 from kvpush.contract.layout import KvLayout
 
 TORCH_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-                torch.float8_e4m3fn: "float8_e4m3fn", torch.uint8: "uint8"}
+                torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2", torch.uint8: "uint8"}
+# vLLM's ``--kv-cache-dtype`` values whose bytes kvpush moves as they are, and what the bytes
+# are. vLLM keeps these fp8 caches in uint8 tensors; their per-layer scales are the
+# layout's ``scales`` (checked by the connector). "auto" and the plain names: the tensor's dtype.
+FP8_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_inc": "float8_e4m3fn",
+                    "fp8_e5m2": "float8_e5m2"}
+PLAIN_CACHE_DTYPES = ("auto", "float32", "float16", "half", "bfloat16", "float")
 
 
 def describe_cache(backend: str, cache: torch.Tensor) -> str:
     """A cache as refusals name it: the backend, its layout (shape, strides) and dtype."""
     return (f"the {backend} attention backend's KV cache (shape {tuple(cache.shape)}, strides "
             f"{tuple(cache.stride())}, dtype {cache.dtype})")
+
+
+class CudaFence:
+    """Completion of the copies enqueued so far on a device's current stream. ``wait`` blocks
+    the calling thread, asleep (a blocking-sync event, no spinning), until they have run."""
+
+    def __init__(self, device: torch.device):
+        self._event = torch.cuda.Event(blocking=True)
+        self._event.record(torch.cuda.current_stream(device))
+
+    def wait(self) -> None:
+        self._event.synchronize()
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor (indices) on ``device``, without synchronising its stream."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _fence(device: torch.device) -> CudaFence | None:
+    return CudaFence(device) if device.type == "cuda" else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,10 +101,21 @@ class _Plan:
     staging_rows: dict = dataclasses.field(default_factory=dict)
 
 
+def stored_dtype(cache_dtype: str, tensor_dtype: torch.dtype) -> str | None:
+    """What a cache's bytes are, as a layout dtype name; None where kvpush cannot move them as
+    they are (per-token scales computed at run time, fp4, int8 and other packed formats)."""
+    if cache_dtype in FP8_CACHE_DTYPES:
+        return FP8_CACHE_DTYPES[cache_dtype]
+    if cache_dtype in PLAIN_CACHE_DTYPES:
+        return TORCH_DTYPES.get(tensor_dtype)
+    return None
+
+
 class TorchCopier(CacheCopier):
-    def __init__(self, block_size: int, backend: str = "?"):
+    def __init__(self, block_size: int, backend: str = "?", cache_dtype: str = "auto"):
         self._block_size = block_size
         self._backend = backend  # the attention backend's name, for refusals
+        self._cache_dtype = cache_dtype  # vLLM's --kv-cache-dtype
         self._layers: list[torch.Tensor] = []  # per layer: the logical view as bytes (B, H, N, 2 * D * itemsize)
         self._rows: torch.Tensor | None = None  # the pool as rows of one token's K or V bytes
         self._pool: PoolDescription | None = None
@@ -82,11 +137,14 @@ class TorchCopier(CacheCopier):
             if layout.kv_parts != 2:
                 raise CopyError(f"{what}: the sidecar's layout has {layout.kv_parts} KV part(s); this copier "
                                 "moves K and V (an MLA latent cache is not supported)")
-            name = TORCH_DTYPES.get(cache.dtype)
+            name = stored_dtype(self._cache_dtype, cache.dtype)
             if name is None:
-                raise CopyError(f"{what}: dtype not one of {sorted(TORCH_DTYPES.values())}")
+                raise CopyError(f"{what}: kv-cache-dtype {self._cache_dtype!r} over {cache.dtype} tensors is not a "
+                                f"format kvpush moves (it moves {sorted(set(TORCH_DTYPES.values()) - {'uint8'})} "
+                                f"caches, and fp8 ones {sorted(FP8_CACHE_DTYPES)} with per-layer scales)")
             if name != layout.dtype:
-                raise CopyError(f"{what}: a {cache.dtype} KV cache, the sidecar's layout holds {layout.dtype}")
+                raise CopyError(f"{what}: a {name} KV cache (kv-cache-dtype {self._cache_dtype!r}), the sidecar's "
+                                f"layout holds {layout.dtype}")
             want = (layout.num_kv_heads, self._block_size, 2 * layout.head_dim)
             if cache.dim() != 4 or tuple(cache.shape[1:]) != want:
                 raise CopyError(f"{what}: expected the logical view (blocks, {want[0]}, {want[1]}, {want[2]}) = "
@@ -103,7 +161,13 @@ class TorchCopier(CacheCopier):
         if lo.token_part_bytes != self._token_part:
             raise CopyError(f"the sidecar's pool holds {lo.token_part_bytes}-byte token parts, the cache "
                             f"{self._token_part}")
-        pool = torch.from_numpy(memory.host_view())
+        if isinstance(memory, DeviceMemory):
+            pool = memory.tensor()
+            if self._layers and pool.device != self._device:
+                raise CopyError(f"the sidecar's {desc.role} pool is on {pool.device}, the KV cache on "
+                                f"{self._device}: a sidecar's pool must be on its engine's GPU")
+        else:
+            pool = torch.from_numpy(memory.host_view())
         self._rows = pool.view(-1, self._token_part)
         self._pool = desc
 
@@ -115,22 +179,24 @@ class TorchCopier(CacheCopier):
                              f"the request has {len(cache_block_ids)}")
         tokens = torch.arange(start, end)
         ids = torch.as_tensor(list(cache_block_ids), dtype=torch.long)
-        return _Plan(ids[tokens // self._block_size].to(self._device), (tokens % self._block_size).to(self._device))
+        return _Plan(_to(ids[tokens // self._block_size], self._device), _to(tokens % self._block_size, self._device))
 
     def stage(self, layer: int, cache_block_ids: Sequence[int], start: int, end: int, alloc: StagingAllocation,
-              geom: DestGeometry, plan: _Plan | None = None) -> None:
+              geom: DestGeometry, plan: _Plan | None = None) -> CudaFence | None:
         plan = plan or self.plan(cache_block_ids, start, end)
         tokens = self._layers[layer][plan.blocks, :, plan.slots, :]  # (T, H, 2 * Db): a gather, on the device
         rows0 = plan.staging_rows.get(alloc.alloc_id)
         if rows0 is None:
-            rows0 = plan.staging_rows[alloc.alloc_id] = self._staging_rows(alloc, geom, start, end)
+            rows0 = plan.staging_rows[alloc.alloc_id] = _to(self._staging_rows(alloc, geom, start, end),
+                                                            self._rows.device)
         k_rows = rows0 + layer * (alloc.layer_stride // self._token_part)
         half = tokens.shape[-1] // 2
         self._rows[k_rows] = tokens[..., :half].reshape(len(k_rows), -1).to(self._rows.device)
         self._rows[k_rows + geom.block_size] = tokens[..., half:].reshape(len(k_rows), -1).to(self._rows.device)
+        return _fence(self._rows.device)  # PUSH lets the sidecar read these rows: only once written
 
     def load(self, cache_block_ids: Sequence[int], start: int, end: int, landing_block_ids: Sequence[int],
-             plan: _Plan | None = None) -> None:
+             plan: _Plan | None = None) -> CudaFence | None:
         plan = plan or self.plan(cache_block_ids, start, end)
         lo = self._pool.layout
         t = torch.arange(start, end)
@@ -140,13 +206,19 @@ class TorchCopier(CacheCopier):
         heads, per_block = lo.num_kv_heads, 2 * lo.block_size
         # K rows in layer 0 (a landing block is [K/V][slot] rows; V is block_size rows further);
         # every layer is the same rows, one layer of the pool further.
-        rows0 = ids[t // lo.block_size] * per_block + t % lo.block_size
+        rows0 = _to(ids[t // lo.block_size] * per_block + t % lo.block_size, self._rows.device)
         for layer, cache in enumerate(self._layers):
             k_rows = rows0 + layer * self._pool.num_units * per_block
             both = torch.cat([self._rows[k_rows], self._rows[k_rows + lo.block_size]], dim=-1)  # (T, 2 * H * Db)
             # (T, 2, H, Db) -> (T, H, 2 * Db): K and V side by side per head, as the logical view holds them
             both = both.view(len(t), 2, heads, -1).transpose(1, 2).reshape(len(t), heads, -1)
             cache[plan.blocks, :, plan.slots, :] = both.to(cache.device)
+        # CONSUMED frees the landing blocks for the next push: only once these copies read them.
+        # The forward pass that reads the cache is later on the same stream: ordered already.
+        return _fence(self._rows.device)  # a host pool was read by the host: done on return
+
+    def fence(self) -> CudaFence | None:
+        return _fence(self._rows.device) if self._rows is not None else None
 
     # -- pool rows --------------------------------------------------------------------------
     def _staging_rows(self, alloc: StagingAllocation, geom: DestGeometry, start: int, end: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ import secrets
 from typing import Callable
 
 from engine import frames as F
+from engine.device_memory import check_pool_device
 from engine.memory import sweep_stale_segments
 from engine.pool import StagingAllocation
 from kvpush.contract.engine import EngineRecord
@@ -44,6 +45,7 @@ class SidecarConfig:
     layout: KvLayout
     num_blocks: int  # landing blocks (decode) or staging units of layout.block_size tokens (prefill)
     socket_path: str
+    device: int | None = None  # the pool's GPU (its engine's; a VRAM pool), or None: shared memory (DRAM)
     incarnation: str = dataclasses.field(default_factory=lambda: secrets.token_hex(6))
     backends: tuple[str, ...] = ("UCX",)  # NIXL backends (sidecar/transport/nixl.py)
     poll: PollPolicy = PollPolicy()
@@ -53,6 +55,8 @@ class SidecarConfig:
     def __post_init__(self) -> None:
         if self.role not in (PREFILL, DECODE):
             raise ValueError(f"role must be {PREFILL!r} or {DECODE!r}, got {self.role!r}")
+        if self.device is not None and self.push.checksums:
+            raise ValueError("--checksums reads the pool on the host: not with a VRAM pool (--pool-device cpu)")
 
     @property
     def agent_name(self) -> str:
@@ -155,6 +159,10 @@ class SidecarBase(ChannelHandler):
 
     # -- ChannelHandler: every role ------------------------------------------------------------
     def on_hello(self, conn: Connection, info: dict) -> dict:
+        # A VRAM pool serves the engine on its GPU only: a worker on another GPU (or none)
+        # is refused here, with the fix, rather than failing to map the pool.
+        if "cuda_device" in info and self.pool.memory.mem_kind == "VRAM":
+            check_pool_device(self.pool.info(), info["cuda_device"])
         return {"role": self.config.role, "engine_id": self.config.engine_id,
                 "incarnation": self.config.incarnation, "agent": self.config.agent_name,
                 "pool": self.pool.info().to_dict()}

@@ -27,7 +27,7 @@ class DecodeSidecar(SidecarBase):
         self._subscriptions: dict[str, list[tuple[str, Callable]]] = {}
 
     def _make_pool(self, tag: str) -> LandingPool:
-        return LandingPool.create_shm(tag, self.config.layout, self.config.num_blocks)
+        return LandingPool.create(tag, self.config.layout, self.config.num_blocks, self.config.device)
 
     def _start_role(self) -> None:
         c = self.config

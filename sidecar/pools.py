@@ -32,6 +32,15 @@ from engine.memory import PoolMemory, ShmMemory
 from engine.pool import PoolDescription, StagingAllocation, StagingExtent
 
 
+def make_pool_memory(tag: str, size: int, device: int | None) -> PoolMemory:
+    """The sidecar's pool memory: a shared-memory segment (``device`` None) or device memory
+    on GPU ``device`` (``engine.device_memory``, imported only then: it needs torch)."""
+    if device is None:
+        return ShmMemory.create(tag, size)
+    from engine.device_memory import CudaPoolMemory
+    return CudaPoolMemory.create(tag, size, device)
+
+
 class StagingFull(Exception):
     """The staging pool cannot hold this request right now (never waits)."""
 
@@ -95,8 +104,12 @@ class LandingPool(LayerMajorPool):
     role = "landing"
 
     @classmethod
+    def create(cls, tag: str, layout: KvLayout, num_blocks: int, device: int | None = None) -> "LandingPool":
+        return cls(layout, num_blocks, make_pool_memory(f"{tag}.landing", layout.pool_bytes(num_blocks), device))
+
+    @classmethod
     def create_shm(cls, tag: str, layout: KvLayout, num_blocks: int) -> "LandingPool":
-        return cls(layout, num_blocks, ShmMemory.create(f"{tag}.landing", layout.pool_bytes(num_blocks)))
+        return cls.create(tag, layout, num_blocks)
 
     @property
     def num_blocks(self) -> int:
@@ -115,8 +128,12 @@ class StagingPool(LayerMajorPool):
         self._ids = itertools.count(1)
 
     @classmethod
+    def create(cls, tag: str, layout: KvLayout, num_units: int, device: int | None = None) -> "StagingPool":
+        return cls(layout, num_units, make_pool_memory(f"{tag}.staging", layout.pool_bytes(num_units), device))
+
+    @classmethod
     def create_shm(cls, tag: str, layout: KvLayout, num_units: int) -> "StagingPool":
-        return cls(layout, num_units, ShmMemory.create(f"{tag}.staging", layout.pool_bytes(num_units)))
+        return cls.create(tag, layout, num_units)
 
     @property
     def free_units(self) -> int:

@@ -42,7 +42,7 @@ class PrefillSidecar(SidecarBase):
         self._request_owner: dict[str, Connection] = {}
 
     def _make_pool(self, tag: str) -> StagingPool:
-        return StagingPool.create_shm(tag, self.config.layout, self.config.num_blocks)
+        return StagingPool.create(tag, self.config.layout, self.config.num_blocks, self.config.device)
 
     def _start_role(self) -> None:
         c = self.config

@@ -45,6 +45,8 @@ import time
 
 import grpc
 
+from engine.device_memory import parse_device
+from engine.memory import PoolMapError
 from kvpush.aio import tune_gc, write_ready_file
 from kvpush.contract.layout import KvLayout, LayoutError
 from kvpush.contract.transfer_params import PushParams
@@ -280,6 +282,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--socket", required=True, help="Unix socket of the local channel to the engine")
     p.add_argument("--pool", default="default", help="engine pool name (tenants are allowed pools)")
     p.add_argument("--backends", default="UCX", help="NIXL backends, comma-separated")
+    p.add_argument("--pool-device", default="cpu",
+                   help="where the pool lives: cpu (shared memory, DRAM) or cuda:N, the engine's GPU (VRAM)")
     p.add_argument("--incarnation", default=None, help="default: a fresh random one per start")
     p.add_argument("--lease-ttl", type=int, default=10, help="engine lease TTL in seconds; beats every TTL/3")
     p.add_argument("--transfer-timeout", type=float, default=PushConfig.transfer_timeout_s)
@@ -311,8 +315,9 @@ def configs_from_args(args: argparse.Namespace) -> tuple[SidecarConfig, ServiceC
     except LayoutError as exc:
         raise ValueError(f"--kv-layout: {exc}") from None
     backends = parse_backends(args.backends)
+    device = parse_device(args.pool_device)
     extra = {"incarnation": args.incarnation} if args.incarnation else {}
-    sidecar = SidecarConfig(args.engine_id, args.role, layout, args.num_blocks, args.socket, backends=backends,
+    sidecar = SidecarConfig(args.engine_id, args.role, layout, args.num_blocks, args.socket, device, backends=backends,
                             poll=PollPolicy(hot_interval_s=args.hot_interval, idle_interval_s=args.idle_interval),
                             push=PushConfig(transfer_timeout_s=args.transfer_timeout, checksums=args.checksums),
                             landing=LandingConfig(landing_timeout_s=args.landing_timeout), **extra)
@@ -337,6 +342,10 @@ def run(args: argparse.Namespace) -> int:
         return asyncio.run(SidecarService(sidecar_config, service_config).run())
     except TransportUnavailable as exc:
         print(f"kvpush sidecar: --backends {args.backends}: {exc}", file=sys.stderr)
+        return 2
+    except (PoolMapError, MemoryError) as exc:
+        print(f"kvpush sidecar: --pool-device {args.pool_device} --num-blocks {args.num_blocks}: {exc}",
+              file=sys.stderr)
         return 2
 
 

@@ -12,8 +12,11 @@ import argparse
 import asyncio
 import json
 import logging
+import sys
 from typing import Callable
 
+from engine.device_memory import parse_device
+from engine.memory import PoolMapError
 from kvpush.aio import stop_on_signals, write_ready_file
 from kvpush.contract.layout import KvLayout
 from kvpush.contract.states import DECODE, PREFILL
@@ -24,7 +27,7 @@ from sidecar.peers import Resolver
 from sidecar.prefill import PrefillSidecar
 from sidecar.progress import PollPolicy
 from sidecar.push import PushConfig, PushOutcome
-from sidecar.transport.base import Transport
+from sidecar.transport.base import Transport, TransportUnavailable
 from sidecar.transport.nixl import parse_backends
 
 
@@ -52,6 +55,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--record-out", help="write this engine's record (JSON) here once serving")
     p.add_argument("--incarnation", default=None)
     p.add_argument("--backends", default="UCX", help="NIXL backends, comma-separated (UCX, LIBFABRIC)")
+    p.add_argument("--pool-device", default="cpu", help="cpu (shared memory) or cuda:N (VRAM on the engine's GPU)")
     p.add_argument("--checksums", action="store_true", help="send per-block CRC32 with each push")
     p.add_argument("--transfer-timeout", type=float, default=2.0)
     p.add_argument("--idle-interval", type=float, default=PollPolicy.idle_interval_s)
@@ -63,6 +67,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
 async def _serve(args: argparse.Namespace, factory=make_sidecar) -> None:
     extra = {"incarnation": args.incarnation} if args.incarnation else {}
     config = SidecarConfig(args.engine_id, args.role, KvLayout.parse(args.layout), args.blocks, args.socket,
+                           parse_device(args.pool_device),
                            poll=PollPolicy(hot_interval_s=args.hot_interval, idle_interval_s=args.idle_interval),
                            push=PushConfig(transfer_timeout_s=args.transfer_timeout, checksums=args.checksums),
                            backends=parse_backends(args.backends), **extra)
@@ -79,7 +84,11 @@ async def _serve(args: argparse.Namespace, factory=make_sidecar) -> None:
 def main(argv=None, factory=make_sidecar) -> None:
     args = _parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(_serve(args, factory))
+    try:
+        asyncio.run(_serve(args, factory))
+    except (PoolMapError, MemoryError, TransportUnavailable, ValueError) as exc:  # a setting: say which, exit 2
+        print(f"sidecar: {type(exc).__name__}: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

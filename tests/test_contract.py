@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpush.contract.layout import KvLayout, LayoutError
+from kvpush.contract.layout import KvLayout, LayoutError, scales_digest
 from kvpush.contract.states import (DECODE, LIVE, PREFILL, TERMINAL, LandingState, PushState, State, reported,
                                     role_from_proto, role_to_proto)
 from kvpush.contract.target import PushTarget
@@ -75,3 +75,19 @@ def test_the_layout_converts_to_and_from_its_proto_once():
     with pytest.raises(LayoutError, match="engine.kv_layout"):
         KvLayout.from_proto(types_pb2.KvLayout(num_layers=0, block_size=16, num_kv_heads=2, head_dim=8),
                             "engine.kv_layout")
+
+
+def test_fp8_layouts_carry_their_scales_and_pair_only_with_equal_ones():
+    digest = scales_digest([0.5, 1.0], [1.0, 1.0])
+    assert digest.startswith("sha256:") and scales_digest([1.0, 1.0], [1.0, 1.0]) == ""
+    assert scales_digest([0.5, 1.0], [1.0, 1.0]) == digest != scales_digest([1.0, 0.5], [1.0, 1.0])
+    fp8 = KvLayout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=8, dtype="float8_e4m3fn", scales=digest)
+    assert KvLayout.from_proto(fp8.to_proto()) == fp8 == KvLayout.from_dict(fp8.to_dict())
+    assert KvLayout.parse(f"layers=2,block=16,heads=2,dim=8,dtype=float8_e4m3fn,scales={digest}") == fp8
+    unit = KvLayout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=8, dtype="float8_e4m3fn")
+    assert "kv_layout.scales differs" in fp8.compatibility_error(unit)
+    assert KvLayout.from_dict({k: v for k, v in unit.to_dict().items() if k != "scales"}) == unit  # older records
+    with pytest.raises(LayoutError, match="kv_layout.scales is for fp8 dtypes"):
+        KvLayout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=8, dtype="bfloat16", scales=digest)
+    with pytest.raises(LayoutError, match="kv_layout.scales is for fp8 dtypes"):
+        KvLayout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=8, dtype="float8_e5m2", scales="0.5")

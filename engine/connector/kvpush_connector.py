@@ -38,6 +38,7 @@ from engine.connector.landing_watch import LandingWatch
 from engine.connector.metadata import KVPushConnectorMetadata
 from engine.connector.scheduler import DecodeTiming, KVPushScheduler
 from engine.connector.sidecar_link import connect, hello_once
+from kvpush.contract.layout import FP8_DTYPES, KvLayout, scales_digest
 from kvpush.contract.states import DECODE, PREFILL
 from engine.connector.worker import KVPushWorker
 from kvpush.trace import Trace
@@ -53,7 +54,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(f"vllm.{__name__}")  # under "vllm": logged with the engine's own handlers
 
 
-def choose_copier(backend: str, cache: torch.Tensor, block_size: int, cpu_copier) -> CacheCopier:
+def choose_copier(backend: str, cache: torch.Tensor, block_size: int, cpu_copier,
+                  cache_dtype: str = "auto") -> CacheCopier:
     """The ``CacheCopier`` for an attention backend's cache; a refusal (here, or when the
     copier binds the caches) names the backend, the cache's layout and its dtype. ``CPU_ATTN`` packs its blocks for its SIMD
     kernel: its codec is probed (``cpu_copier()``). Every other backend of the vLLM we pin
@@ -65,7 +67,24 @@ def choose_copier(backend: str, cache: torch.Tensor, block_size: int, cpu_copier
     if "MLA" in backend.upper():
         raise CopyError(f"KVPushConnector cannot move {describe_cache(backend, cache)}: an MLA latent cache; "
                         "kvpush moves K/V caches")
-    return TorchCopier(block_size, backend)  # it checks the caches against the layout at bind_caches
+    return TorchCopier(block_size, backend, cache_dtype)  # it checks the caches against the layout at bind_caches
+
+
+def check_kv_scales(layout: KvLayout, attention_layers: list) -> None:
+    """An fp8 cache is moved as its bytes, which mean the same on the decode engine only if
+    it quantises with the same per-layer K/V scales. vLLM's are static (the checkpoint's, or
+    1.0) and kept on each attention layer; the sidecar's layout names them (``scales``, ""
+    for all 1.0) and engines pair only on equal layouts, so a mismatch is refused here, at
+    start-up, with the setting that fixes it."""
+    if layout.dtype not in FP8_DTYPES:
+        return
+    mine = scales_digest([getattr(a, "_k_scale_float", 1.0) for a in attention_layers],
+                         [getattr(a, "_v_scale_float", 1.0) for a in attention_layers])
+    if mine != layout.scales:
+        fix = f",scales={mine}" if mine else " without scales="
+        raise CopyError(f"KVPushConnector: the model's fp8 KV scales are {mine or 'all 1.0'}, the sidecar's layout "
+                        f"says {layout.scales or 'all 1.0'}: start the sidecar with --kv-layout ...{fix} (every "
+                        "engine of the model the same)")
 
 
 class KVPushConnector(KVConnectorBase_V1):
@@ -116,11 +135,14 @@ class KVPushConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
 
+        forward = self._vllm_config.compilation_config.static_forward_context
         name = next(iter(kv_caches))
-        layer = self._vllm_config.compilation_config.static_forward_context.get(name)
+        layer = forward.get(name)
         backend = layer.attn_backend.get_name() if layer is not None else "?"
+        cache_dtype = str(self._vllm_config.cache_config.cache_dtype)
         copier = choose_copier(backend, kv_caches[name], self.block_size,
-                               lambda: CpuCopier(self._probe_codec(kv_caches, layer)))
+                               lambda: CpuCopier(self._probe_codec(kv_caches, layer)), cache_dtype)
+        check_kv_scales(self._worker.info.layout, [forward.get(n) for n in sorted(kv_caches, key=extract_layer_index)])
         self._worker.register_kv_caches(kv_caches, copier, extract_layer_index)
 
     def _probe_codec(self, kv_caches: dict[str, torch.Tensor], layer) -> BlockCodec:

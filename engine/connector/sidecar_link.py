@@ -42,7 +42,11 @@ class SidecarInfo:
 
 
 def connect(path: str, connect_timeout_s: float, channel_timeout_s: float,
-            name: str = "vllm") -> tuple[SidecarClient, SidecarInfo]:
+            name: str = "vllm", cuda_device: int | None = -1) -> tuple[SidecarClient, SidecarInfo]:
+    """HELLO the sidecar at ``path``, retrying until it serves. ``cuda_device``: the worker's
+    GPU index (None: none), which a sidecar with a VRAM pool checks against its own; -1
+    (the scheduler's processes, which map no pool) says nothing. A refusal of the device is
+    final: it raises at once instead of retrying."""
     deadline = time.monotonic() + connect_timeout_s
     last_error: Exception | None = None
     while True:
@@ -52,10 +56,13 @@ def connect(path: str, connect_timeout_s: float, channel_timeout_s: float,
             last_error = exc
         else:
             try:
-                info = SidecarInfo.from_hello(client.hello(name=name, pid=os.getpid()))
+                extra = {} if cuda_device == -1 else {"cuda_device": cuda_device}
+                info = SidecarInfo.from_hello(client.hello(name=name, pid=os.getpid(), **extra))
                 return client, info
             except (ChannelError, KeyError) as exc:
                 client.close()
+                if "PoolMapError" in str(exc):
+                    raise ChannelError(f"the kvpush sidecar at {path} refused this engine: {exc}") from None
                 last_error = exc
         if time.monotonic() >= deadline:
             raise ChannelError(f"no kvpush sidecar at {path} within {connect_timeout_s:g} s: {last_error}")

@@ -21,19 +21,23 @@ Decode (sidecar role decode):
     (``kv_load_failure_policy="recompute"``).
 
 Bytes move in kvpush's canonical block layout, copied by a ``CacheCopier``
-(``engine/copier.py``; on the CPU ``engine.cpu_copier.CpuCopier``).
+(``engine/copier.py``; on the CPU ``engine.cpu_copier.CpuCopier``, on a GPU
+``engine.torch_copier.TorchCopier``). A GPU copy is only enqueued when the copier
+returns: the frames that let the sidecar touch the pool (PUSH, CONSUMED) wait for its
+fence on a sender thread, in order with END (``engine/connector/ordered_sends.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
 
-
 from engine.copier import CacheCopier, CopyError
 from engine.connector.config import ConnectorConfig
+from engine.connector.ordered_sends import OrderedSends
 from engine.connector.metadata import KVPushConnectorMetadata, LoadSpec, PushSpec
 from engine.connector.sidecar_link import SidecarInfo, connect
 from kvpush.contract.states import DECODE, PREFILL
@@ -42,6 +46,7 @@ from kvpush.trace import Trace
 from engine import frames as F
 from engine.channel import ChannelError, SidecarClient
 from engine.geometry import DestGeometry
+from engine.device_memory import current_cuda_device
 from engine.memory import attach_pool
 from engine.pool import StagingAllocation
 
@@ -69,14 +74,17 @@ class KVPushWorker:
                  info: SidecarInfo | None = None, counters: Counters | None = None):
         self.config = config
         self.block_size = block_size
+        self.device = current_cuda_device()  # vLLM set the worker's GPU before making its connector
         if client is None:
             client, info = connect(config.sidecar_socket, config.connect_timeout_s, config.channel_timeout_s,
-                                   name=f"vllm-worker-{os.getpid()}")
+                                   name=f"vllm-worker-{os.getpid()}", cuda_device=self.device)
         self.client = client
         self.info = info
         client.on_event = self._on_event  # runs on the channel's reader thread
         self.role = info.role
-        self.pool = attach_pool(info.pool)
+        self.pool = attach_pool(info.pool, self.device)
+        self._sends = OrderedSends()
+        self._send_failed: dict[str, str] = {}  # request id -> why a PUSH could not be sent (sender thread)
         if counters is None:
             path = ""
             if config.stats_dir:
@@ -127,7 +135,7 @@ class KVPushWorker:
         self._next_reconnect = now + 1.0
         try:
             client, info = connect(self.config.sidecar_socket, 0.5, self.config.channel_timeout_s,
-                                   name=f"vllm-worker-{os.getpid()}")
+                                   name=f"vllm-worker-{os.getpid()}", cuda_device=self.device)
         except ChannelError as exc:
             log.warning("kvpush sidecar channel down (%s); reconnecting failed: %s", why, exc)
             return False
@@ -138,7 +146,7 @@ class KVPushWorker:
             return False
         old_client, old_pool = self.client, self.pool
         try:
-            self.pool = attach_pool(info.pool)
+            self.pool = attach_pool(info.pool, self.device)
         except (OSError, ValueError) as exc:  # gone, resized, or a memory kind this side cannot map
             log.warning("kvpush sidecar pool %s not mappable: %s", info.pool.share_handle, exc)
             client.close()
@@ -208,10 +216,15 @@ class KVPushWorker:
                 continue
             spec = sp.spec
             try:
+                unsent = self._send_failed.pop(spec.req_id, None)
+                if unsent is not None:
+                    raise ChannelError(unsent)
                 if not sp.prepared:
                     sp.plan, sp.prepared = self.copier.plan(spec.block_ids, spec.start, spec.end), True
-                self.copier.stage(layer, spec.block_ids, spec.start, spec.end, sp.out.alloc, sp.out.geom, sp.plan)
-                self.client.push(spec.req_id, layer, spec.start, spec.end)
+                fence = self.copier.stage(layer, spec.block_ids, spec.start, spec.end, sp.out.alloc, sp.out.geom,
+                                          sp.plan)
+                self._sends.send(fence, functools.partial(self._push_frame, self.client, spec.req_id, layer,
+                                                          spec.start, spec.end))
             except Exception as exc:  # never let a push break the forward pass
                 log.error("push of %s layer %d failed: %s", spec.req_id, layer, exc)
                 sp.failed = True
@@ -231,7 +244,11 @@ class KVPushWorker:
             rid = sp.spec.req_id
             if sp.failed or rid not in self._outbound:
                 continue
-            if sp.layers != self.num_layers:
+            unsent = self._send_failed.pop(rid, None)
+            if unsent is not None:  # the sender thread could not send a PUSH of it this step
+                self._outbound.pop(rid, None)
+                self._end(rid, aborted=True, reason=unsent)
+            elif sp.layers != self.num_layers:
                 self._outbound.pop(rid, None)
                 self._end(rid, aborted=True, reason=f"only {sp.layers} of {self.num_layers} layers staged")
             elif sp.spec.final:
@@ -241,11 +258,22 @@ class KVPushWorker:
                 self.counters.inc("requests_pushed")
         self._step = []
 
+    def _push_frame(self, client: SidecarClient, rid: str, layer: int, start: int, end: int) -> None:
+        """PUSH, once the layer's staging copy is complete (the sender's thread, or inline)."""
+        try:
+            client.push(rid, layer, start, end)
+        except ChannelError as exc:
+            self._send_failed[rid] = f"PUSH of layer {layer} not sent: {exc}"
+
     def _end(self, rid: str, aborted: bool = False, reason: str = "") -> None:
         if aborted:
             self.counters.inc("requests_aborted")
+        self._sends.send(None, functools.partial(self._end_frame, self.client, rid, aborted, reason))
+
+    def _end_frame(self, client: SidecarClient, rid: str, aborted: bool, reason: str) -> None:
+        self._send_failed.pop(rid, None)  # its END says it all
         try:
-            self.client.end_request(rid, aborted, reason)
+            client.end_request(rid, aborted, reason)
         except ChannelError as exc:
             log.warning("END of %s not sent: %s", rid, exc)
 
@@ -270,7 +298,7 @@ class KVPushWorker:
             layout = self.info.layout
             if spec.target.block_size != layout.block_size:
                 raise CopyError(f"landing blocks of {spec.target.block_size} tokens, pool has {layout.block_size}")
-            self.copier.load(spec.block_ids, spec.start, spec.end, spec.target.block_ids)
+            fence = self.copier.load(spec.block_ids, spec.start, spec.end, spec.target.block_ids)
         except Exception as exc:
             log.error("kvpush: loading reservation %s into %s failed: %s; vLLM recomputes it",
                       spec.target.reservation_id, spec.req_id, exc)
@@ -278,9 +306,10 @@ class KVPushWorker:
             self._load_errors.update(spec.block_ids[spec.start // bs:(spec.end - 1) // bs + 1])
             self.counters.inc("load_errors")
             self.counters.inc("load_error_copy")
-            self._consume(spec.target.reservation_id)
+            # copies enqueued before the failure may still read the landing blocks
+            self._consume(spec.target.reservation_id, self.copier.fence() if self.copier is not None else None)
             return
-        self._consume(spec.target.reservation_id)
+        self._consume(spec.target.reservation_id, fence)
         n = spec.end - spec.start
         self.counters.inc("load_copy_us_total", round((time.monotonic() - t0) * 1e6))
         self.counters.inc("loads_landed")
@@ -326,13 +355,19 @@ class KVPushWorker:
         except ChannelError:
             return True
 
-    def _consume(self, reservation_id: str) -> None:
+    def _consume(self, reservation_id: str, fence=None) -> None:
+        """CONSUMED (the landing blocks are free again), once the copies reading them are done."""
+        self._sends.send(fence, functools.partial(self._consumed_frame, self.client, reservation_id))
+
+    @staticmethod
+    def _consumed_frame(client: SidecarClient, reservation_id: str) -> None:
         try:
-            self.client.consumed_nowait(reservation_id)  # a round trip less before the first token
+            client.consumed_nowait(reservation_id)  # a round trip less before the first token
         except ChannelError as exc:
             log.warning("CONSUMED for %s not sent: %s", reservation_id, exc)
 
     def close(self) -> None:
+        self._sends.close()  # the frames still waiting on the GPU go out first
         self.counters.flush(force=True)
         self.trace.close()
         try:

@@ -12,7 +12,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from engine import reblock
 from engine.copier import CopyError
 from engine.geometry import DestGeometry
-from engine.torch_copier import TorchCopier
+from engine.torch_copier import TorchCopier, stored_dtype
 from kvpush.contract.layout import KvLayout
 from sidecar.pools import LandingPool, StagingPool
 
@@ -21,7 +21,10 @@ P_BS, D_BS = 16, 32  # prefill and decode block sizes differ: the push re-blocks
 TOKENS = 70  # five prefill blocks, three decode blocks, the last of each partial
 P_IDS, D_IDS, LANDING_IDS = [7, 2, 9, 4, 0], [5, 1, 10], [6, 3, 11]
 SENTINEL = 0xAB
-DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn]
+# (tensor dtype, vLLM --kv-cache-dtype): the plain ones, and fp8 as vLLM keeps it (uint8
+# tensors for "fp8"/"fp8_e5m2", float8_e4m3fn for "fp8_inc"), moved as the bytes they are.
+DTYPES = [(torch.float16, "auto"), (torch.bfloat16, "auto"), (torch.float32, "auto"),
+          (torch.float8_e4m3fn, "fp8_inc"), (torch.uint8, "fp8"), (torch.uint8, "fp8_e5m2")]
 
 
 def layer_views(layout: KVCacheLayout, dtype, block_size: int, fill) -> list[torch.Tensor]:
@@ -42,9 +45,9 @@ def token_bytes(views, layer: int, ids, block_size: int, t: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda x: x.name)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_a_request_staged_moved_and_loaded_arrives_byte_for_byte(layout, dtype):
-    name = str(dtype).removeprefix("torch.")
+@pytest.mark.parametrize("dtype,cache_dtype", DTYPES, ids=lambda x: str(x).removeprefix("torch."))
+def test_a_request_staged_moved_and_loaded_arrives_byte_for_byte(layout, dtype, cache_dtype):
+    name = stored_dtype(cache_dtype, dtype)
     lp = KvLayout(num_layers=LAYERS, block_size=P_BS, num_kv_heads=HEADS, head_dim=DIM, dtype=name)
     ld = KvLayout(num_layers=LAYERS, block_size=D_BS, num_kv_heads=HEADS, head_dim=DIM, dtype=name)
     rng = np.random.default_rng(11)
@@ -61,7 +64,7 @@ def test_a_request_staged_moved_and_loaded_arrives_byte_for_byte(layout, dtype):
         alloc = staging.allocate(geom.block_layer_bytes, geom.num_blocks)
         assert len(alloc.extents) == 2
 
-        prefill = TorchCopier(P_BS)
+        prefill = TorchCopier(P_BS, cache_dtype=cache_dtype)
         prefill.bind_caches(src, lp)
         prefill.bind_pool(staging.memory, staging.info())
         for start, end in ((0, 40), (40, TOKENS)):  # chunked prefill: two pieces, every layer each
@@ -86,7 +89,7 @@ def test_a_request_staged_moved_and_loaded_arrives_byte_for_byte(layout, dtype):
                 want = token_bytes(src, layer, P_IDS, P_BS, t).reshape(HEADS, 2, -1)
                 assert np.array_equal(got[0, t], want[:, 0]) and np.array_equal(got[1, t], want[:, 1])
 
-        decode = TorchCopier(D_BS)
+        decode = TorchCopier(D_BS, cache_dtype=cache_dtype)
         decode.bind_caches(dst, ld)
         decode.bind_pool(landing.memory, landing.info())
         decode.load(D_IDS, 0, TOKENS, LANDING_IDS)
@@ -106,7 +109,7 @@ def test_a_request_staged_moved_and_loaded_arrives_byte_for_byte(layout, dtype):
 def test_caches_the_copier_cannot_move_are_refused_naming_what_is_wrong():
     layout = KvLayout(num_layers=1, block_size=P_BS, num_kv_heads=HEADS, head_dim=DIM, dtype="bfloat16")
     good = torch.zeros(4, HEADS, P_BS, 2 * DIM, dtype=torch.bfloat16)
-    with pytest.raises(CopyError, match="torch.float16 KV cache, the sidecar's layout holds bfloat16"):
+    with pytest.raises(CopyError, match="a float16 KV cache \\(kv-cache-dtype 'auto'\\), the sidecar's layout holds bfloat16"):
         TorchCopier(P_BS).bind_caches([good.to(torch.float16)], layout)
     with pytest.raises(CopyError, match="kv_heads, block_size, 2 \\* head_dim"):
         TorchCopier(P_BS).bind_caches([torch.zeros(4, P_BS, HEADS, 2 * DIM, dtype=torch.bfloat16)], layout)
@@ -134,8 +137,19 @@ def test_the_connector_chooses_its_copier_by_backend_and_refuses_what_it_cannot_
     # at start-up, naming the backend, the cache's layout and dtype.
     layout = KvLayout(num_layers=1, block_size=P_BS, num_kv_heads=HEADS, head_dim=DIM, dtype="bfloat16")
     int8 = flash.to(torch.int8)
-    with pytest.raises(CopyError, match=r"FLASH_ATTN attention backend's KV cache .*dtype torch.int8.*dtype not one of"):
+    with pytest.raises(CopyError, match=r"FLASH_ATTN attention backend's KV cache .*dtype torch.int8.*"
+                                        r"kv-cache-dtype 'auto' over torch.int8 tensors is not a format kvpush moves"):
         choose_copier("FLASH_ATTN", int8, P_BS, cpu).bind_caches([int8], layout)
+    # fp8 formats whose scales are computed per token at run time (or fp4) are refused by name.
+    packed = flash.to(torch.uint8)
+    fp8 = KvLayout(num_layers=1, block_size=P_BS, num_kv_heads=HEADS, head_dim=DIM, dtype="float8_e4m3fn")
+    for cache_dtype in ("fp8_per_token_head", "nvfp4", "int8_per_token_head"):
+        with pytest.raises(CopyError, match=rf"FLASH_ATTN .*dtype torch.uint8.*kv-cache-dtype '{cache_dtype}'"):
+            choose_copier("FLASH_ATTN", packed, P_BS, cpu, cache_dtype).bind_caches([packed], fp8)
+    choose_copier("FLASH_ATTN", packed, P_BS, cpu, "fp8").bind_caches([packed], fp8)  # fp8 as vLLM stores it
+    with pytest.raises(CopyError, match=r"a float8_e5m2 KV cache \(kv-cache-dtype 'fp8_e5m2'\), the sidecar's "
+                                        r"layout holds float8_e4m3fn"):
+        choose_copier("FLASH_ATTN", packed, P_BS, cpu, "fp8_e5m2").bind_caches([packed], fp8)
     odd = torch.zeros(BLOCKS, HEADS, 32, 2 * DIM, dtype=torch.bfloat16)
     with pytest.raises(CopyError, match=r"FLASH_ATTN .*shape \(12, 2, 32, 16\).*expected the logical view"):
         choose_copier("FLASH_ATTN", odd, P_BS, cpu).bind_caches([odd], layout)

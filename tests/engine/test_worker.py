@@ -207,6 +207,55 @@ def test_the_same_push_through_the_torch_copier_in_gpu_layouts(sidecars, workdir
         de.close()
 
 
+class LateCopies:
+    """A GPU's asynchronous staging, played on the CPU: a layer's bytes reach the pool only
+    when its fence is waited on, later and on another thread. A PUSH sent before its fence
+    passed would push bytes not yet staged, and the decode cache would not match."""
+
+    def __init__(self, copier):
+        self.copier, self.threads = copier, set()
+
+    def __getattr__(self, name):
+        return getattr(self.copier, name)
+
+    def stage(self, *args):
+        outer = self
+
+        class Late:
+            def wait(self):
+                time.sleep(0.01)
+                outer.threads.add(threading.current_thread().name)
+                outer.copier.stage(*args)
+        return Late()
+
+
+def test_pushes_wait_for_the_copies_they_send(sidecars, workdir, codec):
+    from engine.torch_copier import TorchCopier
+
+    dec, pre = sidecars(LAYOUT)
+    gen = torch.Generator().manual_seed(8)
+    pcache = {name: torch.randn(NB, HEADS, BS, 2 * DIM, generator=gen) for name in NAMES}
+    late = LateCopies(TorchCopier(BS))
+    pw, _ = make_worker(pre, workdir, codec, "P", copier=late, caches=pcache)
+    de = DecodeEngine(dec, workdir, codec, copier=TorchCopier(BS), caches=paged_caches())
+    try:
+        n, p_blocks, d_blocks, landing = 70, [4, 0, 6], [2, 9, 5], [11, 12, 13]
+        req = de.arrive("d1", "res-late", landing, n)
+        assert de.sched.get_num_new_matched_tokens(req, 0) == (None, False)
+        step_prefill(pw, [PushSpec("p1", tuple(p_blocks), 0, 40, False, target(dec, "res-late", landing, n))])
+        step_prefill(pw, [PushSpec("p1", tuple(p_blocks), 40, n, True)])
+        assert de.schedule("d1", d_blocks) == n
+        for name in NAMES:
+            for t in range(n):
+                assert torch.equal(de.cache[name][d_blocks[t // BS], :, t % BS, :],
+                                   pcache[name][p_blocks[t // BS], :, t % BS, :]), (name, t)
+        assert late.threads == {"kvpush-sends"}  # every staging copy finished on the sender's thread
+        assert pw.counters.get("requests_pushed") == 1
+    finally:
+        pw.close()
+        de.close()
+
+
 @pytest.mark.parametrize("landing_bs", [BS, 16])
 def test_layerwise_chunked_push_lands_in_the_decode_cache_token_for_token(sidecars, workdir, codec, landing_bs):
     """``landing_bs`` != 32: the decode sidecar's landing blocks are smaller than vLLM's, so

@@ -43,9 +43,13 @@ def test_the_engine_attaches_a_pool_from_its_description_and_refuses_a_kind_it_c
     pool.memory.host_view()[7] = 9
     assert mapped.host_view()[7] == 9 and mapped.mem_kind == "DRAM"
     mapped.close()
-    with pytest.raises(ValueError, match="VRAM memory"):
-        attach_pool(dataclasses.replace(desc, memory_kind="VRAM"))
-    pool.close()
+    try:
+        with pytest.raises(ValueError, match="'HBM' memory"):
+            attach_pool(dataclasses.replace(desc, memory_kind="HBM"))
+        with pytest.raises(ValueError, match="VRAM on cuda:0; this engine process has no CUDA device"):
+            attach_pool(dataclasses.replace(desc, memory_kind="VRAM"))
+    finally:
+        pool.close()
 
 
 def test_sweep_removes_only_segments_of_dead_processes():
