@@ -7,6 +7,7 @@ channel codec and pool types.
     frames.py       the channel's frames (both ends speak them)
     pool.py         PoolDescription and StagingAllocation: what crosses the channel about pools
     memory.py       PoolMemory (the seam), ShmMemory, attach_pool (description -> mapping)
+    device_memory.py CudaPoolMemory: a VRAM pool and its CUDA IPC handle, and their refusals
     geometry.py     DestGeometry: a request's bytes in the destination's block geometry
     copier.py       the CacheCopier seam: engine cache <-> canonical blocks
     cpu_copier.py   CpuCopier: the CacheCopier for the CPU backend's packed caches

@@ -251,7 +251,7 @@ class PushEngine:
         ranges = ob.geom.token_ranges(start, end)
         local = ob.local0.shifted(layer * self.staging.layer_stride)
         remote = ob.remote0.shifted(layer * ob.peer.layer_stride)
-        loc, rem = pair_descriptors(ranges, local, remote, 0, ob.peer.record.device_id)
+        loc, rem = pair_descriptors(ranges, local, remote, self.staging.memory.device_id, ob.peer.record.device_id)
         if not ob.begun:
             ob.begun = True
             try:  # wake the decode side into hot polling: our writes need its progress
