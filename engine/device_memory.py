@@ -139,7 +139,11 @@ class CudaPoolMemory(DeviceMemory):
             tensor = torch.empty(size, dtype=torch.uint8, device=f"cuda:{device}")
         except torch.cuda.OutOfMemoryError as exc:
             raise MemoryError(f"cannot allocate a {size}-byte pool on cuda:{device}: {exc}") from None
-        share = tensor.untyped_storage()._share_cuda_()
+        try:
+            share = tensor.untyped_storage()._share_cuda_()
+        except RuntimeError as exc:  # e.g. an allocator setting whose segments cannot be exported
+            raise PoolMapError(f"cannot export the pool on cuda:{device} by CUDA IPC: {exc} (check "
+                               "PYTORCH_CUDA_ALLOC_CONF in the sidecar's environment)") from None
         handle = CudaIpcHandle(share[0], share[1], share[2], share[3], share[4], share[5], share[6],
                                bool(share[7]), os.getpid())
         return cls(f"{tag}@cuda:{device}", tensor, handle.encode(), owner=True)
