@@ -75,7 +75,7 @@ def cmd_controlplane(args) -> None:
     cfg = ControlPlaneConfig(
         listen=args.listen, etcd=etcd, etcd_security=security, etcd_timeout_s=args.etcd_timeout, admin_token=admin,
         engine_token=args.engine_token or os.environ.get("KVPUSH_ENGINE_TOKEN", ""),
-        metrics_port=args.metrics_port, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        metrics_port=args.metrics_port, metrics_host=args.metrics_host, tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca, max_batch=max_batch or 60, group_commit=not args.no_group_commit,
         default_deadline_ms=args.default_deadline_ms, replica_id=args.replica_id,
         quarantine_ms=args.quarantine_ms)
@@ -158,7 +158,9 @@ def cmd_router(args) -> None:
                        prefill_urls=prefill_urls, prefill_ids=prefill_ids, decode=parse_decode(args.decode),
                        tokenizer_dir=args.tokenizer or args.model_dir, listen_host=args.host,
                        listen_port=args.port, deadline_ms=args.deadline_ms, max_model_len=args.max_model_len,
-                       max_logprobs=args.max_logprobs)
+                       max_logprobs=args.max_logprobs, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+                       tls_key=args.tls_key, tls_server_name=args.tls_server_name,
+                       http_tls_cert=args.http_tls_cert, http_tls_key=args.http_tls_key)
     aio.run(serve(cfg, args.ready_file))
 
 
@@ -201,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admin-token", default="")
     p.add_argument("--engine-token", default="")
     p.add_argument("--metrics-port", type=int, default=0)
+    p.add_argument("--metrics-host", default="127.0.0.1", help="the metrics endpoint's bind address")
     p.add_argument("--tls-cert", default="")
     p.add_argument("--tls-key", default="")
     p.add_argument("--tls-client-ca", default="", help="require client certificates signed by this CA (mTLS)")
@@ -250,6 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="the engines' context length (default: asked of the prefill engine)")
     p.add_argument("--max-logprobs", type=int, default=20, help="the engines' --max-logprobs")
+    p.add_argument("--tls-ca", default="", help="TLS to the control plane, trusting this CA")
+    p.add_argument("--tls-cert", default="", help="client certificate for a control plane that requires one")
+    p.add_argument("--tls-key", default="")
+    p.add_argument("--tls-server-name", default="", help="the name the control plane's certificate carries")
+    p.add_argument("--http-tls-cert", default="", help="serve HTTPS on --port with this certificate")
+    p.add_argument("--http-tls-key", default="")
     p.add_argument("--ready-file", default=None)
     p.add_argument("--log-level", default=None)
     p.set_defaults(fn=cmd_router)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import itertools
 import os
 import subprocess
@@ -39,7 +38,7 @@ from controlplane.invariants import check  # noqa: E402
 from kvpush.contract.states import State  # noqa: E402
 from client.reserve_stream import ReserveRefused, StreamReserver  # noqa: E402
 from kvpush.aio import tune_gc  # noqa: E402
-from app.etcd_server import EmbeddedEtcd, EtcdCluster, free_port  # noqa: E402
+from app.etcd_server import EmbeddedEtcd, free_port  # noqa: E402
 from app.simulated import SimulatedEngine  # noqa: E402
 from app.table import markdown, render  # noqa: E402
 from kvpush.contract.v1 import admin_pb2, scheduler_pb2  # noqa: E402
@@ -300,142 +299,6 @@ def plot(rows: list, path) -> None:
     fig.savefig(path, dpi=110)
 
 
-class MemberCpu:
-    """CPU seconds of one etcd member over a run in which it is killed and started again."""
-
-    def __init__(self, member) -> None:
-        self.member, self.used, self._proc, self._t0 = member, 0.0, None, 0.0
-
-    def start(self) -> None:
-        self._proc = psutil.Process(self.member.proc.pid)
-        self._t0 = CpuMeter._cpu(self._proc, False)
-
-    def stop(self) -> None:
-        if self._proc is not None:
-            self.used += CpuMeter._cpu(self._proc, False) - self._t0
-            self._proc = None
-
-
-async def failover(rate: float, seconds: float, kill_at: float, back_at: float) -> None:
-    """Open-loop Reserve through the stream client against a control plane on a real
-    3-member etcd; the leader SIGKILLed at ``kill_at`` s and started again at ``back_at``.
-    No request is retried: every error is counted where it happened."""
-    cluster = EtcdCluster(3, unsafe_no_fsync=False).start()
-    plane = Plane(cluster.endpoints, group_commit=True)
-    samples: list[tuple[float, float, str]] = []  # (scheduled s from start, latency s, "" or error code)
-    reasons: collections.Counter = collections.Counter()
-    try:
-        admin = ControlPlaneClient(plane.address, ADMIN)
-        tenant = await admin.admin.CreateTenant(admin_pb2.CreateTenantRequest(name="failover"),
-                                                metadata=admin.metadata)
-        client = ControlPlaneClient(plane.address, tenant.token)
-        reserver = StreamReserver(client)
-        engines = [SimulatedEngine(admin, f"failover-d{i}", BLOCKS_PER_ENGINE, model="failover", lease_ttl_s=60)
-                   for i in range(ENGINES)]
-        for engine in engines:
-            await engine.register()
-        await closed_loop(stream_call(reserver), 8, 0.5, "failover")  # warm up
-        members = [MemberCpu(m) for m in cluster.members]
-        meter = CpuMeter({"controlplane": psutil.Process(plane.proc.pid), "client": psutil.Process()})
-        for m in members:
-            m.start()
-        meter.start()
-        start = time.perf_counter()
-
-        async def one(scheduled: float) -> None:
-            req = scheduler_pb2.ReserveRequest(request_id=f"f{next(_ids)}", num_tokens=16, model="failover",
-                                               deadline_ms=600_000)
-            try:
-                await reserver.reserve(req, timeout=10)
-                samples.append((scheduled - start, time.perf_counter() - scheduled, ""))
-            except grpc.aio.AioRpcError as exc:
-                samples.append((scheduled - start, time.perf_counter() - scheduled, exc.code().name))
-                reasons[exc.details()[:90]] += 1
-            except ReserveRefused as exc:
-                samples.append((scheduled - start, time.perf_counter() - scheduled, exc.code.name))
-                reasons[exc.details[:90]] += 1
-
-        async def faults() -> tuple[int, float, float]:
-            await asyncio.sleep(kill_at)
-            leader = await asyncio.to_thread(cluster.leader)
-            members[leader].stop()
-            cluster.members[leader].kill()
-            killed = time.perf_counter() - start
-            await asyncio.sleep(max(0.0, back_at - kill_at))
-            await asyncio.to_thread(cluster.restart, leader)
-            members[leader].start()
-            return leader, killed, time.perf_counter() - start
-
-        tasks, fault = set(), asyncio.create_task(faults())
-        async for _, scheduled in paced(rate, int(rate * seconds)):
-            task = asyncio.create_task(one(scheduled))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        await asyncio.gather(*tasks)
-        leader, killed, back = await fault
-        wall = time.perf_counter() - start
-        cpu = meter.stop()
-        for m in members:
-            m.stop()
-        await reserver.close()
-        await client.close()
-        report = await check(cluster.endpoints, allow_orphans=True)
-        live = len(report.live)
-        for engine in engines:
-            await engine.stop()
-        await admin.close()
-    finally:
-        plane.stop()
-        cluster.stop()
-    ok = [s for s in samples if not s[2]]
-    errors = [s for s in samples if s[2]]
-    codes = sorted({s[2] for s in errors})
-    phases = [("before the kill", 0.0, killed), ("leader dead", killed, back), ("after its restart", back, 1e9)]
-    headers = ["phase", "sent", "ok", "errors", "p50 ms", "p99 ms", "max ms"]
-    rows = []
-    for name, lo, hi in phases:
-        sent = [s for s in samples if lo <= s[0] < hi]
-        lat = [s[1] for s in sent if not s[2]]
-        rows.append([f"{name} ({lo:.1f}-{min(hi, wall):.1f} s)", len(sent), len(lat), len(sent) - len(lat),
-                     f"{pct(lat, 50) * 1e3:.2f}", f"{pct(lat, 99) * 1e3:.1f}", f"{max(lat, default=0) * 1e3:.0f}"])
-    window = (f"{errors[0][0]:.2f}-{errors[-1][0] + errors[-1][1]:.2f} s" if errors else "none")
-    slow = [s for s in ok if s[1] > 0.1 and s[0] >= killed]
-    stall = (max(s[0] + s[1] for s in slow) - killed) if slow else 0.0
-    print(render(headers, rows))
-    for reason, n in reasons.most_common():
-        print(f"  {n} x {reason}")
-    text = f"""## Reserve while etcd's leader dies (3-member cluster)
-
-Command: `.venv/bin/python bench/reserve.py --failover`. Setup, on this machine's 2 cores:
-
-- a real 3-member etcd cluster on loopback (`app.etcd_server.EtcdCluster`, fsync on);
-- one control-plane process given all three endpoints (`--etcd a,b,c`, `--etcd-timeout 2`);
-- {ENGINES} simulated decode engines;
-- Reserve through the stream client in an open loop at {rate:.0f}/s for {seconds:g} s, no retries.
-
-Member {leader}, the leader, was SIGKILLed at {killed:.1f} s and started again on its data at {back:.1f} s.
-
-{markdown(headers, rows)}
-
-- **Errors**: {len(errors)} of {len(samples)} ({', '.join(codes) or 'none'}), between {window}
-  (scheduled time to answer): {'; '.join(f'{n} x "{r}"' for r, n in reasons.most_common()) or 'none'}.
-  Only asks whose transaction etcd left in doubt are answered UNAVAILABLE: sent to the leader as it
-  died, or timed out. A retry of the same request id is idempotent. A write etcd certainly did not
-  apply (no connection to the member, no leader) is retried on the next member within the call's
-  timeout.
-- **The stall**: Reserves that were in flight when the leader died were answered, or failed, within
-  {stall:.2f} s of the kill. The bound is the etcd call timeout: a proposal the dead leader held gets no
-  answer. An election itself takes about a second.
-- **CPU** (seconds per wall second, cores): control plane {cpu['controlplane'] / wall:.2f}, load generator
-  {cpu['client'] / wall:.2f}, etcd members {' / '.join(f'{m.used / wall:.2f}' for m in members)} (the killed
-  one counted while it ran).
-- **Invariants** checked in etcd after the run: {'all hold' if report.ok else 'VIOLATED: ' + report.summary()}
-  ({live} live reservations; none double-booked).
-"""
-    update_section("reserve-failover", text)
-    print("wrote docs/BENCHMARKS.md (reserve-failover)")
-
-
 async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
@@ -444,6 +307,7 @@ async def main() -> None:
     parser.add_argument("--failover", action="store_true", help="only the etcd leader failover run")
     args = parser.parse_args()
     if args.failover:
+        from bench.reserve_failover import failover
         await failover(rate=500.0, seconds=16.0, kill_at=5.0, back_at=10.0)
         return
     levels = [1, 16, 64] if args.quick else [1, 8, 32, 64, 128, 256]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import time
 
 import aiohttp
@@ -34,7 +35,8 @@ def build_app(cfg: RouterConfig, counter: TokenCounter | None = None) -> web.App
     app[COUNTER] = counter or HFTokenCounter(cfg.tokenizer_dir)
 
     async def on_startup(app: web.Application) -> None:
-        app[CP] = ControlPlaneClient(cfg.controlplane, cfg.token)
+        app[CP] = ControlPlaneClient(cfg.controlplane, cfg.token, cfg.tls_ca, cfg.tls_cert, cfg.tls_key,
+                                     cfg.tls_server_name)
         app[SESSION] = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0),
             timeout=aiohttp.ClientTimeout(total=cfg.upstream_timeout_s, sock_connect=5))
@@ -98,15 +100,30 @@ def build_app(cfg: RouterConfig, counter: TokenCounter | None = None) -> web.App
     return app
 
 
-async def serve(cfg: RouterConfig, ready_file: str | None = None) -> None:
-    app = build_app(cfg)
+def http_ssl_context(cfg: RouterConfig) -> ssl.SSLContext | None:
+    if not cfg.http_tls_cert:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cfg.http_tls_cert, cfg.http_tls_key)
+    return context
+
+
+async def start(cfg: RouterConfig, counter: TokenCounter | None = None) -> web.AppRunner:
+    """The router serving on ``cfg.listen_host:listen_port`` (HTTPS with ``http_tls_*``)."""
+    app = build_app(cfg, counter)
     # handler_cancellation: a client that disconnects cancels its handler, which
     # aborts both engine requests and releases the reservation.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, cfg.listen_host, cfg.listen_port)
+    site = web.TCPSite(runner, cfg.listen_host, cfg.listen_port, ssl_context=http_ssl_context(cfg))
     await site.start()
-    _log.info("router listening", host=cfg.listen_host, port=cfg.listen_port, model=cfg.model)
+    _log.info("router listening", host=cfg.listen_host, port=cfg.listen_port, model=cfg.model,
+              https=bool(cfg.http_tls_cert), controlplane_tls=bool(cfg.tls_ca or cfg.tls_cert))
+    return runner
+
+
+async def serve(cfg: RouterConfig, ready_file: str | None = None) -> None:
+    runner = await start(cfg)
     tune_gc()
     write_ready_file(ready_file, f"{cfg.listen_port}\n")
     await until_signalled()

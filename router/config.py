@@ -30,6 +30,20 @@ class RouterConfig:
     upstream_timeout_s: float = 600.0
     max_model_len: int | None = None        # None: asked of the prefill engine (/v1/models)
     max_logprobs: int = 20                  # the engines' --max-logprobs
+    # TLS to the control plane, as every client of it takes it (CA; certificate and key for mTLS)
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_server_name: str = ""
+    # HTTPS on the router's own port (clients then cannot speak plain HTTP to it)
+    http_tls_cert: str = ""
+    http_tls_key: str = ""
+
+    def __post_init__(self) -> None:
+        if bool(self.http_tls_cert) != bool(self.http_tls_key):
+            raise ValueError("--http-tls-cert and --http-tls-key go together")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
 
     def prefill_id(self, url: str) -> str:
         for i, u in enumerate(self.prefill_urls):

@@ -48,6 +48,7 @@ class DecodeSidecar(SidecarBase):
     def stats(self) -> dict:
         out = super().stats()
         out.update(self.landing.counters)
+        out.update(landing_blocks=self.pool.num_units, landing_blocks_landed=self.landing.landed_blocks())
         return out
 
     def _landing_event(self, event: LandingEvent) -> None:

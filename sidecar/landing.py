@@ -207,6 +207,10 @@ class LandingTable:
         return [rid for rid, e in self._entries.items()
                 if not e.state.terminal or e.state == LandingState.LANDED]
 
+    def landed_blocks(self) -> int:
+        """Landing blocks holding KV that landed and was not consumed yet."""
+        return sum(len(e.block_ids) for e in self._entries.values() if e.state == LandingState.LANDED)
+
     def close(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
@@ -248,7 +252,7 @@ class LandingTable:
             self.counters["landed"] += 1
         elif state == LandingState.FAILED:
             self.counters["failed"] += 1
-            log.warning("reservation %s FAILED: %s", rid, reason)
+            log.warning("reservation %s FAILED: %s", rid, reason, extra={"reservation_id": rid})
         event = entry.event(rid)
         subscribers, entry.subscribers = entry.subscribers, []
         for callback in subscribers:

@@ -80,6 +80,8 @@ class ServiceConfig:
     # plane fail a reservation when its prefill engine dies mid-push; a router sees
     # that death itself (the prefill request fails) and releases the reservation.
     pushing_report_after_s: float = 0.25
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0  # 0: no metrics endpoint
     drain_s: float = 2.0  # on shutdown: running pushes may finish this long
     ready_file: str = ""  # written (engine record + lease, JSON) once registered and beating
 

@@ -77,6 +77,7 @@ class PushOutcome:
     bytes_pushed: int = 0
     transfers: int = 0
     elapsed_s: float = 0.0
+    exposed_s: float = 0.0  # from the last piece's PUSH (the end of prefill) to this outcome; 0: never got there
 
 
 @dataclasses.dataclass
@@ -98,6 +99,7 @@ class _Outbound:
     inflight: int = 0
     begun: bool = False  # BEGIN hint sent
     staging_freed: bool = False
+    final_at: float = 0.0  # when the last piece's PUSH arrived
     bytes_pushed: int = 0
     transfers: int = 0
 
@@ -172,6 +174,7 @@ class PushEngine:
         final = ob.remaining == 0
         if final:
             ob.state = PushState.FINALIZING
+            ob.final_at = time.monotonic()
             self.trace("final_piece", ob.target.reservation_id, f"inflight={ob.inflight}")
         if ob.peer is None:  # still resolving the peer: keep the order
             ob.queued.append((layer, start, end, final))
@@ -368,7 +371,8 @@ class PushEngine:
                     notify.ABORT, t.reservation_id, t.incarnation, reason=reason)))
             except TransferError as exc:
                 log.info("abort notice for %s not sent: %s", t.reservation_id, exc)
-        log.info("push of %s (reservation %s) %s: %s", ob.request_id, t.reservation_id, state.value, reason)
+        log.info("push of %s (reservation %s) %s: %s", ob.request_id, t.reservation_id, state.value, reason,
+                 extra={"reservation_id": t.reservation_id, "request_id": ob.request_id, "engine_id": t.engine_id})
         self._finish(ob, reason)
         if not ob.inflight:  # otherwise freed when the last write stops reading staging
             self._free_staging(ob)
@@ -378,8 +382,10 @@ class PushEngine:
         self._ended[ob.request_id] = ob.state
         while len(self._ended) > self.config.tombstones:
             self._ended.popitem(last=False)
+        now = time.monotonic()
         self._emit(PushOutcome(ob.request_id, ob.target.reservation_id, ob.target.engine_id, ob.state, reason,
-                               ob.bytes_pushed, ob.transfers, time.monotonic() - ob.started))
+                               ob.bytes_pushed, ob.transfers, now - ob.started,
+                               now - ob.final_at if ob.final_at else 0.0))
 
     def _free_staging(self, ob: _Outbound) -> None:
         if not ob.staging_freed:

@@ -47,6 +47,7 @@ import grpc
 
 from engine.device_memory import parse_device
 from engine.memory import PoolMapError
+from kvpush import log as klog
 from kvpush.aio import tune_gc, write_ready_file
 from kvpush.contract.layout import KvLayout, LayoutError
 from kvpush.contract.transfer_params import PushParams
@@ -62,6 +63,7 @@ from sidecar.transport.base import TransportUnavailable
 from sidecar.transport.nixl import parse_backends
 from kvpush.contract.states import DECODE, PREFILL, PushState, State, reported
 
+from sidecar.metrics import SidecarMetrics
 from sidecar.membership import (ControlPlaneLink, FatalError, Membership, ServiceConfig, guarded, rpc_error_text,
                             status_code)
 from sidecar.reporter import Reporter
@@ -89,6 +91,8 @@ class SidecarService:
         self._tasks: list[asyncio.Task] = []
         self._started = False
         self.resolves = 0
+        self.metrics = SidecarMetrics(sidecar_config.role, self.stats)
+        self.metrics_port = 0  # bound, once serving
 
     # -- what the control plane sees of us --------------------------------------------------------
     def engine_proto(self) -> types_pb2.Engine:
@@ -100,6 +104,7 @@ class SidecarService:
         self.reporter.report(reservation_id, State.PUSHING, hold_s=self.config.pushing_report_after_s)
 
     def _on_push_outcome(self, outcome: PushOutcome) -> None:
+        self.metrics.on_push(outcome)
         # Outcomes are terminal. A FAILED report replaces a PUSHING still held; otherwise
         # PUSHING is moot (decode reports LANDED, or the control plane ended it, and then
         # a push it cancelled is not a failure to report).
@@ -113,6 +118,7 @@ class SidecarService:
             self.reporter.report(outcome.reservation_id, state, f"prefill {self.engine_id}: {what}{outcome.reason}")
 
     def _on_landing_event(self, event: LandingEvent) -> None:
+        self.metrics.on_landing(event)
         state = reported(event.state)
         if state is not None:
             reason = f"decode {self.engine_id}: {event.reason}" if event.reason else ""
@@ -202,6 +208,9 @@ class SidecarService:
         try:
             await self.sidecar.start()
             self._started = True
+            if self.config.metrics_port:
+                self.metrics_port = self.metrics.serve(self.config.metrics_host, self.config.metrics_port)
+                log.info("metrics on http://%s:%d/metrics", self.config.metrics_host, self.metrics_port)
             self.reporter.start()
             member = loop.create_task(self.membership.run(), name="membership")
             self._tasks = [member, loop.create_task(self.watch.run(), name="watch")]
@@ -302,6 +311,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", default="")
     p.add_argument("--tls-server-name", default="")
     p.add_argument("--ready-file", default="", help="write this engine's record (JSON) here once registered")
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="the metrics endpoint's bind address")
     p.add_argument("--log-level", default=os.environ.get("KVPUSH_LOG_LEVEL", "INFO"))
 
 
@@ -326,13 +337,13 @@ def configs_from_args(args: argparse.Namespace) -> tuple[SidecarConfig, ServiceC
                             tls_key=args.tls_key, tls_server_name=args.tls_server_name,
                             drain_s=args.drain_timeout, ready_file=args.ready_file,
                             report_hold_s=max(0.0, args.report_hold),
-                            pushing_report_after_s=max(0.0, args.pushing_report_after))
+                            pushing_report_after_s=max(0.0, args.pushing_report_after),
+                            metrics_host=args.metrics_host, metrics_port=args.metrics_port)
     return sidecar, service
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    klog.configure("sidecar", args.log_level)  # JSON lines, as every kvpush service writes
     try:
         sidecar_config, service_config = configs_from_args(args)
     except ValueError as exc:

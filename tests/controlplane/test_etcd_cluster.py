@@ -22,6 +22,7 @@ from controlplane.etcd import EtcdClient, EtcdSecurity, EtcdUnavailable, parse_e
 from controlplane.server import ControlPlane, ControlPlaneConfig
 from tests.conftest import ADMIN_TOKEN, ENGINE_TOKEN
 from tests.controlplane.helpers import make_tenant, reserve, settle
+from tests.pki import make_pki
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -170,23 +171,9 @@ def test_endpoints_are_parsed_and_plaintext_is_refused_where_tls_is_configured()
 
 
 # -- TLS and authentication ----------------------------------------------------------------------
-def openssl(*args: str) -> None:
-    subprocess.run(["openssl", *args], check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
-    d = tmp_path_factory.mktemp("etcd-certs")
-    p = lambda name: str(d / name)  # noqa: E731
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=kvpush-etcd-ca",
-            "-keyout", p("ca.key"), "-out", p("ca.pem"))
-    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    for name in ("etcd", "root", "stranger"):
-        openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", p(f"{name}.key"),
-                "-out", p(f"{name}.csr"))
-        openssl("x509", "-req", "-in", p(f"{name}.csr"), "-CA", p("ca.pem"), "-CAkey", p("ca.key"),
-                "-CAcreateserial", "-days", "2", "-extfile", p("san.ext"), "-out", p(f"{name}.pem"))
-    return p
+    return make_pki(tmp_path_factory.mktemp("etcd-certs"), ("etcd", "root", "stranger"))
 
 
 async def test_tls_with_client_certificates_and_user_password_auth(certs):

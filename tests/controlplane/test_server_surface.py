@@ -24,26 +24,12 @@ from app.simulated import SimulatedEngine
 from kvpush.contract.v1 import admin_pb2
 from tests.conftest import ADMIN_TOKEN, ENGINE_TOKEN, ROOT
 from tests.controlplane.helpers import make_tenant, reserve
-
-
-def openssl(*args: str) -> None:
-    subprocess.run(["openssl", *args], check=True, capture_output=True)
+from tests.pki import make_pki
 
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pki")
-    p = lambda name: str(d / name)  # noqa: E731
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=kvpush-test-ca",
-            "-keyout", p("ca.key"), "-out", p("ca.pem"))
-    for name in ("server", "client"):
-        openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", p(f"{name}.key"),
-                "-out", p(f"{name}.csr"))
-        with open(p(f"{name}.ext"), "w") as f:
-            f.write("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-        openssl("x509", "-req", "-in", p(f"{name}.csr"), "-CA", p("ca.pem"), "-CAkey", p("ca.key"),
-                "-CAcreateserial", "-days", "2", "-extfile", p(f"{name}.ext"), "-out", p(f"{name}.pem"))
-    return p
+    return make_pki(tmp_path_factory.mktemp("pki"), ("server", "client"))
 
 
 async def _status_ok(client: ControlPlaneClient) -> bool:

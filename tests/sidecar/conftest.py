@@ -171,8 +171,9 @@ def kvpush_command() -> list[str]:
 class ControlPlaneProc:
     """One control-plane replica process on a fixed port, so it can be restarted in place."""
 
-    def __init__(self, etcd_endpoint: str, workdir: pathlib.Path):
+    def __init__(self, etcd_endpoint: str, workdir: pathlib.Path, extra: tuple[str, ...] = ()):
         from app.etcd_server import free_port
+        self.extra = extra
         self.etcd_endpoint = etcd_endpoint
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
@@ -186,7 +187,7 @@ class ControlPlaneProc:
             os.unlink(self.ready_file)
         cmd = [*kvpush_command(), "controlplane", "--listen", self.address, "--etcd", self.etcd_endpoint,
                "--admin-token", ADMIN_TOKEN, "--engine-token", ENGINE_TOKEN, "--ready-file", self.ready_file,
-               "--log-level", "info"]
+               "--log-level", "info", *self.extra]
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(cmd, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONPATH=str(ROOT)))
