@@ -57,6 +57,14 @@ async def test_tls_and_mutual_tls(etcd, pki):
             await _status_ok(plaintext)
         for c in (good, no_cert, plaintext):
             await c.close()
+        # `kvpush health`, what the Kubernetes probes run: gRPC health over mutual TLS.
+        probe = [sys.executable, "-m", "app.cli", "health", "--controlplane", address, "--tls-ca", pki("ca.pem"),
+                 "--tls-cert", pki("client.pem"), "--tls-key", pki("client.key")]
+        for cmd, code, says in ((probe, 0, "SERVING"), (probe[:-4], 1, "UNAVAILABLE")):
+            proc = await asyncio.create_subprocess_exec(*cmd, cwd=ROOT, stdout=asyncio.subprocess.PIPE,
+                                                        stderr=asyncio.subprocess.PIPE)
+            out, err = await asyncio.wait_for(proc.communicate(), 60)
+            assert proc.returncode == code and says in (out + err).decode(), (out, err)
     finally:
         await plane.stop(0.1)
 

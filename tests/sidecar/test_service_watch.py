@@ -108,11 +108,13 @@ async def test_prefill_hears_a_reservation_that_names_it(stack):
         assert key == "rt-first" and params["reservation_id"] == first.id and params["engine_id"] == "D1"
         assert params["block_ids"] == list(first.block_ids) and params["role"] == "prefill"
         later = await sched.reserve("rt-later", 40, prefill_engine_id="P1")
-        for _ in range(200):                                           # asked after the watch brought it
-            got = engine.await_reservation("rt-later")
-            if got is not None:
+        # Asked only after the watch brought it: the Reserve's answer can reach us before the
+        # sidecar hears the watch, and an AWAIT sent first would be answered by an event instead.
+        for _ in range(1000):
+            if engine.admin("stats")["handover_offered"] == 2:
                 break
             time.sleep(0.01)
+        got = engine.await_reservation("rt-later")
         assert got is not None and got["reservation_id"] == later.id
         assert engine.await_reservation("rt-never") is None
         time.sleep(0.2)

