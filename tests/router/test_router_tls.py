@@ -4,6 +4,8 @@ by the ``openai`` client; plaintext is refused on both."""
 
 from __future__ import annotations
 
+import ssl
+
 import grpc
 import httpx
 import openai
@@ -67,7 +69,7 @@ async def test_the_router_reserves_over_mutual_tls_and_serves_https(tls_plane, p
     runner = await start(cfg, WhitespaceCounter())
     base = f"https://127.0.0.1:{cfg.listen_port}"
     try:
-        async with httpx.AsyncClient(verify=pki("ca.pem")) as http:
+        async with httpx.AsyncClient(verify=ssl.create_default_context(cafile=pki("ca.pem"))) as http:
             client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", http_client=http)
             answer = await client.completions.create(model="tiny", prompt="one two three", max_tokens=3)
             assert answer.choices[0].text == " hi"
