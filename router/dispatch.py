@@ -68,6 +68,11 @@ class Dispatcher:
     def _least_loaded(self, urls) -> str:
         return min(urls, key=lambda u: self.outstanding.get(u, 0))
 
+    def _other_decode(self, failed_url: str) -> str | None:
+        """Another decode engine for a request whose own failed before answering, or None."""
+        others = [d.url for d in self.cfg.decode if d.url != failed_url]
+        return self._least_loaded(others) if others else None
+
     async def limits(self) -> asks.Limits:
         """The model's context length, from the prefill engine. Until it answers, asked
         again at most every LIMITS_RETRY_S, not by every request (the engines check the
@@ -182,15 +187,36 @@ class Dispatcher:
         d_body = dict(ask.body, kv_transfer_params=params.for_role(DECODE).as_kv_transfer_params())
         prefill = asyncio.create_task(self._prefill_then_release(prefill_url, ask.endpoint, p_body,
                                                                  params.target.reservation_id, timings))
+        other = self._other_decode(decode_url)
         try:
             response = await self._proxy(decode_url, ask.endpoint, d_body, request, "push", timings)
+        except aiohttp.ClientConnectorError as exc:  # nothing reached it: safe to serve elsewhere
+            prefill.cancel()
+            if other is None:
+                await self.release(params.target.reservation_id, f"decode unreachable: {exc}")
+                raise
+            return await self._decode_elsewhere(ask, other, params.target.reservation_id,
+                                                f"decode unreachable: {exc}", request)
         except BaseException:
             prefill.cancel()
             raise
         if response.status != 200:
             prefill.cancel()
+            if response.status >= 500 and other is not None and not response.prepared:
+                return await self._decode_elsewhere(ask, other, params.target.reservation_id,
+                                                    f"decode answered {response.status}", request)
             await self.release(params.target.reservation_id, f"decode answered {response.status}")
         return response
+
+    async def _decode_elsewhere(self, ask: asks.Ask, url: str, res_id: str, why: str,
+                                request: web.Request) -> web.StreamResponse:
+        """The reservation's decode engine failed before answering anything: its KV is lost
+        to this request, so another decode engine serves it alone (computing the prompt)."""
+        await self.release(res_id, why)
+        metrics.FALLBACKS.labels(reason="decode_failed").inc()
+        _log.warning("decode failed; serving on another decode engine", reservation_id=res_id, error=why[:200],
+                     decode=url)
+        return await self._proxy(url, ask.endpoint, ask.body, request, "retry")
 
     async def _prefill_then_release(self, url: str, endpoint: str, body: dict, res_id: str, timings: dict) -> None:
         try:
@@ -300,8 +326,8 @@ class Dispatcher:
     async def _continue(self, ask: asks.Ask, head, tail: Tail, decode_url: str, d_body: dict, request: web.Request,
                         timings: dict, res) -> web.StreamResponse:
         chunks = Chunks(ask, head)
-        self.outstanding[decode_url] += 1
-        call = asyncio.ensure_future(self.session.post(f"{decode_url}/v1/completions", json=d_body))
+        self.outstanding[decode_url] = self.outstanding.get(decode_url, 0) + 1
+        call = asyncio.ensure_future(self._continuation(decode_url, d_body, res))
         out = None
 
         async def failed(message: str, whole: web.Response | None = None) -> web.StreamResponse:
@@ -319,7 +345,7 @@ class Dispatcher:
                 out = await _sse(request)
                 await out.write(chunks.head_events(tail.usage(), tail.head_text()))
             try:
-                resp = await call
+                resp, res = await call
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 if out is None:
                     if res is not None:
@@ -360,6 +386,33 @@ class Dispatcher:
             if not call.done():
                 call.cancel()
             self.outstanding[decode_url] -= 1
+
+    async def _continuation(self, decode_url: str, d_body: dict, res):
+        """POST the continuation to ``decode_url``; (response, reservation still in use). A
+        decode engine that cannot be reached, or answers 5xx, before sending anything is
+        replaced once by another, which computes the prompt itself: the KV landed on the
+        first, so its reservation is released."""
+        other = self._other_decode(decode_url)
+        try:
+            resp = await self.session.post(f"{decode_url}/v1/completions", json=d_body)
+            if resp.status < 500 or other is None:
+                return resp, res
+            why = f"decode answered {resp.status}"
+            resp.release()
+        except aiohttp.ClientConnectorError as exc:
+            if other is None:
+                raise
+            why = f"decode unreachable: {exc}"
+        if res is not None:
+            await self.release(res.id, why)
+        metrics.FALLBACKS.labels(reason="decode_failed").inc()
+        _log.warning("decode failed; continuing on another decode engine", error=why[:200], decode=other)
+        body = {k: v for k, v in d_body.items() if k != "kv_transfer_params"}
+        self.outstanding[other] = self.outstanding.get(other, 0) + 1
+        try:
+            return await self.session.post(f"{other}/v1/completions", json=body), None
+        finally:
+            self.outstanding[other] -= 1
 
     # -- a whole answer from one engine, streamed or not ---------------------------------------
     async def _proxy(self, url: str, endpoint: str, body: dict, request: web.Request, path: str,

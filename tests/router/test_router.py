@@ -129,7 +129,8 @@ async def stack(cp, admin, engine_client, etcd):
     session = aiohttp.ClientSession()
     yield dict(prefill=prefill, decode=decode, url=str(router.make_url("")).rstrip("/"), session=session,
                tenant=tenant, etcd=etcd, cp=cp, ft_url=str(ft.make_url("")).rstrip("/"), token=token,
-               prefill_url=str(servers[0].make_url("")).rstrip("/"))
+               prefill_url=str(servers[0].make_url("")).rstrip("/"),
+               decode_url=str(servers[1].make_url("")).rstrip("/"))
     await session.close()
     await router.close()
     await ft.close()
@@ -421,3 +422,41 @@ async def test_decode_unreachable_after_the_first_token(stack):
             assert (await _reservation_state(s, res_id, types_pb2.RELEASED)).state == types_pb2.RELEASED
     finally:
         await router.close()
+
+
+async def test_a_decode_engine_that_fails_before_answering_is_replaced_by_another(stack):
+    """The reservation's decode engine is unreachable, or answers 500, before sending
+    anything: the request is served by the other decode engine alone (its KV is lost with
+    the first, so the reservation is released), never a 502."""
+    s = stack
+    spare = FakeEngine("D2")
+    spare.mode = "token_ids"
+    server = TestServer(spare.app(), handler_cancellation=True)
+    await server.start_server()
+    spare_url = str(server.make_url("")).rstrip("/")
+    routers = []
+    try:
+        for counter, dead in ((WhitespaceCounter(), True), (WhitespaceCounter(), False), (WordTokenizer(), True),
+                              (WordTokenizer(), False)):
+            s["prefill"].mode = "token_ids" if isinstance(counter, WordTokenizer) else ""
+            s["decode"].fail = not dead
+            first = "http://127.0.0.1:9" if dead else s["decode_url"]
+            cfg = RouterConfig(controlplane=s["cp"].address, token=s["token"], model="tiny",
+                               prefill_urls=(s["prefill_url"],),
+                               decode=(DecodeEngine("decode-0", first), DecodeEngine("decode-1", spare_url)),
+                               max_model_len=1000)
+            router = TestServer(build_app(cfg, counter), handler_cancellation=True)
+            await router.start_server()
+            routers.append(router)
+            before = len(spare.bodies)
+            async with s["session"].post(str(router.make_url("")).rstrip("/") + "/v1/completions",
+                                         json={"model": "tiny", "prompt": "one two", "max_tokens": 3}) as r:
+                assert r.status == 200, await r.text()
+            body = spare.bodies[before]
+            assert "kv_transfer_params" not in body  # it computes the prompt itself
+        await settle(s["etcd"].endpoint, quiet=True)  # every reservation released, none left live
+    finally:
+        s["decode"].fail = False
+        for router in routers:
+            await router.close()
+        await server.close()
