@@ -91,7 +91,9 @@ async def test_a_write_goes_on_only_where_etcd_certainly_did_not_apply_it(cluste
             await soon(lambda: client.put(b"/t/w", b"4"))
         finally:
             cluster.members[hung].proc.send_signal(signal.SIGCONT)
-        assert (await soon(lambda: client.get(b"/t/w"))).value == b"4"
+        # In doubt indeed: the hung member may still apply "3" once it runs again (seen in CI),
+        # after "4". A retry of it would have been a second, unasked-for write.
+        assert (await soon(lambda: client.get(b"/t/w"))).value in (b"3", b"4")
     finally:
         await client.close()
 
