@@ -19,9 +19,9 @@ def _add_client_args(p: argparse.ArgumentParser, token_env: str) -> None:
     p.add_argument("--tls-server-name", default="", help="the name the control plane's certificate carries")
 
 
-def _client(args):
+def _client(args, token_required: bool = True):
     from client.control_plane import ControlPlaneClient
-    if not args.token:
+    if token_required and not args.token:
         sys.exit("kvpush: a token is required (--token or the environment variable)")
     return ControlPlaneClient(args.controlplane, args.token, args.tls_ca, args.tls_cert, args.tls_key,
                               args.tls_server_name)
@@ -99,10 +99,7 @@ async def _status(args) -> dict:
 
 async def _health(args) -> str:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
-    from client.control_plane import ControlPlaneClient
-    # Health needs no token: what a probe runs holds none.
-    async with ControlPlaneClient(args.controlplane, args.token, args.tls_ca, args.tls_cert, args.tls_key,
-                                  args.tls_server_name) as cp:
+    async with _client(args, token_required=False) as cp:  # what a probe runs holds no token
         resp = await health_pb2_grpc.HealthStub(cp.channel).Check(
             health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
     return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)

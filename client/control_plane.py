@@ -6,15 +6,7 @@ from __future__ import annotations
 import grpc
 
 from kvpush.contract.v1 import admin_pb2_grpc, registry_pb2_grpc, scheduler_pb2_grpc
-
-
-def channel_credentials(ca: str = "", cert: str = "", key: str = "") -> grpc.ChannelCredentials:
-    def read(path: str) -> bytes | None:
-        if not path:
-            return None
-        with open(path, "rb") as f:
-            return f.read()
-    return grpc.ssl_channel_credentials(read(ca), read(key), read(cert))
+from kvpush.tls import channel_credentials
 
 
 class ControlPlaneClient:

@@ -35,6 +35,7 @@ import grpc
 from aetcd import rpc
 
 from controlplane import metrics
+from kvpush.tls import channel_credentials
 
 log = logging.getLogger(__name__)
 
@@ -215,10 +216,7 @@ class EtcdClient:
         sec = self.security
         if sec.server_name:
             options.append(("grpc.ssl_target_name_override", sec.server_name))
-        creds = None
-        if tls:
-            read = lambda path: open(path, "rb").read() if path else None  # noqa: E731
-            creds = grpc.ssl_channel_credentials(read(sec.ca), read(sec.key), read(sec.cert))
+        creds = channel_credentials(sec.ca, sec.cert, sec.key) if tls else None
         self._eps = [_Endpoint(h, grpc.aio.secure_channel(h, creds, options) if creds else
                                grpc.aio.insecure_channel(h, options)) for h in hosts]
         self._current = 0
@@ -249,9 +247,16 @@ class EtcdClient:
 
     async def _call(self, service: str, method: str, request, timeout: float | None = None,
                     idempotent: bool = False):
-        """One RPC, within ``timeout`` in all. Retried on the next endpoints while that lasts
-        when it is ``idempotent``, or when etcd certainly did not apply it (no connection,
-        no leader: an election); never after an answer that leaves it unknown."""
+        """One unary RPC (``ep.<service>.<method>``), as ``_retrying`` runs it."""
+        def invoke(ep: _Endpoint, metadata, call_timeout: float):
+            return getattr(getattr(ep, service), method)(request, timeout=call_timeout, metadata=metadata)
+        return await self._retrying(invoke, timeout, idempotent)
+
+    async def _retrying(self, invoke, timeout: float | None = None, idempotent: bool = False):
+        """``await invoke(endpoint, metadata, timeout)``, within ``timeout`` in all. Retried
+        on the next endpoints while that lasts when it is ``idempotent``, or when etcd
+        certainly did not apply it (no connection, no leader: an election); never after an
+        answer that leaves it unknown."""
         budget = timeout or self.timeout
         deadline = time.monotonic() + budget
         last: grpc.aio.AioRpcError | None = None
@@ -265,8 +270,7 @@ class EtcdClient:
             for _auth_try in range(2):
                 try:
                     metadata = await self._metadata(ep, renew)
-                    return await getattr(getattr(ep, service), method)(request, timeout=max(remaining, 0.05),
-                                                                       metadata=metadata)
+                    return await invoke(ep, metadata, max(remaining, 0.05))
                 except grpc.aio.AioRpcError as exc:
                     if _auth_expired(exc) and not renew and self.security.user:
                         renew = True
@@ -331,22 +335,18 @@ class EtcdClient:
         """One keep-alive; returns the remaining TTL (0 or less: the lease is gone)."""
         async def one():
             yield rpc.LeaseKeepAliveRequest(ID=lease_id)
-        last = None
-        for _ in range(len(self._eps)):  # idempotent: on to the next endpoint at once
-            ep = self._eps[self._current]
-            try:
-                call = ep.lease.LeaseKeepAlive(one(), timeout=self.timeout, metadata=await self._metadata(ep))
-                async for resp in call:
-                    return resp.TTL
-                return 0
-            except grpc.aio.AioRpcError as exc:
-                if _auth_expired(exc):
-                    ep.token = None
-                elif exc.code() not in _UNAVAILABLE_CODES:
-                    raise EtcdUnavailable(f"etcd keepalive: {exc.code().name}: {exc.details()}") from exc
-                self._fail_over(ep, exc)
-                last = exc
-        raise EtcdUnavailable(f"etcd keepalive: {last.code().name}: {last.details()}") from last
+
+        async def first_ttl(ep: _Endpoint, metadata, call_timeout: float) -> int:
+            async for resp in ep.lease.LeaseKeepAlive(one(), timeout=call_timeout, metadata=metadata):
+                return resp.TTL
+            return 0
+        try:
+            return await self._retrying(first_ttl, idempotent=True)
+        # The heartbeat answers any failure of its keep-alive as etcd unavailable.
+        except grpc.aio.AioRpcError as exc:
+            raise EtcdUnavailable(f"etcd keepalive: {exc.code().name}: {exc.details()}") from exc
+        except EtcdLeaseNotFound as exc:
+            raise EtcdUnavailable(f"etcd keepalive: {exc}") from exc
 
     async def revoke_lease(self, lease_id: int) -> None:
         """Revoke; a lease already gone (expired, or revoked by a racing call) is fine."""

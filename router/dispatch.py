@@ -212,11 +212,17 @@ class Dispatcher:
                                 request: web.Request) -> web.StreamResponse:
         """The reservation's decode engine failed before answering anything: its KV is lost
         to this request, so another decode engine serves it alone (computing the prompt)."""
-        await self.release(res_id, why)
-        metrics.FALLBACKS.labels(reason="decode_failed").inc()
-        _log.warning("decode failed; serving on another decode engine", reservation_id=res_id, error=why[:200],
-                     decode=url)
+        await self._decode_failed(res_id, why, url)
         return await self._proxy(url, ask.endpoint, ask.body, request, "retry")
+
+    async def _decode_failed(self, res_id: str | None, why: str, other: str) -> None:
+        """A reservation's decode engine failed before answering and ``other`` takes the
+        request: the reservation is released (its KV is on the failed engine), and counted."""
+        if res_id is not None:
+            await self.release(res_id, why)
+        metrics.FALLBACKS.labels(reason="decode_failed").inc()
+        _log.warning("decode failed; serving on another decode engine", reservation_id=res_id or "",
+                     error=why[:200], decode=other)
 
     async def _prefill_then_release(self, url: str, endpoint: str, body: dict, res_id: str, timings: dict) -> None:
         try:
@@ -403,10 +409,7 @@ class Dispatcher:
             if other is None:
                 raise
             why = f"decode unreachable: {exc}"
-        if res is not None:
-            await self.release(res.id, why)
-        metrics.FALLBACKS.labels(reason="decode_failed").inc()
-        _log.warning("decode failed; continuing on another decode engine", error=why[:200], decode=other)
+        await self._decode_failed(res.id if res is not None else None, why, other)
         body = {k: v for k, v in d_body.items() if k != "kv_transfer_params"}
         self.outstanding[other] = self.outstanding.get(other, 0) + 1
         try:

@@ -7,6 +7,7 @@ and fp8 scales other than the sidecar's, each naming the backend, layout and dty
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import pytest
@@ -37,7 +38,9 @@ def caches(order, dtype) -> dict[str, torch.Tensor]:
     return {name: view[i] for i, name in enumerate(NAMES)}
 
 
-def connector(sidecar, backend: str, cache_dtype: str = "auto", k_scales=None, v_scales=None) -> KVPushConnector:
+@contextlib.contextmanager
+def connector(sidecar, backend: str, cache_dtype: str = "auto", k_scales=None, v_scales=None):
+    """The connector's worker half as vLLM makes it, connected to ``sidecar``; shut down after."""
     k_scales = k_scales or [1.0] * LAYERS
     v_scales = v_scales or [1.0] * LAYERS
     layers = {name: types.SimpleNamespace(attn_backend=types.SimpleNamespace(get_name=lambda: backend),
@@ -49,66 +52,50 @@ def connector(sidecar, backend: str, cache_dtype: str = "auto", k_scales=None, v
     config = types.SimpleNamespace(kv_transfer_config=ktc,
                                    cache_config=types.SimpleNamespace(block_size=BS, cache_dtype=cache_dtype),
                                    compilation_config=types.SimpleNamespace(static_forward_context=layers))
-    return KVPushConnector(config, KVConnectorRole.WORKER, None)
+    c = KVPushConnector(config, KVConnectorRole.WORKER, None)
+    try:
+        yield c
+    finally:
+        c.shutdown()
 
 
 @pytest.mark.parametrize("backend,order", [("FLASH_ATTN", KVCacheLayout.LBNHC.stride_order),
                                            ("FLASHINFER", KVCacheLayout.BLHNC.stride_order)])
 def test_the_connector_starts_on_a_gpu_backends_bf16_cache(sidecars, backend, order):
     _, pre = sidecars(layout_text("bfloat16"))
-    c = connector(pre, backend)
-    try:
+    with connector(pre, backend) as c:
         c.register_kv_caches(caches(order, torch.bfloat16))
         assert isinstance(c._worker.copier, TorchCopier) and c._worker.num_layers == LAYERS
-    finally:
-        c.shutdown()
 
 
 def test_an_fp8_cache_starts_with_the_sidecars_scales_and_is_refused_with_others(sidecars):
     k, v = [0.5, 0.25], [1.0, 2.0]
     digest = scales_digest(k, v)
     _, pre = sidecars(layout_text("float8_e4m3fn", digest))
-    ok = connector(pre, "FLASH_ATTN", "fp8", k, v)  # vLLM keeps fp8 caches in uint8 tensors
-    try:
-        ok.register_kv_caches(caches(KVCacheLayout.LBNHC.stride_order, torch.uint8))
-    finally:
-        ok.shutdown()
-    other = connector(pre, "FLASH_ATTN", "fp8", [0.5, 0.5], v)
-    try:
+    fp8 = caches(KVCacheLayout.LBNHC.stride_order, torch.uint8)  # vLLM keeps fp8 caches in uint8 tensors
+    with connector(pre, "FLASH_ATTN", "fp8", k, v) as ok:
+        ok.register_kv_caches(fp8)
+    with connector(pre, "FLASH_ATTN", "fp8", [0.5, 0.5], v) as other:
         with pytest.raises(CopyError, match=rf"fp8 KV scales are sha256:[0-9a-f]{{16}}, the sidecar's layout says "
                                             rf"{digest}: start the sidecar with --kv-layout \.\.\.,scales=sha256:"):
-            other.register_kv_caches(caches(KVCacheLayout.LBNHC.stride_order, torch.uint8))
-    finally:
-        other.shutdown()
-    unit = connector(pre, "FLASH_ATTN", "fp8")  # no checkpoint scales: all 1.0
-    try:
+            other.register_kv_caches(fp8)
+    with connector(pre, "FLASH_ATTN", "fp8") as unit:  # no checkpoint scales: all 1.0
         with pytest.raises(CopyError, match="fp8 KV scales are all 1.0"):
-            unit.register_kv_caches(caches(KVCacheLayout.LBNHC.stride_order, torch.uint8))
-    finally:
-        unit.shutdown()
+            unit.register_kv_caches(fp8)
 
 
 def test_what_the_connector_cannot_move_is_refused_at_start_naming_backend_layout_and_dtype(sidecars):
     _, pre = sidecars(layout_text("bfloat16"))
-    mla = connector(pre, "FLASHMLA")
     latent = {name: torch.zeros(NB, BS, 576, dtype=torch.bfloat16) for name in NAMES}
-    try:
+    with connector(pre, "FLASHMLA") as mla:
         with pytest.raises(CopyError, match=r"FLASHMLA attention backend's KV cache \(shape \(8, 16, 576\), strides "
                                             r"\(9216, 576, 1\), dtype torch.bfloat16\): an MLA latent cache"):
             mla.register_kv_caches(latent)
-    finally:
-        mla.shutdown()
-    packed = connector(pre, "FLASH_ATTN", "nvfp4")
-    try:
+    with connector(pre, "FLASH_ATTN", "nvfp4") as packed:
         with pytest.raises(CopyError, match=r"FLASH_ATTN attention backend's KV cache \(shape \(8, 2, 16, 16\), "
                                             r"strides .*dtype torch.uint8\).*kv-cache-dtype 'nvfp4'"):
             packed.register_kv_caches(caches(KVCacheLayout.LBNHC.stride_order, torch.uint8))
-    finally:
-        packed.shutdown()
-    wrong = connector(pre, "TRITON_ATTN")
-    try:
+    with connector(pre, "TRITON_ATTN") as wrong:
         with pytest.raises(CopyError, match=r"TRITON_ATTN .*a float16 KV cache \(kv-cache-dtype 'auto'\), the "
                                             r"sidecar's layout holds bfloat16"):
             wrong.register_kv_caches(caches(KVCacheLayout.LBNHC.stride_order, torch.float16))
-    finally:
-        wrong.shutdown()

@@ -175,6 +175,20 @@ def gpu_layout_caches(order, fill):
     return {name: view[i] for i, name in enumerate(NAMES)}
 
 
+def push_in_two_pieces(pw, de, dec, res: str, p_blocks, d_blocks, landing, n: int, pcache, dcache) -> None:
+    """A request of ``n`` tokens pushed in two pieces (40 tokens, then the rest) and loaded:
+    the decode cache holds the prefill's tokens, token for token."""
+    req = de.arrive("d1", res, landing, n)
+    assert de.sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    step_prefill(pw, [PushSpec("p1", tuple(p_blocks), 0, 40, False, target(dec, res, landing, n))])
+    step_prefill(pw, [PushSpec("p1", tuple(p_blocks), 40, n, True)])
+    assert de.schedule("d1", d_blocks) == n
+    for name in NAMES:
+        for t in range(n):
+            want = pcache[name][p_blocks[t // BS], :, t % BS, :]
+            assert torch.equal(dcache[name][d_blocks[t // BS], :, t % BS, :], want), (name, t)
+
+
 def test_the_same_push_through_the_torch_copier_in_gpu_layouts(sidecars, workdir, codec):
     """The copier a GPU engine uses, on CPU tensors: prefill in FlashAttention's NHD order
     with layers outermost, decode in HND with blocks outermost, through real sidecars."""
@@ -190,15 +204,7 @@ def test_the_same_push_through_the_torch_copier_in_gpu_layouts(sidecars, workdir
     try:
         n, p_blocks, d_blocks = 75, [5, 2, 9], [3, 7, 1]
         landing = list(range(40, 40 + -(-n // 16)))
-        req = de.arrive("d1", "res-t", landing, n)
-        assert de.sched.get_num_new_matched_tokens(req, 0) == (None, False)
-        step_prefill(pw, [PushSpec("p1", tuple(p_blocks), 0, 40, False, target(dec, "res-t", landing, n))])
-        step_prefill(pw, [PushSpec("p1", tuple(p_blocks), 40, n, True)])
-        assert de.schedule("d1", d_blocks) == n
-        for name in NAMES:
-            for t in range(n):
-                want = pcache[name][p_blocks[t // BS], :, t % BS, :]
-                assert torch.equal(dcache[name][d_blocks[t // BS], :, t % BS, :], want), (name, t)
+        push_in_two_pieces(pw, de, dec, "res-t", p_blocks, d_blocks, landing, n, pcache, dcache)
         others = [b for b in range(NB) if b not in d_blocks]
         assert all(not dcache[name][others].any() for name in NAMES)
         assert de.worker.counters.get("loads_landed") == 1 and de.worker.counters.get("load_errors") == 0
@@ -240,15 +246,7 @@ def test_pushes_wait_for_the_copies_they_send(sidecars, workdir, codec):
     de = DecodeEngine(dec, workdir, codec, copier=TorchCopier(BS), caches=paged_caches())
     try:
         n, p_blocks, d_blocks, landing = 70, [4, 0, 6], [2, 9, 5], [11, 12, 13]
-        req = de.arrive("d1", "res-late", landing, n)
-        assert de.sched.get_num_new_matched_tokens(req, 0) == (None, False)
-        step_prefill(pw, [PushSpec("p1", tuple(p_blocks), 0, 40, False, target(dec, "res-late", landing, n))])
-        step_prefill(pw, [PushSpec("p1", tuple(p_blocks), 40, n, True)])
-        assert de.schedule("d1", d_blocks) == n
-        for name in NAMES:
-            for t in range(n):
-                assert torch.equal(de.cache[name][d_blocks[t // BS], :, t % BS, :],
-                                   pcache[name][p_blocks[t // BS], :, t % BS, :]), (name, t)
+        push_in_two_pieces(pw, de, dec, "res-late", p_blocks, d_blocks, landing, n, pcache, de.cache)
         assert late.threads == {"kvpush-sends"}  # every staging copy finished on the sender's thread
         assert pw.counters.get("requests_pushed") == 1
     finally:
