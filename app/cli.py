@@ -175,6 +175,8 @@ def cmd_router(args) -> None:
     token = args.token or os.environ.get("KVPUSH_TENANT_TOKEN", "")
     if not token:
         sys.exit("kvpush router: --token (or $KVPUSH_TENANT_TOKEN) is required")
+    if bool(args.prefill) != bool(args.decode):
+        sys.exit("kvpush router: give both --prefill and --decode, or neither (engines from the registry)")
     prefill_urls, prefill_ids = parse_prefill(args.prefill)
     cfg = RouterConfig(controlplane=args.controlplane, token=token, model=args.model,
                        prefill_urls=prefill_urls, prefill_ids=prefill_ids, decode=parse_decode(args.decode),
@@ -271,9 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="the served model name")
     p.add_argument("--model-dir", default="", help="local model directory (its tokenizer counts prompt tokens)")
     p.add_argument("--tokenizer", default="", help="tokenizer directory, if not --model-dir")
-    p.add_argument("--prefill", action="append", default=[], required=True, help="[ENGINE_ID=]URL of a prefill engine (repeatable); with ENGINE_ID (as its "
-                   "sidecar registered it) its requests leave before the Reserve answer")
-    p.add_argument("--decode", action="append", default=[], required=True,
+    p.add_argument("--prefill", action="append", default=[], help="[ENGINE_ID=]URL of a prefill engine (repeatable); with ENGINE_ID (as its "
+                   "sidecar registered it) its requests leave before the Reserve answer. With neither --prefill nor "
+                   "--decode the engines are discovered from the registry (their sidecars' --serving-url)")
+    p.add_argument("--decode", action="append", default=[],
                    help="ENGINE_ID=URL of a decode engine (repeatable); ENGINE_ID as its sidecar registered it")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)

@@ -84,6 +84,15 @@ class ManagedProcess:
             self.proc.kill()
             self.proc.wait(10)
 
+    def kill_group(self) -> None:
+        """SIGKILL the process and every process it started (a container that dies
+        whole: a vLLM API server with its EngineCore), for fault tests."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait(10)
+
 
 def http_ok(url: str) -> Callable[[], bool]:
     def check() -> bool:

@@ -20,7 +20,7 @@ SIMULATED_METADATA = b"SIMULATED-ENGINE: no NIXL agent behind this record"
 class SimulatedEngine:
     def __init__(self, client: ControlPlaneClient, engine_id: str, num_blocks: int, model: str = "sim-model",
                  layout: KvLayout | None = None, role: int = types_pb2.DECODE, pool: str = "default",
-                 lease_ttl_s: int = 5) -> None:
+                 lease_ttl_s: int = 5, serving_url: str = "") -> None:
         self.client = client
         self.engine_id = engine_id
         self.num_blocks = num_blocks
@@ -29,6 +29,7 @@ class SimulatedEngine:
         self.role = role
         self.pool = pool
         self.lease_ttl_s = lease_ttl_s
+        self.serving_url = serving_url
         self.incarnation = secrets.token_hex(6)
         self.lease_id = 0
         self._beat: asyncio.Task | None = None
@@ -38,7 +39,7 @@ class SimulatedEngine:
         return EngineRecord(engine_id=self.engine_id, role=self.role, layout=self.layout, incarnation=self.incarnation,
                             nixl_agent=f"sim-{self.engine_id}", nixl_metadata=SIMULATED_METADATA,
                             num_blocks=self.num_blocks, model=self.model, pool=self.pool,
-                            sidecar_address="simulated").to_proto()
+                            sidecar_address="simulated", serving_url=self.serving_url).to_proto()
 
     async def register(self) -> registry_pb2.RegisterEngineResponse:
         resp = await self.client.registry.RegisterEngine(

@@ -36,6 +36,7 @@ class StackSpec:
     prefill_args: tuple[str, ...] = ()   # extra vLLM flags for the prefill engine
     deadline_ms: int = 30_000
     quarantine_ms: int = 5_000
+    discover: bool = False           # the router finds the engines in the registry (no --prefill/--decode)
 
 
 class Stack:
@@ -56,6 +57,7 @@ class Stack:
         self.ipc_dir = os.path.join(self.run_dir, "ipc")
         os.makedirs(self.ipc_dir)
         self.layout = engines.model_layout(spec.model_dir)
+        self._engine_cmds: dict[str, tuple[list[str], dict]] = {}  # role -> (vLLM command, environment)
 
     def _log(self, name: str) -> str:
         return os.path.join(self.spec.log_dir, f"{name}.log")
@@ -94,6 +96,9 @@ class Stack:
             ("heads", self.layout.num_kv_heads), ("dim", self.layout.head_dim), ("dtype", self.layout.dtype)))
         sockets = {}
         sidecars = []
+        # Each sidecar publishes its engine's URL (routers discover engines by it) and
+        # keeps the engine unavailable until vLLM's connector connects.
+        urls = {role: f"http://127.0.0.1:{free_port()}" for role in ("prefill", "decode")}
         for role, engine_id, blocks in (("decode", "decode-0", spec.decode_blocks),
                                         ("prefill", "prefill-0", spec.staging_units)):
             sockets[role] = os.path.join(self.run_dir, f"{role}.sock")
@@ -102,44 +107,55 @@ class Stack:
                 python(), "-m", "app.cli", "sidecar", "--role", role, "--engine-id", engine_id,
                 "--controlplane", self.controlplane, "--token", self.engine_token, "--kv-layout", layout,
                 "--num-blocks", str(blocks), "--model", spec.served_model, "--socket", sockets[role],
+                "--serving-url", urls[role], "--wait-for-engine",
                 "--ready-file", ready], env=spec.sidecar_env or None),
                              ready))
         for proc, ready in sidecars:
             proc.wait_until(file_exists(ready), 60, "registered", self.say)
         self.say("sidecars registered (decode landing pool, prefill staging pool)")
 
-        urls = {}
         engine_procs = []
         for role, kv_role, env in (("prefill", "kv_producer", spec.prefill_env),
                                    ("decode", "kv_consumer", spec.decode_env)):
-            port = free_port()
-            urls[role] = f"http://127.0.0.1:{port}"
+            port = int(urls[role].rsplit(":", 1)[1])
             cfg = engines.kvpush_transfer_config(kv_role, sockets[role], self.stats_dir, f"{role}-0")
-            engine_procs.append(self._start(f"vllm-{role}", engines.vllm_command(
+            self._engine_cmds[role] = (engines.vllm_command(
                 spec.model_dir, port, spec.served_model, cfg, max_num_seqs=spec.max_num_seqs,
                 extra=spec.prefill_args if role == "prefill" else ()),
-                env=engines.engine_env({**spec.engine_env, **env}, pair=True, ipc_dir=self.ipc_dir)))
+                engines.engine_env({**spec.engine_env, **env}, pair=True, ipc_dir=self.ipc_dir))
+            engine_procs.append(self._start(f"vllm-{role}", *self._engine_cmds[role]))
         self.say("starting the prefill and decode vLLM engines (about a minute on 2 cores) ...")
         for proc, role in zip(engine_procs, ("prefill", "decode")):
             proc.wait_until(http_ok(urls[role] + "/health"), 300, "serving", self.say)
         self.prefill_url, self.decode_url = urls["prefill"], urls["decode"]
         self.say(f"engines serving: prefill {self.prefill_url}, decode {self.decode_url}")
 
-        self.router_url = self.add_router("router")
+        self.router_url = self.add_router("router", discover=spec.discover)
         self.say(f"router serving on {self.router_url}")
 
-    def add_router(self, name: str, handover: bool = True, token: str = "") -> str:
+    def restart_engine(self, role: str) -> ManagedProcess:
+        """Start the ``role`` vLLM engine again (after a fault test killed it), on its
+        port and sidecar; returns once it serves."""
+        cmd, env = self._engine_cmds[role]
+        proc = self._start(f"vllm-{role}-restarted", cmd, env)
+        proc.wait_until(http_ok((self.prefill_url if role == "prefill" else self.decode_url) + "/health"), 300,
+                        "serving", self.say)
+        return proc
+
+    def add_router(self, name: str, handover: bool = True, token: str = "", discover: bool = False) -> str:
         """Start a router in front of the engines (the tenant's token unless ``token``);
         ``handover=False`` gives it the prefill engine as a bare URL, so it reserves
-        before it sends the prefill request. Returns its URL."""
+        before it sends the prefill request; ``discover`` gives it no engines: it finds
+        them in the registry. Returns its URL."""
         spec = self.spec
         port = free_port()
         ready = os.path.join(self.run_dir, f"{name}.ready")
         prefill = f"prefill-0={self.prefill_url}" if handover else self.prefill_url
+        engines_args = [] if discover else ["--prefill", prefill, "--decode", f"decode-0={self.decode_url}"]
         router = self._start(name, [
             python(), "-m", "app.cli", "router", "--controlplane", self.controlplane, "--token",
-            token or self.tenant_token, "--model", spec.served_model, "--model-dir", spec.model_dir, "--prefill",
-            prefill, "--decode", f"decode-0={self.decode_url}", "--port", str(port),
+            token or self.tenant_token, "--model", spec.served_model, "--model-dir", spec.model_dir,
+            *engines_args, "--port", str(port),
             "--deadline-ms", str(spec.deadline_ms), "--ready-file", ready])
         router.wait_until(file_exists(ready), 60, "serving", self.say)
         return f"http://127.0.0.1:{port}"

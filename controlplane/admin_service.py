@@ -13,7 +13,7 @@ from controlplane.etcd import EtcdClient, EtcdUnavailable, cmp_create, cmp_mod, 
 from controlplane.lifecycle import Lifecycle
 from kvpush.contract.states import State
 from controlplane.records import TenantRecord
-from controlplane.scheduler_service import engine_proto
+from controlplane.engine_events import engine_proto
 from controlplane.view import View, token_hash
 from kvpush.contract.v1 import admin_pb2, admin_pb2_grpc, types_pb2
 

@@ -81,12 +81,13 @@ class Reaper:
         """End FAILED each live reservation whose engine (this incarnation) is gone."""
         live = self._view.live_reservations()
         orphans = [rec for rec in live
-                   if (eng := self._view.engine(rec.engine_id)) is None or eng.incarnation != rec.incarnation]
+                   if (eng := self._view.engine(rec.engine_id)) is None or eng.incarnation != rec.incarnation
+                   or eng.unavailable]
         ended = 0
         if orphans:
-            ended += await self._lifecycle.end_many(orphans, State.FAILED, "decode engine is gone")
+            ended += await self._lifecycle.end_many(orphans, State.FAILED, "decode engine is gone or unavailable")
         abandoned = [rec for rec in live if rec.state == State.PUSHING and rec not in orphans
-                     and ((pre := self._view.engine(rec.prefill_engine_id)) is None
+                     and ((pre := self._view.engine(rec.prefill_engine_id)) is None or pre.unavailable
                           or (rec.prefill_incarnation and pre.incarnation != rec.prefill_incarnation))]
         if abandoned:
             ended += await self._lifecycle.end_many(abandoned, State.FAILED, "prefill engine died mid-push")

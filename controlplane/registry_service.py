@@ -12,12 +12,13 @@ import structlog
 from controlplane import errors, keys, validation as v
 from controlplane.api import check_parsed, streaming, unary
 from controlplane.auth import Auth
-from controlplane.etcd import KV, EtcdClient, EtcdUnavailable, op_put
+from controlplane.etcd import KV, EtcdClient, EtcdUnavailable, cmp_mod, op_put
 from controlplane.lifecycle import Lifecycle
 from kvpush.contract.states import State
 from controlplane.records import now_ms
 from kvpush.contract.engine import MEMORY_KINDS, EngineRecord
-from controlplane.scheduler_service import engine_proto, watch_events
+from controlplane.engine_events import engine_proto
+from controlplane.scheduler_service import watch_events
 from controlplane.view import View
 from kvpush import log
 from kvpush.contract.layout import LayoutError
@@ -55,6 +56,8 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         v.text(msg.incarnation, "engine.incarnation", 128, v.PRINTABLE)
         v.text(msg.sidecar_address, "engine.sidecar_address", 256, v.PRINTABLE, required=False)
         v.text(msg.pool, "engine.pool", 128, v.POOL_NAME, required=False)
+        v.text(msg.serving_url, "engine.serving_url", 256, v.SERVING_URL, required=False)
+        v.text(msg.unavailable, "engine.unavailable", 512, v.REASON, required=False)
         if msg.memory_kind not in ("", *MEMORY_KINDS):
             raise errors.invalid(f"engine.memory_kind must be one of {MEMORY_KINDS}")
         try:
@@ -196,6 +199,44 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
                 return rec.prefill_engine_id == engine_id
         async for event in watch_events(self.view, concerns, request.include_snapshot):
             yield event
+
+    @unary
+    async def SetEngineAvailability(self, request, context) -> registry_pb2.SetEngineAvailabilityResponse:
+        self._auth.engine(context)
+        v.text(request.engine_id, "engine_id", 128, v.ENGINE_ID)
+        v.text(request.incarnation, "incarnation", 128, v.PRINTABLE)
+        v.text(request.unavailable, "unavailable", 512, v.REASON, required=False)
+        structlog.contextvars.bind_contextvars(engine_id=request.engine_id, incarnation=request.incarnation)
+        # Compare-and-swap on the record: a Reserve planned on the old record fails its
+        # fence on the engine key, so none lands on an engine once it is unavailable.
+        for _ in range(8):
+            entry = self.view.engines.get(request.engine_id)
+            if entry is None:
+                raise errors.not_found(f"engine_id {request.engine_id!r} is not registered")
+            if entry.record.incarnation != request.incarnation:
+                raise errors.failed_precondition(f"incarnation {request.incarnation!r} of engine_id "
+                                                 f"{request.engine_id!r} is not its current one")
+            rec = dataclasses.replace(entry.record, unavailable=request.unavailable)
+            if rec == entry.record:
+                break
+            key = keys.engine(rec.engine_id)
+            try:
+                result = await self._etcd.txn([cmp_mod(key, entry.mod_revision)], [op_put(key, rec.encode(), entry.lease)])
+            except EtcdUnavailable as exc:
+                raise errors.unavailable(f"etcd unavailable: {exc}") from None
+            if result.succeeded:
+                self.view.apply(KV(key, rec.encode(), result.revision, result.revision, entry.lease), False,
+                                result.revision)
+                _log.info("engine availability changed", available=not rec.unavailable, reason=rec.unavailable)
+                break
+            await self.view.wait_for_revision(result.revision, 2.0)
+        else:
+            raise errors.unavailable("engine record kept changing; retry")
+        failed = 0
+        if rec.unavailable:
+            failed = await self._lifecycle.fail_engine(rec.engine_id, f"engine unavailable: {rec.unavailable}")
+        return registry_pb2.SetEngineAvailabilityResponse(engine=engine_proto(self.view, rec),
+                                                          reservations_failed=failed)
 
     @unary
     async def LookupReservation(self, request, context) -> types_pb2.Reservation:

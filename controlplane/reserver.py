@@ -209,7 +209,7 @@ class Reserver:
         if candidates is None:
             candidates = batch.candidates[shape] = [
                 eng for eng in (entry.record for entry in view.engines.values())
-                if eng.is_decode and eng.model == ask.model and tenant.allows(eng.pool)
+                if eng.is_decode and not eng.unavailable and eng.model == ask.model and tenant.allows(eng.pool)
                 and (ask.prefill_layout is None or not ask.prefill_layout.compatibility_error(eng.layout))
                 and eng.engine_id in view.allocated and eng.engine_id in view.pool_fences]
         if not candidates:

@@ -13,6 +13,7 @@ from controlplane import errors, metrics, validation as v
 from controlplane.api import check_parsed, streaming, unary
 from controlplane.validation import no_unknown_fields
 from controlplane.auth import Auth
+from controlplane.engine_events import engine_events, engine_proto
 from controlplane.lifecycle import Lifecycle
 from kvpush.contract.states import State
 from controlplane.reserver import Reserver, ReserveAsk
@@ -138,6 +139,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if prefill is None or prefill.is_decode:
                 raise errors.invalid(f"prefill_engine_id {request.prefill_engine_id!r} is not a registered "
                                      "prefill engine")
+            if prefill.unavailable:
+                raise errors.failed_precondition(f"prefill_engine_id {request.prefill_engine_id!r} is unavailable: "
+                                                 f"{prefill.unavailable}")
             layout = layout or prefill.layout
         return ReserveAsk(tenant=tenant, request_id=request.request_id, num_tokens=request.num_tokens,
                           model=request.model, deadline_ms=deadline,
@@ -188,14 +192,15 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                    and (not request.model or e.record.model == request.model)]
         return scheduler_pb2.ListEnginesResponse(engines=sorted(engines, key=lambda e: e.engine_id))
 
+    @streaming
+    async def WatchEngines(self, request, context):
+        tenant = self._auth.tenant(context)
+        v.text(request.model, "model", v.MAX_MODEL, v.PRINTABLE, required=False)
 
-def engine_proto(view: View, rec) -> types_pb2.Engine:
-    msg = rec.to_proto()
-    live = view.live_reservations(engine_id=rec.engine_id)
-    msg.free_blocks = view.free_blocks(rec.engine_id)
-    msg.reserved_blocks = rec.num_blocks - msg.free_blocks
-    msg.live_reservations = len(live)
-    return msg
+        def concerns(rec) -> bool:
+            return tenant.allows(rec.pool) and (not request.model or rec.model == request.model)
+        async for event in engine_events(self.view, concerns):
+            yield event
 
 
 async def watch_events(view: View, concerns, include_snapshot: bool):

@@ -14,6 +14,8 @@ ENGINE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 POOL_NAME = ENGINE_ID
 RESERVATION_ID = re.compile(r"^r-[0-9a-f]{24}$")
 PRINTABLE = re.compile(r"^[\x21-\x7e]+$")
+SERVING_URL = re.compile(r"^https?://[A-Za-z0-9.\[\]:_-]+(:[0-9]{1,5})?(/[\x21-\x7e]*)?$")
+REASON = re.compile(r"^[\x20-\x7e]+$")
 
 MAX_REQUEST_ID = 256
 MAX_MODEL = 256

@@ -347,6 +347,7 @@ class View:
     def load(self, kvs: list[KV], revision: int) -> None:
         """Replace the whole view with a snapshot taken at ``revision``."""
         old_res = dict(self.reservations)
+        old_engines = {eid: entry.record for eid, entry in self.engines.items()}
         self.__init_state()
         self._loading = True
         # Engines first so reservations find their engine when they are counted.
@@ -358,6 +359,12 @@ class View:
         self.advance(revision)
         self._loading = False
         # Tell listeners what changed while we were not watching.
+        for eid, old_engine in old_engines.items():
+            if eid not in self.engines:
+                self._emit(EngineChange(old_engine, None, revision))
+        for eid, entry in self.engines.items():
+            if old_engines.get(eid) != entry.record:
+                self._emit(EngineChange(old_engines.get(eid), entry.record, revision))
         for rid, old in old_res.items():
             if rid not in self.reservations:
                 self._emit(ReservationChange(old, None, revision, expired=old.state.live))

@@ -98,6 +98,11 @@ class SidecarClient:
         (the sidecar logs a refusal; the blocks are the control plane's concern)."""
         self._send(F.frame(F.CONSUMED, 0, F.encode_id(reservation_id)))
 
+    def recomputed_nowait(self, reservation_id: str, reason: str) -> None:
+        """Fire-and-forget RECOMPUTED: the engine gave up loading this reservation and
+        computes the prompt itself (a silent cost the sidecar's metrics make visible)."""
+        self._send(F.frame(F.RECOMPUTED, 0, F.encode_json({"reservation_id": reservation_id, "reason": reason})))
+
     def ping(self) -> None:
         self._call(F.PING, b"")
 

@@ -25,7 +25,9 @@ HEADER = struct.Struct("<IBI")
 MAX_BODY = 16 << 20  # a frame larger than this is a bug or an attack
 
 # client -> sidecar
-HELLO, BEGIN, PUSH, END, QUERY, SUBSCRIBE, CONSUMED, PING, ADMIN, AWAIT = range(1, 11)
+HELLO, BEGIN, PUSH, END, QUERY, SUBSCRIBE, CONSUMED, PING, ADMIN, AWAIT, RECOMPUTED = range(1, 12)
+# RECOMPUTED (decode, fire-and-forget): body JSON {"reservation_id", "reason"}; the engine
+# computes the prompt itself instead of loading it (the sidecar counts it, by reason).
 # sidecar -> client
 REPLY, EVENT, RESERVATION = 100, 101, 102
 # AWAIT (prefill): body a request id; the reply (JSON) is {"params": the reservation's

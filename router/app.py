@@ -17,6 +17,7 @@ from kvpush.aio import tune_gc, until_signalled, write_ready_file
 from router import metrics
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
+from router.engines import EngineDirectory
 from router.errors import ApiError, json_error
 from router.tokens import HFTokenCounter, TokenCounter
 
@@ -40,9 +41,12 @@ def build_app(cfg: RouterConfig, counter: TokenCounter | None = None) -> web.App
         app[SESSION] = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0),
             timeout=aiohttp.ClientTimeout(total=cfg.upstream_timeout_s, sock_connect=5))
-        app[DISPATCHER] = Dispatcher(cfg, app[COUNTER], app[CP], app[SESSION])
+        engines = EngineDirectory(cfg, app[CP])
+        engines.start()
+        app[DISPATCHER] = Dispatcher(cfg, app[COUNTER], app[CP], app[SESSION], engines)
 
     async def on_cleanup(app: web.Application) -> None:
+        await app[DISPATCHER].engines.close()
         await app[DISPATCHER].close()
         await app[SESSION].close()
         await app[CP].close()
@@ -68,7 +72,7 @@ def build_app(cfg: RouterConfig, counter: TokenCounter | None = None) -> web.App
                                    param="kv_transfer_params")
                 return await request.app[DISPATCHER].handle(endpoint, body, request)
             except ApiError as exc:
-                outcome = "bad_request"
+                outcome = "bad_request" if exc.status < 500 else "unavailable"
                 return exc.response()
             except asyncio.CancelledError:
                 outcome = "client_gone"
@@ -86,8 +90,15 @@ def build_app(cfg: RouterConfig, counter: TokenCounter | None = None) -> web.App
             {"id": cfg.model, "object": "model", "created": int(time.time()), "owned_by": "kvpush"}]})
 
     async def health(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "prefill": list(cfg.prefill_urls),
-                                  "decode": {d.engine_id: d.url for d in cfg.decode}})
+        engines = request.app[DISPATCHER].engines
+        # Not ready (503) while it knows no engine to serve with: a load balancer's
+        # readiness probe then sends clients to a router that has some.
+        serving = engines.ready.is_set() and bool(engines.decode_urls() or engines.prefill_urls())
+        return web.json_response({"status": "ok" if serving else "no engines", **engines.describe()},
+                                 status=200 if serving else 503)
+
+    async def live(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})  # liveness: the process answers, engines or not
 
     async def prom(request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(metrics.REGISTRY), content_type="text/plain")
@@ -96,6 +107,7 @@ def build_app(cfg: RouterConfig, counter: TokenCounter | None = None) -> web.App
     app.router.add_post("/v1/chat/completions", openai("chat"))
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/live", live)
     app.router.add_get("/metrics", prom)
     return app
 

@@ -35,68 +35,56 @@ from kvpush.contract.v1 import scheduler_pb2
 from router import ask as asks
 from router import metrics
 from router.config import RouterConfig
+from router.engines import EngineDirectory
+from router.model_limits import ModelLimits
 from router.errors import ApiError, json_error
-from router.first_token import BadHead, Chunks, Tail, decode_body, final_answer, parse_head, prefill_body
+from router.streams import DecodeStreamError, sse_events, sse_response
+from router.first_token import (BadHead, Chunks, Tail, decode_body, final_answer, parse_head, prefill_body,
+                                resume_body)
 from router.tokens import TokenCounter
 
 _log = log.get("router")
-LIMITS_RETRY_S = 5.0
+ENGINES_WAIT_S = 5.0
 
 
 class Dispatcher:
     def __init__(self, cfg: RouterConfig, counter: TokenCounter, cp: ControlPlaneClient,
-                 session: aiohttp.ClientSession) -> None:
+                 session: aiohttp.ClientSession, engines: EngineDirectory | None = None) -> None:
         self.cfg = cfg
         self.counter = counter
         self.cp = cp
         self.session = session
-        self.outstanding: dict[str, int] = {u: 0 for u in cfg.prefill_urls}
-        self.outstanding.update({d.url: 0 for d in cfg.decode})
+        self.engines = engines or EngineDirectory(cfg, cp)
+        self.outstanding: dict[str, int] = {}  # engine URL -> requests the router has on it
         # One ReserveStream for all requests: cheaper than a call each, for the
         # router and the control plane, and concurrent requests share messages.
         self.reserver = StreamReserver(cp)
-        self._limits: asks.Limits | None = None
-        self._limits_asked = -1e9  # monotonic: when the prefill engine was last asked for them
+        self.limits = ModelLimits(cfg, counter, session, self.engines)
         # How long a prefill engine holds a request for its reservation: past the
         # Reserve's own timeout the router has given up on it (and taken the request back).
         self.await_ms = int(cfg.reserve_timeout_s * 1000) + 250
-        self._limits_lock = asyncio.Lock()
 
     async def close(self) -> None:
         await self.reserver.close()
 
     def _least_loaded(self, urls) -> str:
+        if not urls:
+            raise ApiError(f"no prefill engine is available for model {self.cfg.model!r}", 503)
         return min(urls, key=lambda u: self.outstanding.get(u, 0))
 
-    def _other_decode(self, failed_url: str) -> str | None:
-        """Another decode engine for a request whose own failed before answering, or None."""
-        others = [d.url for d in self.cfg.decode if d.url != failed_url]
-        return self._least_loaded(others) if others else None
-
-    async def limits(self) -> asks.Limits:
-        """The model's context length, from the prefill engine. Until it answers, asked
-        again at most every LIMITS_RETRY_S, not by every request (the engines check the
-        context themselves meanwhile)."""
-        if self._limits is not None:
-            return self._limits
-        async with self._limits_lock:
-            if self._limits is None and time.monotonic() - self._limits_asked >= LIMITS_RETRY_S:
-                self._limits_asked = time.monotonic()
-                ctx = self.cfg.max_model_len or await self._engine_max_model_len()
-                if ctx is not None:
-                    self._limits = asks.Limits(ctx, self.counter.vocab_size, self.cfg.max_logprobs)
-        return self._limits or asks.Limits(None, self.counter.vocab_size, self.cfg.max_logprobs)
-
-    async def _engine_max_model_len(self) -> int | None:
-        for url in self.cfg.prefill_urls:
-            try:
-                async with self.session.get(f"{url}/v1/models", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                    for card in (await r.json()).get("data", []):
-                        if card.get("id") == self.cfg.model and card.get("max_model_len"):
-                            return int(card["max_model_len"])
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, TypeError) as exc:
-                _log.warning("cannot read the model's context length", url=url, error=str(exc))
+    def _alone_url(self, failed_url: str = "") -> str | None:
+        """Where a request is served whole: the least loaded decode engine other than
+        ``failed_url``, else a prefill engine (it is a whole vLLM engine too: the local
+        fallback when no decode engine is left), else None."""
+        for urls in (self.engines.decode_urls(), self.engines.prefill_urls()):
+            others = [u for u in urls if u != failed_url]
+            if others:
+                return self._least_loaded(others)
         return None
+
+    def _other_decode(self, failed_url: str) -> str | None:
+        """Another engine for a request whose decode engine failed before answering, or None."""
+        return self._alone_url(failed_url)
 
     async def reserve(self, request_id: str, num_tokens: int, prefill_engine_id: str = ""):
         """The reservation (its decode engine one the router can reach), or (None, reason)
@@ -111,7 +99,7 @@ class Dispatcher:
             return None, exc.code.name.lower()
         finally:
             metrics.RESERVE_LATENCY.observe(time.perf_counter() - started)
-        if self.cfg.decode_url(res.engine_id) is None:
+        if self.engines.decode_url(res.engine_id) is None:
             await self.release(res.id, "router has no address for this decode engine")
             return None, "unknown_decode_engine"
         return res, ""
@@ -129,17 +117,22 @@ class Dispatcher:
             raise ApiError(f"The model `{body.get('model')}` does not exist. Valid aliases: {self.cfg.model}.", 404,
                            "model")
         started, received_unix = time.perf_counter(), time.time()
-        ask = asks.parse(endpoint, body, self.counter, await self.limits())
+        if not self.engines.ready.is_set():  # just started: the registry's first answer is on its way
+            await self.engines.wait_ready(ENGINES_WAIT_S)
+        ask = asks.parse(endpoint, body, self.counter, await self.limits.get())
         metrics.PATHS.labels(path=ask.path, reason=ask.why or "-").inc()
+        if ask.path != asks.DECODE_ONLY and not self.engines.prefill_urls():
+            metrics.FALLBACKS.labels(reason="no_prefill_engine").inc()
+            return await self._decode_alone(endpoint, body, request)
         if ask.path == asks.PREFILL_ONLY:
-            return await self._proxy(self._least_loaded(self.cfg.prefill_urls), endpoint, body, request,
+            return await self._proxy(self._least_loaded(self.engines.prefill_urls()), endpoint, body, request,
                                      "prefill_only")
         if ask.path == asks.DECODE_ONLY:
             return await self._decode_alone(endpoint, body, request, "decode_only")
         timings = {"counted": time.perf_counter()}
         request_id = f"rt-{uuid.uuid4().hex}"  # 128 random bits: also the prefill handover's key
-        prefill_url = self._least_loaded(self.cfg.prefill_urls)
-        prefill_id = self.cfg.prefill_id(prefill_url)
+        prefill_url = self._least_loaded(self.engines.prefill_urls())
+        prefill_id = self.engines.prefill_id(prefill_url)
         held: list = []  # the reservation once granted: released if anything below fails
         try:
             if ask.path == asks.FIRST_TOKEN and prefill_id:
@@ -159,7 +152,7 @@ class Dispatcher:
                 timings["reserved"] = time.perf_counter()
                 if ask.path == asks.PUSH:
                     response = await self._push(ask, PushParams.from_reservation(res, PREFILL),
-                                                self.cfg.decode_url(res.engine_id), request, timings)
+                                                self.engines.decode_url(res.engine_id), request, timings)
                 else:
                     response = await self._first_token(ask, request_id, prefill_url, request, timings, held)
         except BaseException:
@@ -177,12 +170,22 @@ class Dispatcher:
     async def _decode_alone(self, endpoint: str, body: dict, request: web.Request,
                             path: str = "fallback") -> web.StreamResponse:
         """The request served by a decode engine by itself (``path`` labels its TTFT)."""
-        return await self._proxy(self._least_loaded([d.url for d in self.cfg.decode]), endpoint, body, request, path)
+        url = self._alone_url()
+        if url is None:
+            raise ApiError(f"no engine is available for model {self.cfg.model!r}", 503)
+        try:
+            return await self._proxy(url, endpoint, body, request, path)
+        except aiohttp.ClientError as exc:
+            other = self._alone_url(url)
+            if other is None or not nothing_sent(exc, body):
+                raise
+            await self._decode_failed(None, f"{type(exc).__name__}: {exc}", other)
+            return await self._proxy(other, endpoint, body, request, "retry")
 
     # -- push: prefill pushes, decode computes every output token -------------------------------
     async def _push(self, ask: asks.Ask, params: PushParams, decode_url: str, request: web.Request,
                     timings: dict) -> web.StreamResponse:
-        prefill_url = self._least_loaded(self.cfg.prefill_urls)
+        prefill_url = self._least_loaded(self.engines.prefill_urls())
         p_body = prefill_body(ask.body, params.as_kv_transfer_params(), first_token=False)
         d_body = dict(ask.body, kv_transfer_params=params.for_role(DECODE).as_kv_transfer_params())
         prefill = asyncio.create_task(self._prefill_then_release(prefill_url, ask.endpoint, p_body,
@@ -190,9 +193,11 @@ class Dispatcher:
         other = self._other_decode(decode_url)
         try:
             response = await self._proxy(decode_url, ask.endpoint, d_body, request, "push", timings)
-        except aiohttp.ClientConnectorError as exc:  # nothing reached it: safe to serve elsewhere
+        except aiohttp.ClientError as exc:
             prefill.cancel()
-            if other is None:
+            # Unreachable, or broke before the client got a byte (a whole answer is sent
+            # only once complete): safe to serve elsewhere.
+            if other is None or not nothing_sent(exc, ask):
                 await self.release(params.target.reservation_id, f"decode unreachable: {exc}")
                 raise
             return await self._decode_elsewhere(ask, other, params.target.reservation_id,
@@ -315,15 +320,16 @@ class Dispatcher:
         kv = PushParams.from_reservation(res, DECODE).as_kv_transfer_params() if res is not None else None
         d_body = decode_body(ask, head, self.cfg.model, kv)
         tail = Tail(ask, head, self.counter.output_text(head.prompt_ids, ask.body.get("skip_special_tokens", True)))
-        decode_url = (self.cfg.decode_url(res.engine_id) if res is not None
-                      else self._least_loaded([d.url for d in self.cfg.decode]))
+        decode_url = self.engines.decode_url(res.engine_id) if res is not None else self._alone_url()
+        if decode_url is None:
+            raise ApiError(f"no engine is available for model {self.cfg.model!r}", 503)
         return await self._continue(ask, head, tail, decode_url, d_body, request, timings, res)
 
     async def _head_only(self, ask: asks.Ask, head, request: web.Request) -> web.StreamResponse:
         if not ask.stream:
             return web.json_response(final_answer(ask, head, None))
         chunks = Chunks(ask, head)
-        out = await _sse(request)
+        out = await sse_response(request)
         usage = head.usage
         await out.write(chunks.head_events(usage, head.text) + chunks.usage_event(usage) + Chunks.DONE)
         await out.write_eof()
@@ -348,10 +354,10 @@ class Dispatcher:
             return out
         try:
             if ask.stream:
-                out = await _sse(request)
+                out = await sse_response(request)
                 await out.write(chunks.head_events(tail.usage(), tail.head_text()))
             try:
-                resp, res = await call
+                resp, res, answering = await call
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 if out is None:
                     if res is not None:
@@ -364,20 +370,45 @@ class Dispatcher:
                     return await failed(f"decode answered {resp.status}: {payload[:200]!r}",
                                         web.Response(body=payload, status=resp.status if resp.status < 500 else 502,
                                                      content_type="application/json"))
-                async for chunk in _events(resp):
-                    if "error" in chunk:
-                        raise _DecodeError(str(chunk["error"]))
-                    piece = tail.add(chunk)
-                    if piece is None:
-                        continue
-                    if "second_token" not in timings:
-                        timings["second_token"] = time.perf_counter()
-                        metrics.TOKEN2.observe(timings["second_token"] - timings["prefill_answered"])
-                    if out is not None:
-                        await out.write(chunks.piece(piece, tail.usage()))
-                    if tail.stopped_here:
-                        resp.close()  # a stop string ended it: decode's request is aborted
+                resumes = 0
+                while True:
+                    try:
+                        async for chunk in sse_events(resp):
+                            if "error" in chunk:
+                                raise DecodeStreamError(str(chunk["error"]))
+                            piece = tail.add(chunk)
+                            if piece is None:
+                                continue
+                            if "second_token" not in timings:
+                                timings["second_token"] = time.perf_counter()
+                                metrics.TOKEN2.observe(timings["second_token"] - timings["prefill_answered"])
+                            if out is not None:
+                                await out.write(chunks.piece(piece, tail.usage()))
+                            if tail.stopped_here:
+                                resp.close()  # a stop string ended it: decode's request is aborted
+                                break
                         break
+                    except DecodeStreamError as exc:
+                        # Decode died part way: once, another engine goes on from the tokens
+                        # received, so the client's answer is whole (not a 502 or a cut stream).
+                        other = self._other_decode(answering) if not resumes and tail.finish_reason is None else None
+                        body = resume_body(d_body, tail) if other is not None else None
+                        if body is None:
+                            if other is not None:  # every token came; only the last event was lost
+                                tail.finish_reason = "length"
+                                break
+                            raise
+                        resumes += 1
+                        resp.release()
+                        await self._decode_failed(res.id if res is not None else None, str(exc), other)
+                        res = None
+                        self.outstanding[decode_url] -= 1
+                        decode_url = answering = other
+                        self.outstanding[decode_url] = self.outstanding.get(decode_url, 0) + 1
+                        resp = await self.session.post(f"{decode_url}/v1/completions", json=body)
+                        if resp.status != 200:
+                            payload = await resp.read()
+                            return await failed(f"decode answered {resp.status}: {payload[:200]!r}")
             finally:
                 resp.release()
             timings["decode_done"] = time.perf_counter()
@@ -386,7 +417,7 @@ class Dispatcher:
             await out.write(chunks.usage_event(tail.usage()) + Chunks.DONE)
             await out.write_eof()
             return out
-        except _DecodeError as exc:
+        except DecodeStreamError as exc:
             return await failed(f"decode failed: {exc}")
         finally:
             if not call.done():
@@ -394,7 +425,8 @@ class Dispatcher:
             self.outstanding[decode_url] -= 1
 
     async def _continuation(self, decode_url: str, d_body: dict, res):
-        """POST the continuation to ``decode_url``; (response, reservation still in use). A
+        """POST the continuation to ``decode_url``; (response, reservation still in use, the
+        engine that answers). A
         decode engine that cannot be reached, or answers 5xx, before sending anything is
         replaced once by another, which computes the prompt itself: the KV landed on the
         first, so its reservation is released."""
@@ -402,18 +434,18 @@ class Dispatcher:
         try:
             resp = await self.session.post(f"{decode_url}/v1/completions", json=d_body)
             if resp.status < 500 or other is None:
-                return resp, res
+                return resp, res, decode_url
             why = f"decode answered {resp.status}"
             resp.release()
-        except aiohttp.ClientConnectorError as exc:
+        except aiohttp.ClientError as exc:  # unreachable, or gone before its answer began
             if other is None:
                 raise
-            why = f"decode unreachable: {exc}"
+            why = f"decode unreachable: {type(exc).__name__}: {exc}"
         await self._decode_failed(res.id if res is not None else None, why, other)
         body = {k: v for k, v in d_body.items() if k != "kv_transfer_params"}
         self.outstanding[other] = self.outstanding.get(other, 0) + 1
         try:
-            return await self.session.post(f"{other}/v1/completions", json=body), None
+            return await self.session.post(f"{other}/v1/completions", json=body), None, other
         finally:
             self.outstanding[other] -= 1
 
@@ -447,32 +479,11 @@ class Dispatcher:
             self.outstanding[url] -= 1
 
 
-class _DecodeError(Exception):
-    pass
-
-
-async def _sse(request: web.Request) -> web.StreamResponse:
-    out = web.StreamResponse(status=200)
-    out.content_type = "text/event-stream"
-    out.headers["Cache-Control"] = "no-cache"
-    await out.prepare(request)
-    return out
-
-
-async def _events(resp: aiohttp.ClientResponse):
-    """The JSON objects of a server-sent event stream, up to ``[DONE]``; a stream that
-    breaks or does not parse is a failed decode (``_DecodeError``)."""
-    try:
-        async for line in resp.content:
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                return
-            yield json.loads(data)
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-        raise _DecodeError(f"decode's stream broke: {type(exc).__name__}: {exc}") from None
+def nothing_sent(exc: aiohttp.ClientError, ask_or_body) -> bool:
+    """Whether a proxied request that failed with ``exc`` sent its client nothing yet: it
+    never reached the engine, or its answer was not streamed (sent only once whole)."""
+    body = ask_or_body.body if isinstance(ask_or_body, asks.Ask) else ask_or_body
+    return isinstance(exc, aiohttp.ClientConnectorError) or not body.get("stream")
 
 
 def path_of(endpoint: str) -> str:

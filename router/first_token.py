@@ -105,6 +105,23 @@ def decode_body(ask: Ask, head: Head, model: str, kv_transfer_params: dict | Non
     return out
 
 
+def resume_body(d_body: dict, tail: "Tail") -> dict | None:
+    """Decode's continuation again, on another engine, after the first broke part way:
+    its prompt is everything generated so far, so the client's stream goes on where it
+    stopped (greedy decoding gives the same tokens). None: nothing is left to generate."""
+    done = len(tail.token_ids)
+    out = {k: v for k, v in d_body.items() if k != "kv_transfer_params"}
+    out["prompt"] = list(d_body["prompt"]) + tail.token_ids
+    if "max_tokens" in d_body:
+        out["max_tokens"] = d_body["max_tokens"] - done
+        if out["max_tokens"] <= 0:
+            return None
+    if d_body.get("min_tokens"):
+        out["min_tokens"] = max(0, d_body["min_tokens"] - done)
+    tail.resumed()
+    return out
+
+
 @dataclasses.dataclass
 class Piece:
     """What one decode chunk adds to the answer."""
@@ -141,6 +158,11 @@ class Tail:
         lp = head.logprobs
         # Completion logprobs' text offsets count the tokens' strings from the answer's start.
         self._offset = (lp["text_offset"][-1] + len(lp["tokens"][-1] or "")) if lp and lp.get("tokens") else 0
+
+    def resumed(self) -> None:
+        """Another engine continues from here: its logprobs' text offsets count from
+        its own output's start, which is the text so far."""
+        self._offset = len(self.gen)
 
     def head_text(self) -> str:
         """What the first streamed event may show: the first token's text, less what a

@@ -28,6 +28,7 @@ from kvpush.contract.layout import KvLayout
 from kvpush.contract.states import DECODE, PREFILL, role_to_proto
 from kvpush.trace import Trace
 from sidecar.channel_server import ChannelHandler, ChannelServer, Connection
+from sidecar.engine_presence import EnginePresence
 from sidecar.landing import LandingConfig
 from sidecar.pools import LayerMajorPool
 from sidecar.progress import PollPolicy, ProgressDriver
@@ -51,6 +52,10 @@ class SidecarConfig:
     poll: PollPolicy = PollPolicy()
     push: PushConfig = PushConfig()
     landing: LandingConfig = LandingConfig()
+    # Unavailable until the engine first connects (sidecar/engine_presence.py); without
+    # it the engine counts as there from the start, until its connections go away.
+    wait_for_engine: bool = False
+    engine_grace_s: float = 1.0  # the engine's last connection closed this long: it is gone
 
     def __post_init__(self) -> None:
         if self.role not in (PREFILL, DECODE):
@@ -84,6 +89,7 @@ class SidecarBase(ChannelHandler):
         self.driver: ProgressDriver | None = None
         self.server: ChannelServer | None = None
         self.trace = Trace.off()
+        self.presence = EnginePresence(config.wait_for_engine, config.engine_grace_s)
 
     # -- what a role provides -------------------------------------------------------------------
     @abc.abstractmethod
@@ -131,6 +137,7 @@ class SidecarBase(ChannelHandler):
                  c.socket_path)
 
     async def stop(self) -> None:
+        self.presence.close()
         if self.server is not None:
             await self.server.close()
             self.server = None
@@ -150,12 +157,14 @@ class SidecarBase(ChannelHandler):
                             incarnation=c.incarnation, nixl_agent=c.agent_name, nixl_metadata=self.transport.metadata(),
                             num_blocks=pool.num_units, sidecar_address=f"unix:{c.socket_path}",
                             memory_kind=pool.memory.mem_kind, pool_base_address=pool.base_address,
-                            pool_size_bytes=pool.size_bytes, device_id=pool.memory.device_id)
+                            pool_size_bytes=pool.size_bytes, device_id=pool.memory.device_id,
+                            unavailable=self.presence.unavailable)
 
     def stats(self) -> dict:
         return {"role": self.config.role, "engine_id": self.config.engine_id,
                 "incarnation": self.config.incarnation, "polls": self.driver.polls,
-                "inflight": self.driver.inflight}
+                "inflight": self.driver.inflight, "engine_links": self.presence.links,
+                "engine_unavailable": self.presence.unavailable, "engine_departures": self.presence.departures}
 
     # -- ChannelHandler: every role ------------------------------------------------------------
     def on_hello(self, conn: Connection, info: dict) -> dict:
@@ -163,6 +172,8 @@ class SidecarBase(ChannelHandler):
         # is refused here, with the fix, rather than failing to map the pool.
         if "cuda_device" in info and self.pool.memory.mem_kind == "VRAM":
             check_pool_device(self.pool.info(), info["cuda_device"])
+        if info.get("engine"):
+            self.presence.connected(conn)
         return {"role": self.config.role, "engine_id": self.config.engine_id,
                 "incarnation": self.config.incarnation, "agent": self.config.agent_name,
                 "pool": self.pool.info().to_dict()}
@@ -181,7 +192,7 @@ class SidecarBase(ChannelHandler):
         raise ValueError(f"unknown admin op {op!r}")
 
     def on_disconnect(self, conn: Connection) -> None:
-        pass
+        self.presence.disconnected(conn)
 
     # -- ChannelHandler: the other role's frames ---------------------------------------------------
     def _not_served(self, frame_name: str):
@@ -207,3 +218,6 @@ class SidecarBase(ChannelHandler):
 
     def on_consumed(self, conn: Connection, reservation_id: str) -> F.StateEvent:
         self._not_served("CONSUMED")
+
+    def on_recomputed(self, conn: Connection, reservation_id: str, reason: str) -> None:
+        self._not_served("RECOMPUTED")

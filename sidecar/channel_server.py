@@ -100,6 +100,11 @@ class ChannelHandler(abc.ABC):
         scheduler side for one it gave up on): the landing blocks are free again."""
 
     @abc.abstractmethod
+    def on_recomputed(self, conn: Connection, reservation_id: str, reason: str) -> None:
+        """RECOMPUTED, decode scheduler side, fire-and-forget: it gave up loading the
+        reservation (it ended, timed out, its sidecar restarted) and computes the prompt."""
+
+    @abc.abstractmethod
     def on_admin(self, conn: Connection, request: dict) -> dict | Awaitable[dict]:
         """ADMIN, from operators, tests and benchmarks (stats, record, add_peer, cancel, ...)."""
 
@@ -155,6 +160,9 @@ class _ServerProtocol(asyncio.Protocol):
                 return h.on_push(conn, F.decode_push(body))
             if kind == F.END:
                 return h.on_end(conn, F.decode_end(body))
+            if kind == F.RECOMPUTED:
+                note = F.decode_json(body)
+                return h.on_recomputed(conn, str(note["reservation_id"]), str(note.get("reason", ""))[:64])
             if kind == F.PING:
                 answer = b""
             elif kind == F.BEGIN:

@@ -8,6 +8,7 @@ incoming reservations is ``sidecar/landing.py``.
 
 from __future__ import annotations
 
+import collections
 from typing import Callable
 
 from engine import frames as F
@@ -25,6 +26,7 @@ class DecodeSidecar(SidecarBase):
         self.on_landing_event = on_landing_event
         self.landing: LandingTable | None = None
         self._subscriptions: dict[str, list[tuple[str, Callable]]] = {}
+        self.recomputes: collections.Counter = collections.Counter()  # reason -> prompts decode computed itself
 
     def _make_pool(self, tag: str) -> LandingPool:
         return LandingPool.create(tag, self.config.layout, self.config.num_blocks, self.config.device)
@@ -48,7 +50,8 @@ class DecodeSidecar(SidecarBase):
     def stats(self) -> dict:
         out = super().stats()
         out.update(self.landing.counters)
-        out.update(landing_blocks=self.pool.num_units, landing_blocks_landed=self.landing.landed_blocks())
+        out.update(landing_blocks=self.pool.num_units, landing_blocks_landed=self.landing.landed_blocks(),
+                   recomputes=dict(self.recomputes))
         return out
 
     def _landing_event(self, event: LandingEvent) -> None:
@@ -74,7 +77,12 @@ class DecodeSidecar(SidecarBase):
         self.landing.consume(reservation_id)
         return _state(self.landing.query(reservation_id))
 
+    def on_recomputed(self, conn: Connection, reservation_id: str, reason: str) -> None:
+        self.recomputes[reason or "other"] += 1
+        self.trace("recomputed", reservation_id, reason)
+
     def on_disconnect(self, conn: Connection) -> None:
+        super().on_disconnect(conn)
         for rid, callback in self._subscriptions.pop(conn.owner, []):
             self.landing.unsubscribe(rid, callback)
 

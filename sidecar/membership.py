@@ -84,6 +84,7 @@ class ServiceConfig:
     metrics_port: int = 0  # 0: no metrics endpoint
     drain_s: float = 2.0  # on shutdown: running pushes may finish this long
     ready_file: str = ""  # written (engine record + lease, JSON) once registered and beating
+    serving_url: str = ""  # the engine's OpenAI server, published for routers to find it
 
 
 class Backoff:

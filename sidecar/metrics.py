@@ -15,6 +15,10 @@ counted by class (``reason_class``), so the label set stays small.
                                                   decode: landing blocks landed (not yet consumed), total
     kvpush_sidecar_transfers_in_flight            NIXL writes not yet done
     kvpush_sidecar_registered                     1 while the control plane has this engine
+    kvpush_sidecar_recomputes_total{reason}       decode: requests whose engine computed the prompt itself
+                                                  instead of loading it (failed, cancelled, timeout, restarted, ...)
+    kvpush_sidecar_engine_available               1 while the engine is connected (engine_presence.py)
+    kvpush_sidecar_engine_departures_total        times the engine's connections all went away
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvpush.contract.states import LandingState, PushState
 from sidecar.landing import LandingEvent
@@ -111,3 +115,13 @@ class _StateCollector:
                                 value=s.get("inflight", 0))
         yield GaugeMetricFamily("kvpush_sidecar_registered", "1 while the control plane has this engine",
                                 value=1 if s.get("connected") else 0)
+        if "recomputes" in s:
+            recomputes = CounterMetricFamily("kvpush_sidecar_recomputes", "Requests whose decode engine computed "
+                                             "the prompt instead of loading it, by reason", labels=["reason"])
+            for reason, n in sorted(s["recomputes"].items()):
+                recomputes.add_metric([reason], n)
+            yield recomputes
+        yield GaugeMetricFamily("kvpush_sidecar_engine_available", "1 while the engine beside the sidecar is connected",
+                                value=0 if s.get("engine_unavailable") else 1)
+        yield CounterMetricFamily("kvpush_sidecar_engine_departures", "Times the engine's connections all went away",
+                                  value=s.get("engine_departures", 0))

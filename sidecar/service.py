@@ -66,6 +66,7 @@ from kvpush.contract.states import DECODE, PREFILL, PushState, State, reported
 from sidecar.metrics import SidecarMetrics
 from sidecar.membership import (ControlPlaneLink, FatalError, Membership, ServiceConfig, guarded, rpc_error_text,
                             status_code)
+from sidecar.availability import AvailabilityReport
 from sidecar.reporter import Reporter
 from sidecar.reservation_watch import ReservationWatch
 
@@ -87,6 +88,7 @@ class SidecarService:
         self.membership: Membership | None = None
         self.reporter: Reporter | None = None
         self.watch: ReservationWatch | None = None
+        self.availability: AvailabilityReport | None = None
         self._ended_remotely: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._tasks: list[asyncio.Task] = []
         self._started = False
@@ -96,7 +98,8 @@ class SidecarService:
 
     # -- what the control plane sees of us --------------------------------------------------------
     def engine_proto(self) -> types_pb2.Engine:
-        record = dataclasses.replace(self.sidecar.engine_record(), model=self.config.model, pool=self.config.pool)
+        record = dataclasses.replace(self.sidecar.engine_record(), model=self.config.model, pool=self.config.pool,
+                                     serving_url=self.config.serving_url)
         return record.to_proto()
 
     # -- hooks of the data plane (called from the loop, never blocking) ---------------------------
@@ -163,6 +166,7 @@ class SidecarService:
         return EngineRecord.from_proto(engine)
 
     def _on_ready(self, resp: registry_pb2.RegisterEngineResponse) -> None:
+        self.availability.registered(resp.engine)
         if self.membership.registrations > 1:
             log.info("registered again (registration %d)", self.membership.registrations)
             return
@@ -181,7 +185,7 @@ class SidecarService:
         out.update(registrations=m.registrations, beats=m.beats, connected=m.connected.is_set(),
                    last_break=m.last_break, reconnects=self.link.reconnects, resolves=self.resolves,
                    watch_subscriptions=self.watch.subscriptions, watch_subscribed=self.watch.subscribed.is_set(),
-                   watch_events=self.watch.events,
+                   watch_events=self.watch.events, availability_reports=self.availability.reports,
                    reports={k: v for k, v in self.reporter.counters.items()})
         return out
 
@@ -198,6 +202,9 @@ class SidecarService:
         self.watch = ReservationWatch(self.link, self.config, self.engine_id, self.membership,
                                       self.sidecar.live_reservations, self._ended,
                                       self._reserved if self.sidecar.config.role == PREFILL else None)
+        self.availability = AvailabilityReport(self.link, self.config, self.engine_id, self.sidecar_config.incarnation,
+                                               lambda: self.sidecar.presence.unavailable)
+        self.sidecar.presence.on_change = self.availability.changed
         original_admin = self.sidecar.on_admin
 
         def on_admin(conn, request):  # the channel's ADMIN "service" op: our own state
@@ -213,7 +220,8 @@ class SidecarService:
                 log.info("metrics on http://%s:%d/metrics", self.config.metrics_host, self.metrics_port)
             self.reporter.start()
             member = loop.create_task(self.membership.run(), name="membership")
-            self._tasks = [member, loop.create_task(self.watch.run(), name="watch")]
+            self._tasks = [member, loop.create_task(self.watch.run(), name="watch"),
+                           loop.create_task(self.availability.run(), name="availability")]
             stopper = loop.create_task(stop.wait())
             await asyncio.wait([*self._tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
             stopper.cancel()
@@ -252,6 +260,8 @@ class SidecarService:
                 log.warning("DeregisterEngine failed (%s); the lease ends it", rpc_error_text(exc))
         if self.membership is not None:
             self.membership.stop()
+        if self.availability is not None:
+            self.availability.stop()
         if self.watch is not None:
             await self.watch.close()
         if self._tasks:
@@ -310,6 +320,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", default="")
     p.add_argument("--tls-key", default="")
     p.add_argument("--tls-server-name", default="")
+    p.add_argument("--serving-url", default="",
+                   help="the engine's OpenAI server (http://host:port), published for routers that discover engines")
+    p.add_argument("--wait-for-engine", action="store_true",
+                   help="register as unavailable until the engine connects (no reservation lands while it loads)")
+    p.add_argument("--engine-grace", type=float, default=SidecarConfig.engine_grace_s,
+                   help="the engine's last connection closed this long (s): report it unavailable")
     p.add_argument("--ready-file", default="", help="write this engine's record (JSON) here once registered")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="the metrics endpoint's bind address")
@@ -331,14 +347,16 @@ def configs_from_args(args: argparse.Namespace) -> tuple[SidecarConfig, ServiceC
     sidecar = SidecarConfig(args.engine_id, args.role, layout, args.num_blocks, args.socket, device, backends=backends,
                             poll=PollPolicy(hot_interval_s=args.hot_interval, idle_interval_s=args.idle_interval),
                             push=PushConfig(transfer_timeout_s=args.transfer_timeout, checksums=args.checksums),
-                            landing=LandingConfig(landing_timeout_s=args.landing_timeout), **extra)
+                            landing=LandingConfig(landing_timeout_s=args.landing_timeout),
+                            wait_for_engine=args.wait_for_engine, engine_grace_s=max(0.0, args.engine_grace), **extra)
     service = ServiceConfig(controlplane=args.controlplane, token=args.token, model=args.model, pool=args.pool,
                             lease_ttl_s=args.lease_ttl, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
                             tls_key=args.tls_key, tls_server_name=args.tls_server_name,
                             drain_s=args.drain_timeout, ready_file=args.ready_file,
                             report_hold_s=max(0.0, args.report_hold),
                             pushing_report_after_s=max(0.0, args.pushing_report_after),
-                            metrics_host=args.metrics_host, metrics_port=args.metrics_port)
+                            metrics_host=args.metrics_host, metrics_port=args.metrics_port,
+                            serving_url=args.serving_url.rstrip("/"))
     return sidecar, service
 
 

@@ -18,10 +18,12 @@ def exported() -> dict[str, set[str]]:
     """Sample name -> label names, of everything the router and a sidecar export."""
     sidecar = SidecarMetrics("prefill", lambda: {"staging_units": 4, "staging_free_units": 4, "connected": True})
     sidecar.failures.labels("prefill", "timeout").inc()
+    decode = SidecarMetrics("decode", lambda: {"landing_blocks": 4, "landing_blocks_landed": 0,
+                                               "recomputes": {"timeout": 1}})
     router_metrics.FALLBACKS.labels("no_capacity")
     router_metrics.REQUESTS.labels("completions", "ok")
     out: dict[str, set[str]] = {}
-    for registry in (router_metrics.REGISTRY, sidecar.registry):
+    for registry in (router_metrics.REGISTRY, sidecar.registry, decode.registry):
         for family in registry.collect():
             for sample in family.samples:
                 out.setdefault(sample.name, set()).update(sample.labels)

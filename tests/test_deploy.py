@@ -71,7 +71,8 @@ def test_every_kvpush_command_line_parses_and_the_engines_carry_their_sidecar(ov
     assert args.etcd.count("https://") == 3 and args.etcd_ca and args.tls_cert
     router = find(docs, "Deployment", "router")["spec"]["template"]["spec"]["containers"][0]
     args = build_parser().parse_args(_args(router))
-    assert args.tls_ca and args.http_tls_cert and args.prefill and args.decode
+    # No engine flags: the router finds the engines in the registry.
+    assert args.tls_ca and args.http_tls_cert and not args.prefill and not args.decode
     for role in ("prefill", "decode"):
         pod = find(docs, "StatefulSet", role)["spec"]["template"]["spec"]
         sidecar, = pod["initContainers"]
@@ -82,8 +83,12 @@ def test_every_kvpush_command_line_parses_and_the_engines_carry_their_sidecar(ov
         parser = argparse.ArgumentParser()
         add_arguments(parser)
         parsed = parser.parse_args(_args(sidecar)[1:] + ["--token", "t"])
-        side, _ = configs_from_args(parsed)  # the layout, pool device and the rest, as the sidecar takes them
+        side, service = configs_from_args(parsed)  # the layout, pool device and the rest, as the sidecar takes them
         assert side.role == role and side.layout.num_layers == 32
+        # Routers find the engine at its pod's name under the headless Service, on vLLM's port.
+        headless = find(docs, "Service", role)["spec"]
+        assert headless["clusterIP"] == "None" and "--port=8000" in engine["args"]
+        assert service.serving_url == f"http://pod-0.{role}:8000" and side.wait_for_engine
         assert side.device == (0 if overlay == "gpu" else None)
         if overlay == "cpu":
             assert side.layout.dtype == "float32" and "--dtype=float32" in engine["args"]

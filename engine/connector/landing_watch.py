@@ -64,6 +64,14 @@ class LandingWatch(SchedulerChannel):
             if reservation_id not in self._released:
                 self._states.pop(reservation_id, None)
 
+    def recomputed(self, reservation_id: str, reason: str) -> None:
+        """Tell the sidecar the engine computes this reservation's prompt itself."""
+        try:
+            if self._client is not None:
+                self._client.recomputed_nowait(reservation_id, reason)
+        except (ChannelError, OSError) as exc:  # a closed channel: the count is lost, not the request
+            log.debug("could not tell the sidecar of a recompute: %s", exc)
+
     def release(self, reservation_id: str, give_up: float) -> None:
         """The engine will not load this reservation: consume it once it lands (until ``give_up``)."""
         with self._cv:

@@ -322,6 +322,7 @@ class KVPushScheduler:
         self._count("load_errors")
         self._count(f"load_error_{reason}")
         self._fold_idle_waits()
+        self.watch.recomputed(st.params.target.reservation_id, reason)
         self.watch.forget(st.params.target.reservation_id)
 
     def _fold_idle_waits(self) -> None:

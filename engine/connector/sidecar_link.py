@@ -57,7 +57,8 @@ def connect(path: str, connect_timeout_s: float, channel_timeout_s: float,
         else:
             try:
                 extra = {} if cuda_device == -1 else {"cuda_device": cuda_device}
-                info = SidecarInfo.from_hello(client.hello(name=name, pid=os.getpid(), **extra))
+                # engine=True: the sidecar counts this connection as its engine being there.
+                info = SidecarInfo.from_hello(client.hello(name=name, pid=os.getpid(), engine=True, **extra))
                 return client, info
             except (ChannelError, KeyError) as exc:
                 client.close()

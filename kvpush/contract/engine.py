@@ -38,6 +38,8 @@ class EngineRecord:
     pool_base_address: int = 0
     pool_size_bytes: int = 0
     device_id: int = 0
+    serving_url: str = ""  # its OpenAI server, where routers send its requests
+    unavailable: str = ""  # why it cannot serve now ("" = it can); set by its sidecar
 
     @property
     def is_decode(self) -> bool:
@@ -65,7 +67,7 @@ class EngineRecord:
             sidecar_address=self.sidecar_address, pool=self.pool, incarnation=self.incarnation,
             registered_unix_ms=self.registered_ms, memory_kind=self.memory_kind,
             pool_base_address=self.pool_base_address, pool_size_bytes=self.pool_size_bytes,
-            device_id=self.device_id)
+            device_id=self.device_id, serving_url=self.serving_url, unavailable=self.unavailable)
 
     @classmethod
     def from_proto(cls, msg: types_pb2.Engine, field: str = "engine") -> "EngineRecord":
@@ -76,7 +78,7 @@ class EngineRecord:
                    num_blocks=msg.num_blocks, model=msg.model, pool=msg.pool, sidecar_address=msg.sidecar_address,
                    registered_ms=msg.registered_unix_ms, memory_kind=msg.memory_kind or "DRAM",
                    pool_base_address=msg.pool_base_address, pool_size_bytes=msg.pool_size_bytes,
-                   device_id=msg.device_id)
+                   device_id=msg.device_id, serving_url=msg.serving_url, unavailable=msg.unavailable)
 
     # -- JSON (etcd, ready files, the sidecar's admin ops) ----------------------------------------
     def to_dict(self) -> dict:

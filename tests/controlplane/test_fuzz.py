@@ -25,7 +25,8 @@ layouts = st.builds(types_pb2.KvLayout, num_layers=u32, block_size=u32, num_kv_h
                     dtype=st.sampled_from(["", "float32", "bfloat16", "x"]), kv_parts=st.integers(0, 3))
 engines = st.builds(types_pb2.Engine, engine_id=texts, role=st.integers(0, 2), model=texts,
                     kv_layout=layouts, nixl_agent=texts, nixl_metadata=st.binary(max_size=64), num_blocks=u32,
-                    incarnation=texts, pool=texts, memory_kind=st.sampled_from(["", "DRAM", "VRAM", "?"]))
+                    incarnation=texts, pool=texts, memory_kind=st.sampled_from(["", "DRAM", "VRAM", "?"]),
+                    serving_url=st.one_of(texts, st.just("http://127.0.0.1:8200")), unavailable=texts)
 
 # Rotating or deleting the fuzzing tenant itself would leave every later call UNAUTHENTICATED.
 others = texts.filter(lambda name: name != "acme")
@@ -50,6 +51,10 @@ CALLS = st.one_of(
               st.builds(scheduler_pb2.GetReservationRequest, reservation_id=texts)),
     st.tuples(st.just(("scheduler", "ListEngines", "tenant")),
               st.builds(scheduler_pb2.ListEnginesRequest, model=texts)),
+    st.tuples(st.just(("scheduler", "WatchEngines", "tenant")),
+              st.builds(scheduler_pb2.WatchEnginesRequest, model=texts)),
+    st.tuples(st.just(("registry", "SetEngineAvailability", "engine")), st.builds(
+        registry_pb2.SetEngineAvailabilityRequest, engine_id=texts, incarnation=texts, unavailable=texts)),
     st.tuples(st.just(("registry", "RegisterEngine", "engine")), st.builds(
         registry_pb2.RegisterEngineRequest, engine=engines, lease_ttl_seconds=u32)),
     st.tuples(st.just(("registry", "GetEngine", "engine")),
@@ -70,10 +75,11 @@ CALLS = st.one_of(
     st.tuples(st.just(("admin", "RotateTenantToken", "admin")),
               st.builds(admin_pb2.RotateTenantTokenRequest, name=others)),
     st.tuples(st.just(("admin", "GetStatus", "admin")), st.just(admin_pb2.GetStatusRequest())),
+    st.tuples(st.just(("admin", "ListTenants", "admin")), st.just(admin_pb2.ListTenantsRequest())),
 )
 
 
-STREAMS_THAT_STAY_OPEN = {"WatchReservations", "WatchEngineReservations", "Heartbeat"}
+STREAMS_THAT_STAY_OPEN = {"WatchReservations", "WatchEngineReservations", "WatchEngines", "Heartbeat"}
 
 
 async def drain(stub, method: str, request, client) -> None:

@@ -83,6 +83,7 @@ class FakeClient:
         self.states = states or {}  # reservation -> (state, tokens) answered to SUBSCRIBE
         self.subscribed: list[str] = []
         self.consumed: list[str] = []
+        self.recomputed: list[tuple[str, str]] = []
         self.on_event = None
         self.broken = False
 
@@ -96,6 +97,9 @@ class FakeClient:
 
     def consumed_nowait(self, res):
         self.consumed.append(res)
+
+    def recomputed_nowait(self, res, reason):
+        self.recomputed.append((res, reason))
 
     def events(self):
         return []
@@ -279,6 +283,7 @@ def test_decode_reservation_that_ends_unlanded_is_recomputed(state):
     sched.update_state_after_alloc(r, Blocks([1, 2]), 0)
     meta = sched.build_connector_meta(Out({"d": 64}))
     assert not meta.loads and meta.counts["load_errors"] == 1 and meta.counts[f"load_error_{state.lower()}"] == 1
+    assert sched.client.recomputed == [("res-1", state.lower())]  # the sidecar counts it for Prometheus
     assert sched.get_num_new_matched_tokens(r, 0) == (0, False)  # decided: never loaded later
 
 
@@ -290,6 +295,7 @@ def test_decode_gives_up_at_the_deadline_and_consumes_a_late_landing():
     time.sleep(0.06)
     assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
     assert sched.build_connector_meta(Out({"d": 64})).counts["load_error_timeout"] == 1
+    assert sched.client.recomputed == [("res-1", "timeout")]
     sched.client.event("res-1", "LANDED", 64)  # too late: its blocks go back at once
     assert sched.client.consumed == ["res-1"]
     assert sched.build_connector_meta(Out({})).counts == {"releases_consumed": 1}
