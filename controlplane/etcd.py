@@ -35,6 +35,7 @@ import grpc
 from aetcd import rpc
 
 from controlplane import metrics
+from controlplane.etcd_keepalive import KeepAliveStream
 from kvpush.tls import channel_credentials
 
 log = logging.getLogger(__name__)
@@ -187,6 +188,7 @@ class _Endpoint:
         self.watch = rpc.WatchStub(channel)
         self.auth = rpc.AuthStub(channel)
         self.token: str | None = None
+        self.keepalives: KeepAliveStream | None = None  # every lease's refreshes, one stream
 
 
 # Answers after which etcd has certainly not applied a request: it never reached a member,
@@ -223,6 +225,8 @@ class EtcdClient:
 
     async def close(self) -> None:
         for ep in self._eps:
+            if ep.keepalives is not None:
+                ep.keepalives.close()
             await ep.channel.close()
 
     @property
@@ -333,13 +337,13 @@ class EtcdClient:
 
     async def refresh_lease(self, lease_id: int) -> int:
         """One keep-alive; returns the remaining TTL (0 or less: the lease is gone)."""
-        async def one():
-            yield rpc.LeaseKeepAliveRequest(ID=lease_id)
-
         async def first_ttl(ep: _Endpoint, metadata, call_timeout: float) -> int:
-            async for resp in ep.lease.LeaseKeepAlive(one(), timeout=call_timeout, metadata=metadata):
-                return resp.TTL
-            return 0
+            stream = ep.keepalives
+            if stream is None or stream.broken is not None or stream.metadata != metadata:
+                if stream is not None:
+                    stream.close()
+                stream = ep.keepalives = KeepAliveStream(ep.lease, metadata)
+            return await stream.refresh(lease_id, call_timeout)
         try:
             return await self._retrying(first_ttl, idempotent=True)
         # The heartbeat answers any failure of its keep-alive as etcd unavailable.

@@ -197,7 +197,7 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         else:
             def concerns(rec) -> bool:
                 return rec.prefill_engine_id == engine_id
-        async for event in watch_events(self.view, concerns, request.include_snapshot):
+        async for event in watch_events(self.view, concerns, request.include_snapshot, engine_id):
             yield event
 
     @unary

@@ -22,6 +22,7 @@ import numpy as np
 
 from controlplane import errors, keys, metrics
 from controlplane.allocator import allocate
+from controlplane.candidates import CandidateCache
 from controlplane.etcd import (KV, EtcdClient, EtcdLeaseNotFound, EtcdUnavailable, cmp_create, cmp_mod,
                                op_put, op_touch)
 from controlplane.leases import LeaseBuckets
@@ -69,6 +70,7 @@ class Reserver:
         self._view = view
         self._leases = leases
         self.max_batch = max_batch
+        self._candidates = CandidateCache(view)
         self._queue: asyncio.Queue[ReserveAsk] = asyncio.Queue()
         self._task: asyncio.Task | None = None
         self.batch_all_of_queue = True  # False: one transaction per reservation (the baseline)
@@ -204,47 +206,47 @@ class Reserver:
     def _choose(self, ask: ReserveAsk, tenant: TenantRecord, batch: "_BatchState"
                 ) -> tuple[EngineRecord, list[int]]:
         view = self._view
-        shape = (ask.model, tenant.name, ask.prefill_layout)
-        candidates = batch.candidates.get(shape)
-        if candidates is None:
-            candidates = batch.candidates[shape] = [
-                eng for eng in (entry.record for entry in view.engines.values())
-                if eng.is_decode and not eng.unavailable and eng.model == ask.model and tenant.allows(eng.pool)
-                and (ask.prefill_layout is None or not ask.prefill_layout.compatibility_error(eng.layout))
-                and eng.engine_id in view.allocated and eng.engine_id in view.pool_fences]
-        if not candidates:
+        cands = self._candidates.get(ask.model, tenant, ask.prefill_layout)
+        if not cands.engines:
             raise errors.exhausted(f"no decode engine for model {ask.model!r} is available to tenant "
                                    f"{tenant.name!r}")
-        quota_left = None
+        if batch.taken is None or len(batch.taken) < len(view.free_count.array):
+            batch.taken = np.zeros(len(view.free_count.array), dtype=np.int64)
+        free = view.free_count.array[cands.slots] - batch.taken[cands.slots]
+        need = cands.need(ask.num_tokens)
+        fits = free >= need
         if tenant.quota_blocks:
             quota_left = tenant.quota_blocks - view.tenant_used.get(tenant.name, 0) - batch.used.get(tenant.name, 0)
-
-        def free(eng: EngineRecord) -> int:
-            return view.free_count[eng.engine_id] - batch.taken.get(eng.engine_id, 0)
-
-        def need(eng: EngineRecord) -> int:
-            return eng.layout.blocks_for_tokens(ask.num_tokens)
-
-        fitting = [e for e in candidates if free(e) >= need(e)]
-        if quota_left is not None:
-            within = [e for e in fitting if need(e) <= quota_left]
-            if fitting and not within:
+            within = fits & (need <= quota_left)
+            if fits.any() and not within.any():
                 raise errors.exhausted(f"tenant {tenant.name!r} quota of {tenant.quota_blocks} blocks "
                                        f"reached ({tenant.quota_blocks - quota_left} reserved)")
-            fitting = within
-        if not fitting:
-            most = max(candidates, key=free)
+            fits = within
+        if not fits.any():
+            most = int(np.argmax(free))
             raise errors.exhausted(f"no decode engine has room for num_tokens={ask.num_tokens} "
-                                   f"({need(most)} blocks; most free: {free(most)} on {most.engine_id})")
-        preferred = [e for e in fitting if e.engine_id == ask.preferred_engine_id]
-        # Least loaded: the largest free fraction; ties broken by id for determinism.
-        engine = preferred[0] if preferred else max(
-            fitting, key=lambda e: (free(e) / max(e.num_blocks, 1), e.engine_id))
-        eid = engine.engine_id
+                                   f"({need[most]} blocks; most free: {free[most]} on "
+                                   f"{cands.engines[most].engine_id})")
+        chosen = cands.index.get(ask.preferred_engine_id) if ask.preferred_engine_id else None
+        while True:
+            if chosen is None or not fits[chosen]:
+                # Least loaded: the largest free fraction; ties to the largest id, for determinism.
+                fraction = np.where(fits, free / np.maximum(cands.num_blocks, 1), -1.0)
+                chosen = int(np.flatnonzero(fraction == fraction.max())[-1])
+            engine = cands.engines[chosen]
+            eid = engine.engine_id
+            # Its lease is running out this very moment (the view applies a revision's
+            # deletions a slice at a time): its fence may be gone before its record.
+            if eid in view.pool_fences and eid in view.allocated:
+                break
+            fits[chosen] = False
+            if not fits.any():
+                raise errors.exhausted(f"no decode engine for model {ask.model!r} is available to tenant "
+                                       f"{tenant.name!r}")
         if eid not in batch.bitmaps:
             batch.bitmaps[eid] = view.allocated[eid].copy()
-        blocks, view.cursors[eid] = allocate(batch.bitmaps[eid], need(engine), view.cursors.get(eid, 0))
-        batch.taken[eid] = batch.taken.get(eid, 0) + len(blocks)
+        blocks, view.cursors[eid] = allocate(batch.bitmaps[eid], int(need[chosen]), view.cursors.get(eid, 0))
+        batch.taken[cands.slots[chosen]] += len(blocks)
         batch.used[tenant.name] = batch.used.get(tenant.name, 0) + len(blocks)
         return engine, blocks
 
@@ -268,9 +270,8 @@ class Reserver:
 class _BatchState:
     """What a batch has taken so far, before it is committed."""
     bitmaps: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)   # engine -> working copy
-    taken: dict[str, int] = dataclasses.field(default_factory=dict)            # engine -> blocks
+    taken: np.ndarray | None = None                                            # blocks, by free-count slot
     used: dict[str, int] = dataclasses.field(default_factory=dict)             # tenant -> blocks
-    candidates: dict[tuple, list] = dataclasses.field(default_factory=dict)    # (model, tenant, layout) -> engines
 
 
 @dataclasses.dataclass

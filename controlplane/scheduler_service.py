@@ -203,7 +203,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             yield event
 
 
-async def watch_events(view: View, concerns, include_snapshot: bool):
+async def watch_events(view: View, concerns, include_snapshot: bool, engine_id: str = ""):
     """ReservationEvents for the reservations ``concerns(record)`` selects: the live
     ones first (if asked), then every change as the view applies it. A watcher
     that falls WATCH_QUEUE events behind is cut off (RESOURCE_EXHAUSTED) rather
@@ -228,7 +228,9 @@ async def watch_events(view: View, concerns, include_snapshot: bool):
         except asyncio.QueueFull:
             overflow = True
 
-    unsubscribe = view.subscribe(on_change)
+    # An engine's watch hears only its engine's changes (view.subscribe_engine): with a
+    # sidecar's stream per engine, every change visiting every stream cost O(engines).
+    unsubscribe = view.subscribe_engine(engine_id, on_change) if engine_id else view.subscribe(on_change)
     try:
         if include_snapshot:
             for rec in view.live_reservations():

@@ -35,6 +35,49 @@ QUARANTINE_MS = 5_000
 APPLY_SLICE = 256  # watch events applied per loop turn
 
 
+class FreeCounts:
+    """Engine id -> blocks not in its bitmap, as a dict reads, kept in one numpy array
+    (``array[slot(id)]``) so a Reserve compares every candidate engine in C, not one by
+    one in Python. Slots are never reused within a view's life (ids are few and stable)."""
+
+    def __init__(self) -> None:
+        self.array = np.zeros(64, dtype=np.int64)
+        self._slots: dict[str, int] = {}
+        self._present: set[str] = set()
+
+    def slot(self, engine_id: str) -> int:
+        slot = self._slots.get(engine_id)
+        if slot is None:
+            slot = self._slots[engine_id] = len(self._slots)
+            if slot >= len(self.array):
+                self.array = np.concatenate([self.array, np.zeros(len(self.array), dtype=np.int64)])
+        return slot
+
+    def __contains__(self, engine_id: str) -> bool:
+        return engine_id in self._present
+
+    def __getitem__(self, engine_id: str) -> int:
+        if engine_id not in self._present:
+            raise KeyError(engine_id)
+        return int(self.array[self._slots[engine_id]])
+
+    def __setitem__(self, engine_id: str, value: int) -> None:
+        slot = self.slot(engine_id)  # first: it may grow (replace) the array
+        self.array[slot] = value
+        self._present.add(engine_id)
+
+    def get(self, engine_id: str, default: int = 0) -> int:
+        return self[engine_id] if engine_id in self._present else default
+
+    def pop(self, engine_id: str, default=None):
+        if engine_id not in self._present:
+            return default
+        value = self[engine_id]
+        self._present.discard(engine_id)
+        self.array[self._slots[engine_id]] = 0
+        return value
+
+
 @dataclasses.dataclass(slots=True)
 class Entry:
     record: object
@@ -81,7 +124,8 @@ class View:
         self.tenants: dict[str, Entry] = {}
         self.tenant_by_token: dict[str, str] = {}
         self.allocated: dict[str, np.ndarray] = {}   # engine -> bool per block, live reservations
-        self.free_count: dict[str, int] = {}         # engine -> blocks not in the bitmap
+        self.free_count = FreeCounts()               # engine -> blocks not in the bitmap
+        self.engines_version = 0                     # bumped at every engine change (candidate caches)
         self.cursors: dict[str, int] = {}            # engine -> next-fit allocation cursor
         self.tenant_used: dict[str, int] = {}
         self._key_revs: dict[bytes, int] = {}         # newest revision applied per key, deletes too
@@ -89,6 +133,7 @@ class View:
         self._expired_ids: dict[str, int] = {}        # ids whose EXPIRED we already announced
         self._own_writes: dict[bytes, tuple[bytes, object]] = {}
         self._listeners: list[Callable[[object], None]] = []
+        self._engine_listeners: dict[str, list[Callable[[object], None]]] = {}
         self._revision_waiters: list[tuple[int, asyncio.Future]] = []
         self.ready = asyncio.Event()
         self._loading = False
@@ -98,11 +143,33 @@ class View:
         self._listeners.append(fn)
         return lambda: self._listeners.remove(fn) if fn in self._listeners else None
 
+    def subscribe_engine(self, engine_id: str, fn: Callable[[ReservationChange], None]) -> Callable[[], None]:
+        """``fn`` hears only the changes of reservations that land on ``engine_id`` or that it
+        pushes into: each sidecar's watch, without every change visiting every watcher."""
+        fns = self._engine_listeners.setdefault(engine_id, [])
+        fns.append(fn)
+
+        def unsubscribe() -> None:
+            if fn in fns:
+                fns.remove(fn)
+            if not fns and self._engine_listeners.get(engine_id) is fns:
+                del self._engine_listeners[engine_id]
+        return unsubscribe
+
     def _emit(self, change: object) -> None:
         if self._loading:
             return
         for fn in list(self._listeners):
             fn(change)
+        if isinstance(change, ReservationChange) and self._engine_listeners:
+            engines = set()
+            for rec in (change.old, change.new):
+                if rec is not None:
+                    engines.add(rec.engine_id)
+                    engines.add(rec.prefill_engine_id)
+            for engine_id in engines:
+                for fn in list(self._engine_listeners.get(engine_id, ())):
+                    fn(change)
 
     # ----- queries ---------------------------------------------------------
     def engine(self, engine_id: str) -> EngineRecord | None:
@@ -285,6 +352,7 @@ class View:
             self.decode_models[old_entry.record.model] -= 1
         self.allocated.pop(engine_id, None)
         self.free_count.pop(engine_id, None)
+        self.engines_version += 1
         new = None if deleted else EngineRecord.decode(kv.value)
         if new is not None:
             self.engines[engine_id] = Entry(new, revision, kv.lease)
@@ -375,10 +443,14 @@ class View:
 
     def __init_state(self) -> None:
         listeners, waiters, ready = self._listeners, self._revision_waiters, self.ready
+        engine_listeners = self._engine_listeners
         expired, cursors, ended = self._expired_ids, self.cursors, self.ended
+        version = self.engines_version
         self.__init__(self.quarantine_ms)
         self._listeners, self._revision_waiters, self.ready = listeners, waiters, ready
+        self._engine_listeners = engine_listeners
         self._expired_ids, self.cursors, self.ended = expired, cursors, ended
+        self.engines_version = version + 1  # a new FreeCounts: every cached slot is stale
 
 
 async def follow(view: View, etcd: EtcdClient, stop: asyncio.Event) -> None:

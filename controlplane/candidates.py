@@ -1,0 +1,62 @@
+"""The decode engines a Reserve may choose among, as arrays.
+
+A Reserve compares every engine that could take it (free fraction, room, quota). One
+by one in Python that costs about a microsecond per engine per Reserve: at 1,000
+engines it was most of a replica's CPU (docs/SCALING.md). Here the engines that fit a
+shape (model, tenant's pools, prefill layout) are listed once per engine change and
+compared as numpy arrays against the view's free counts, a few microseconds a Reserve
+whatever the fleet's size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from controlplane.records import TenantRecord
+from controlplane.view import View
+from kvpush.contract.engine import EngineRecord
+from kvpush.contract.layout import KvLayout
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidates:
+    engines: tuple[EngineRecord, ...]   # by engine id
+    index: dict[str, int]               # engine id -> position
+    slots: np.ndarray                   # each one's slot in view.free_count.array
+    num_blocks: np.ndarray
+    block_size: np.ndarray
+
+    def need(self, num_tokens: int) -> np.ndarray:
+        return -(-num_tokens // self.block_size)
+
+
+class CandidateCache:
+    """Candidates per shape, valid while the view's engines do not change."""
+
+    def __init__(self, view: View) -> None:
+        self._view = view
+        self._version = -1
+        self._by_shape: dict[tuple, Candidates] = {}
+
+    def get(self, model: str, tenant: TenantRecord, layout: KvLayout | None) -> Candidates:
+        view = self._view
+        if view.engines_version != self._version:
+            self._by_shape.clear()
+            self._version = view.engines_version
+        shape = (model, tenant.name, tuple(tenant.allowed_pools), layout)
+        found = self._by_shape.get(shape)
+        if found is None:
+            engines = tuple(sorted(
+                (eng for eng in (entry.record for entry in view.engines.values())
+                 if eng.is_decode and not eng.unavailable and eng.model == model and tenant.allows(eng.pool)
+                 and (layout is None or not layout.compatibility_error(eng.layout))
+                 and eng.engine_id in view.allocated and eng.engine_id in view.pool_fences),
+                key=lambda e: e.engine_id))
+            found = self._by_shape[shape] = Candidates(
+                engines, {e.engine_id: i for i, e in enumerate(engines)},
+                np.array([view.free_count.slot(e.engine_id) for e in engines], dtype=np.int64),
+                np.array([e.num_blocks for e in engines], dtype=np.int64),
+                np.array([e.layout.block_size for e in engines], dtype=np.int64))
+        return found
