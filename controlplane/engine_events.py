@@ -4,15 +4,13 @@ that routers follow to find engines (``engine_events``)."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import AsyncIterator, Callable
 
-from controlplane import errors
 from controlplane.view import EngineChange, View
+from controlplane.watch_queue import WatchQueue
 from kvpush.contract.engine import EngineRecord
 from kvpush.contract.v1 import scheduler_pb2, types_pb2
 
-WATCH_QUEUE = 10_000
 Event = scheduler_pb2.EngineEvent
 
 
@@ -36,21 +34,16 @@ async def engine_events(view: View, concerns: Callable[[EngineRecord], bool]) ->
     then each registration, change and removal as the view applies it. An engine that
     stops being selected (its pool changed) is REMOVED. A watcher that falls
     WATCH_QUEUE events behind is cut off (RESOURCE_EXHAUSTED) and reconnects."""
-    queue: asyncio.Queue = asyncio.Queue(WATCH_QUEUE)
-    overflow = False
+    queue = WatchQueue("watch again")
 
     def on_change(change: object) -> None:
-        nonlocal overflow
         if not isinstance(change, EngineChange):
             return
         was = change.old is not None and concerns(change.old)
         now = change.new is not None and concerns(change.new)
         if not (was or now):
             return
-        try:
-            queue.put_nowait((change.new if now else change.old, now, change.revision))
-        except asyncio.QueueFull:
-            overflow = True
+        queue.put((change.new if now else change.old, now, change.revision))
 
     unsubscribe = view.subscribe(on_change)
     try:
@@ -60,8 +53,6 @@ async def engine_events(view: View, concerns: Callable[[EngineRecord], bool]) ->
         yield Event(kind=Event.SNAPSHOT_END, revision=view.revision)
         while True:
             rec, present, revision = await queue.get()
-            if overflow:
-                raise errors.exhausted("watcher fell too far behind; watch again")
             if present:
                 yield Event(kind=Event.CHANGED, engine=_listed(view, rec), revision=revision)
             else:

@@ -18,12 +18,12 @@ from controlplane.lifecycle import Lifecycle
 from kvpush.contract.states import State
 from controlplane.reserver import Reserver, ReserveAsk
 from controlplane.view import ReservationChange, View
+from controlplane.watch_queue import WatchQueue
 from kvpush.contract.layout import KvLayout, LayoutError
 from kvpush.contract.limits import MAX_ASKS_PER_MESSAGE
 from kvpush.contract.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2
 
 DEFAULT_DEADLINE_MS = 30_000
-WATCH_QUEUE = 10_000
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
@@ -208,11 +208,9 @@ async def watch_events(view: View, concerns, include_snapshot: bool, engine_id: 
     ones first (if asked), then every change as the view applies it. A watcher
     that falls WATCH_QUEUE events behind is cut off (RESOURCE_EXHAUSTED) rather
     than allowed to grow the replica's memory; it reconnects with a snapshot."""
-    queue: asyncio.Queue = asyncio.Queue(WATCH_QUEUE)
-    overflow = False
+    queue = WatchQueue("reconnect with include_snapshot")
 
     def on_change(change: object) -> None:
-        nonlocal overflow
         if not isinstance(change, ReservationChange):
             return
         rec = change.new
@@ -223,10 +221,7 @@ async def watch_events(view: View, concerns, include_snapshot: bool, engine_id: 
                                       ended_ms=change.old.deadline_ms)
         if not concerns(rec):
             return
-        try:
-            queue.put_nowait((rec, change.revision))
-        except asyncio.QueueFull:
-            overflow = True
+        queue.put((rec, change.revision))
 
     # An engine's watch hears only its engine's changes (view.subscribe_engine): with a
     # sidecar's stream per engine, every change visiting every stream cost O(engines).
@@ -241,8 +236,6 @@ async def watch_events(view: View, concerns, include_snapshot: bool, engine_id: 
                                                  revision=view.revision)
         while True:
             rec, revision = await queue.get()
-            if overflow:
-                raise errors.exhausted("watcher fell too far behind; reconnect with include_snapshot")
             yield scheduler_pb2.ReservationEvent(kind=scheduler_pb2.ReservationEvent.CHANGED,
                                                  reservation=rec.to_proto(), revision=revision)
     finally:
