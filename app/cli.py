@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-client-ca", default="", help="require client certificates signed by this CA (mTLS)")
     p.add_argument("--max-batch", type=int, default=0,
                    help="reservations per group-commit transaction (default 60; 500 with --embedded-etcd)")
-    p.add_argument("--no-group-commit", action="store_true", help="one transaction per reservation (baseline)")
+    p.add_argument("--no-group-commit", action="store_true", help="one etcd transaction per reservation and per lifecycle transition (the baseline)")
     p.add_argument("--default-deadline-ms", type=int, default=30_000)
     p.add_argument("--quarantine-ms", type=int, default=5000,
                    help="blocks of reservations that ended unconsumed stay unused this long (late writes)")

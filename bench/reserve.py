@@ -4,6 +4,7 @@ reservation, same etcd, same machine, one run.
     .venv/bin/python bench/reserve.py            # ~2 minutes; writes docs/BENCHMARKS.md
     .venv/bin/python bench/reserve.py --quick    # a smoke run (no report)
     .venv/bin/python bench/reserve.py --failover # a 3-member etcd, its leader killed under load (~1 min)
+    .venv/bin/python bench/reserve.py --lifecycle # Reserve + the decode's CONSUMED, ends batched or not (~2 min)
 
 Closed loop: C concurrent clients each reserve back to back (throughput, p50/p99).
 Open loop: a fixed arrival rate (2,000/s), latency measured from each request's
@@ -305,7 +306,12 @@ async def main() -> None:
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--rate", type=float, default=2000)
     parser.add_argument("--failover", action="store_true", help="only the etcd leader failover run")
+    parser.add_argument("--lifecycle", action="store_true", help="only full lifecycles (Reserve + CONSUMED)")
     args = parser.parse_args()
+    if args.lifecycle:
+        from bench.reserve_lifecycle import lifecycle
+        await lifecycle(seconds=1.0 if args.quick else args.seconds, write=not args.quick)
+        return
     if args.failover:
         from bench.reserve_failover import failover
         await failover(rate=500.0, seconds=16.0, kill_at=5.0, back_at=10.0)

@@ -16,6 +16,8 @@ ETCD_TXN_LATENCY = Histogram("kvpush_etcd_txn_latency_seconds", "etcd transactio
                              buckets=_LATENCY_BUCKETS)
 BATCH_SIZE = Histogram("kvpush_reserve_batch_size", "Reservations per group-commit transaction",
                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
+END_BATCH_SIZE = Histogram("kvpush_transition_batch_size", "Lifecycle transitions per group-commit transaction",
+                           buckets=(1, 2, 4, 8, 16, 32, 64, 100))
 BATCH_CONFLICTS = Counter("kvpush_reserve_batch_conflicts_total",
                           "Group commits retried because another replica changed a fence")
 TRANSITIONS = Counter("kvpush_transitions_total", "Lifecycle transitions written", ["to"])

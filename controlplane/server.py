@@ -96,7 +96,7 @@ class ControlPlane:
         self.etcd = EtcdClient(cfg.etcd, timeout=cfg.etcd_timeout_s, security=cfg.etcd_security)
         self.view = View(cfg.quarantine_ms)
         self.leases = LeaseBuckets(self.etcd)
-        self.lifecycle = Lifecycle(self.etcd, self.view, self.leases)
+        self.lifecycle = Lifecycle(self.etcd, self.view, self.leases, group_commit=cfg.group_commit)
         self.reserver = Reserver(self.etcd, self.view, self.leases, max_batch=cfg.max_batch)
         self.reserver.batch_all_of_queue = cfg.group_commit
         self.reaper = Reaper(self.view, self.lifecycle, cfg.sweep_interval_s)
