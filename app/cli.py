@@ -67,6 +67,8 @@ def cmd_controlplane(args) -> None:
         sys.exit("kvpush controlplane: --etcd-user needs a password ($KVPUSH_ETCD_PASSWORD or --etcd-password-file)")
     if bool(args.etcd_cert) != bool(args.etcd_key):
         sys.exit("kvpush controlplane: --etcd-cert and --etcd-key go together")
+    if not 5 <= args.tombstone_ttl <= 86_400:
+        sys.exit(f"kvpush controlplane: --tombstone-ttl must be in [5, 86400] seconds, got {args.tombstone_ttl}")
     from controlplane.etcd import EtcdSecurity, parse_endpoints
     security = EtcdSecurity(ca=args.etcd_ca, cert=args.etcd_cert, key=args.etcd_key, user=args.etcd_user,
                             password=password, server_name=args.etcd_server_name)
@@ -80,7 +82,7 @@ def cmd_controlplane(args) -> None:
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca, max_batch=max_batch or 60, group_commit=not args.no_group_commit,
         default_deadline_ms=args.default_deadline_ms, replica_id=args.replica_id,
-        quarantine_ms=args.quarantine_ms)
+        quarantine_ms=args.quarantine_ms, tombstone_ttl_s=args.tombstone_ttl)
     from kvpush import aio
     try:
         aio.run(serve(cfg, args.ready_file))
@@ -237,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--default-deadline-ms", type=int, default=30_000)
     p.add_argument("--quarantine-ms", type=int, default=5000,
                    help="blocks of reservations that ended unconsumed stay unused this long (late writes)")
+    p.add_argument("--tombstone-ttl", type=int, default=120,
+                   help="seconds an ended reservation stays readable (lookups, late reports); at r requests/s "
+                        "etcd holds r x this many tombstones")
     p.add_argument("--replica-id", default="")
     p.add_argument("--ready-file", default=None, help="write the bound port here once serving")
     p.add_argument("--log-level", default=None)

@@ -55,6 +55,7 @@ class ControlPlaneConfig:
     replica_id: str = ""
     sweep_interval_s: float = 2.0
     quarantine_ms: int = QUARANTINE_MS    # blocks of unconsumed endings stay unused this long
+    tombstone_ttl_s: int = 120            # an ended reservation stays readable this long (docs/SCALING.md)
 
 
 class _ViewCollector:
@@ -95,7 +96,7 @@ class ControlPlane:
         self.replica_id = cfg.replica_id or f"cp-{os.getpid()}-{secrets.token_hex(3)}"
         self.etcd = EtcdClient(cfg.etcd, timeout=cfg.etcd_timeout_s, security=cfg.etcd_security)
         self.view = View(cfg.quarantine_ms)
-        self.leases = LeaseBuckets(self.etcd)
+        self.leases = LeaseBuckets(self.etcd, cfg.tombstone_ttl_s)
         self.lifecycle = Lifecycle(self.etcd, self.view, self.leases, group_commit=cfg.group_commit)
         self.reserver = Reserver(self.etcd, self.view, self.leases, max_batch=cfg.max_batch)
         self.reserver.batch_all_of_queue = cfg.group_commit
