@@ -19,6 +19,7 @@ from app.table import markdown, render
 from bench.common import CpuMeter, pct, update_section, wait_idle
 from bench.reserve import ADMIN, BLOCKS_PER_ENGINE, ENGINES, Plane, compact_and_defragment, paced
 from client.control_plane import ControlPlaneClient
+from client.report_stream import StreamReporter
 from client.reserve_stream import ReserveRefused, StreamReserver
 from controlplane import keys
 from controlplane.etcd import EtcdClient, op_delete_prefix
@@ -31,8 +32,10 @@ REFUSED = (grpc.aio.AioRpcError, ReserveRefused)
 
 
 class Ops:
-    def __init__(self, reserver: StreamReserver, engine: ControlPlaneClient, model: str) -> None:
-        self.reserver, self.engine, self.model = reserver, engine, model
+    def __init__(self, reserver: StreamReserver, engine: ControlPlaneClient, model: str,
+                 reporter: StreamReporter | None = None) -> None:
+        """``reporter``: CONSUMED over the sidecars' ReportStates stream; None: one unary call each."""
+        self.reserver, self.engine, self.model, self.reporter = reserver, engine, model, reporter
         self.reserve_lat: list[float] = []
         self.end_lat: list[float] = []
         self.errors = 0
@@ -48,9 +51,11 @@ class Ops:
         try:
             res = await self.reserve(scheduled)
             t1 = time.perf_counter()
-            await self.engine.registry.ReportState(registry_pb2.ReportStateRequest(
-                reservation_id=res.id, state=types_pb2.CONSUMED, landed=True), metadata=self.engine.metadata,
-                timeout=10)
+            report = registry_pb2.ReportStateRequest(reservation_id=res.id, state=types_pb2.CONSUMED, landed=True)
+            if self.reporter is not None:
+                await self.reporter.report(report, timeout=10)
+            else:
+                await self.engine.registry.ReportState(report, metadata=self.engine.metadata, timeout=10)
             self.end_lat.append(time.perf_counter() - t1)
         except REFUSED:
             self.errors += 1
@@ -94,6 +99,7 @@ async def run_mode(etcd: EmbeddedEtcd, group_commit: bool, seconds: float, rate:
         made = await admin.admin.CreateTenant(admin_pb2.CreateTenantRequest(name=model), metadata=admin.metadata)
         tenant = ControlPlaneClient(plane.address, made.token)
         reserver = StreamReserver(tenant)
+        reporter = StreamReporter(admin)
         engines = [SimulatedEngine(admin, f"{model}-d{i}", BLOCKS_PER_ENGINE, model=model, lease_ttl_s=60)
                    for i in range(ENGINES)]
         for engine in engines:
@@ -103,16 +109,16 @@ async def run_mode(etcd: EmbeddedEtcd, group_commit: bool, seconds: float, rate:
         quiet = [psutil.Process(plane.proc.pid), psutil.Process(etcd.proc.pid)]
         wiper = EtcdClient(etcd.endpoint)
 
-        async def measure(what: str, load: str, run) -> None:
+        async def measure(what: str, load: str, run, unary: bool = False) -> None:
             await asyncio.gather(*(asyncio.to_thread(wait_idle, p, 0.1, 0.5) for p in quiet))
-            ops = Ops(reserver, admin, model)
+            ops = Ops(reserver, admin, model, None if unary else reporter)
             await closed(ops.lifecycle, 8, 0.3)  # warm up
-            ops = Ops(reserver, admin, model)
+            ops = Ops(reserver, admin, model, None if unary else reporter)
             tune_gc()
             meter.start()
             wall = await run(ops)
             cpu = meter.stop()
-            done = len(ops.end_lat) if what == "lifecycle" else len(ops.reserve_lat)
+            done = len(ops.end_lat) if what.startswith("lifecycle") else len(ops.reserve_lat)
             rows.append(dict(mode=mode, what=what, load=load, rate=done / wall, errors=ops.errors,
                              r50=pct(ops.reserve_lat, 50) * 1e3, r99=pct(ops.reserve_lat, 99) * 1e3,
                              e50=pct(ops.end_lat, 50) * 1e3 if ops.end_lat else float("nan"),
@@ -124,6 +130,8 @@ async def run_mode(etcd: EmbeddedEtcd, group_commit: bool, seconds: float, rate:
                   flush=True)
 
         await measure("reserve only", "closed, 64 concurrent", lambda ops: closed(ops.reserve_only, 64, seconds))
+        await measure("lifecycle, unary CONSUMED", "closed, 64 concurrent",
+                      lambda ops: closed(ops.lifecycle, 64, seconds), unary=True)
         for conc in (16, 64, 256):
             await measure("lifecycle", f"closed, {conc} concurrent", lambda ops, c=conc: closed(ops.lifecycle, c, seconds))
         for i in range(2):
@@ -133,6 +141,7 @@ async def run_mode(etcd: EmbeddedEtcd, group_commit: bool, seconds: float, rate:
             await engine.crash()
         await wiper.txn([], [op_delete_prefix(keys.RESERVATIONS)])
         await wiper.close()
+        await reporter.close()
         await reserver.close()
         await tenant.close()
         await admin.close()
@@ -158,7 +167,7 @@ async def lifecycle(seconds: float = 4.0, rate: float = 2000.0, write: bool = Tr
     headers = ["mode", "what", "load", "per s", "Reserve p50 ms", "p99 ms", "CONSUMED p50 ms", "p99 ms", "errors",
                "CPU cp", "CPU etcd", "CPU client"]
     table = [[r["mode"], r["what"], r["load"], f"{r['rate']:.0f}", f"{r['r50']:.2f}", f"{r['r99']:.2f}",
-              "-" if r["what"] != "lifecycle" else f"{r['e50']:.2f}", "-" if r["what"] != "lifecycle" else
+              "-" if r["what"] == "reserve only" else f"{r['e50']:.2f}", "-" if r["what"] == "reserve only" else
               f"{r['e99']:.2f}", r["errors"], f"{r['cpu']['controlplane']:.2f}", f"{r['cpu']['etcd']:.2f}",
               f"{r['cpu']['client']:.2f}"] for r in rows]
     print(render(headers, table))
@@ -173,8 +182,9 @@ async def lifecycle(seconds: float = 4.0, rate: float = 2000.0, write: bool = Tr
 
 Command: `.venv/bin/python bench/reserve.py --lifecycle` (one run, same etcd with fsync, same 2 cores;
 {ENGINES} simulated decode engines of {BLOCKS_PER_ENGINE} blocks). A lifecycle is a Reserve through the
-router's stream client, then the decode sidecar's CONSUMED report (`ReportState` with `landed`: LANDED and
-CONSUMED in one write), each timed on its own. "ends group-committed" writes concurrent transitions in one
+router's stream client, then the decode sidecar's CONSUMED report (with `landed`: LANDED and CONSUMED in one
+write) over the sidecars' `ReportStates` stream (`client/report_stream.py`), each timed on its own; the
+"unary CONSUMED" row sends it as one `ReportState` call each, as sidecars did before. "ends group-committed" writes concurrent transitions in one
 etcd transaction (one nested compare-and-swap each, `controlplane/lifecycle.py`); "1 txn / transition" is the
 same replica with `--no-group-commit`. CPU columns are cores used by the control plane, etcd and the load
 generator.
@@ -182,8 +192,8 @@ generator.
 {markdown(headers, table)}
 
 - Best: **{best(gc, 'lifecycle'):.0f} lifecycles/s** with the ends group-committed, {best(single, 'lifecycle'):.0f}/s
-  with one transaction each; Reserve alone in the same runs: {best(gc, 'reserve only'):.0f}/s and
-  {best(single, 'reserve only'):.0f}/s.
+  with one transaction each, {best(gc, 'lifecycle, unary CONSUMED'):.0f}/s with the report as one unary call;
+  Reserve alone in the same runs: {best(gc, 'reserve only'):.0f}/s and {best(single, 'reserve only'):.0f}/s.
 - Open loop at {rate:.0f} lifecycles/s, ends group-committed: Reserve p99 {' / '.join(f"{r['r99']:.2f}" for r in opens)} ms,
   CONSUMED p99 {' / '.join(f"{r['e99']:.2f}" for r in opens)} ms.
 - Invariants checked in etcd after the run: {'all hold' if report.ok else 'VIOLATED'}.

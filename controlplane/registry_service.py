@@ -19,6 +19,7 @@ from controlplane.records import now_ms
 from kvpush.contract.engine import MEMORY_KINDS, EngineRecord
 from controlplane.engine_events import engine_proto
 from controlplane.scheduler_service import watch_events
+from controlplane.tagged_stream import outcome, serve_tagged
 from controlplane.view import View
 from kvpush import log
 from kvpush.contract.layout import LayoutError
@@ -151,6 +152,27 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
     @unary
     async def ReportState(self, request, context) -> types_pb2.Reservation:
         self._auth.engine(context)
+        return await self._report(request)
+
+    @streaming
+    async def ReportStates(self, request_iterator, context):
+        self._auth.engine(context)
+
+        def start(tagged, _i: int) -> asyncio.Future:
+            # Concurrent reports' transitions meet in the lifecycle's group commit.
+            return asyncio.ensure_future(self._report(tagged.report))
+
+        def answer(tagged, fut: asyncio.Future, _started: float):
+            res, api = outcome(fut)
+            if api is None:
+                return registry_pb2.ReportAnswer(tag=tagged.tag, reservation=res)
+            return registry_pb2.ReportAnswer(tag=tagged.tag, code=api.code.value[0], message=api.message)
+
+        async for response in serve_tagged(request_iterator, lambda m: m.reports, "reports", start, answer,
+                                           lambda answers: registry_pb2.ReportStatesResponse(answers=answers)):
+            yield response
+
+    async def _report(self, request) -> types_pb2.Reservation:
         v.reservation_id(request.reservation_id)
         v.text(request.reason, "reason", 1024, required=False)
         v.text(request.engine_id, "engine_id", 128, v.ENGINE_ID, required=False)

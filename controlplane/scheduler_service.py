@@ -4,23 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import time
 
 import structlog
 
 from controlplane import errors, metrics, validation as v
-from controlplane.api import check_parsed, streaming, unary
-from controlplane.validation import no_unknown_fields
+from controlplane.api import streaming, unary
 from controlplane.auth import Auth
 from controlplane.engine_events import engine_events, engine_proto
 from controlplane.lifecycle import Lifecycle
 from kvpush.contract.states import State
 from controlplane.reserver import Reserver, ReserveAsk
+from controlplane.tagged_stream import outcome, serve_tagged
 from controlplane.view import ReservationChange, View
 from controlplane.watch_queue import WatchQueue
 from kvpush.contract.layout import KvLayout, LayoutError
-from kvpush.contract.limits import MAX_ASKS_PER_MESSAGE
 from kvpush.contract.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2
 
 DEFAULT_DEADLINE_MS = 30_000
@@ -57,62 +55,20 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def ReserveStream(self, request_iterator, context):
         tenant = self._auth.tenant(context)
         structlog.contextvars.bind_contextvars(tenant=tenant.name)
-        ready: list = []                  # answers not yet sent
-        wake = asyncio.Event()
-        in_flight = 0
-        reading = True
 
-        def answer(tag: int, started: float, fut: asyncio.Future) -> None:
-            exc = fut.exception() if not fut.cancelled() else errors.unavailable("cancelled")
-            if exc is None:
-                msg = scheduler_pb2.ReserveAnswer(tag=tag, reservation=fut.result().to_proto())
-                code = "OK"
-            else:
-                api = exc if isinstance(exc, errors.ApiError) else errors.unavailable(str(exc))
-                msg = scheduler_pb2.ReserveAnswer(tag=tag, code=api.code.value[0], message=api.message)
-                code = api.code.name
-            metrics.reserve_answered(time.perf_counter() - started, code)
-            ready.append(msg)
-            wake.set()
+        def start(ask_msg, _i: int) -> asyncio.Future:
+            return self._reserver.submit(self._validate_reserve(ask_msg.reserve, tenant))
 
-        async def read() -> None:
-            nonlocal in_flight, reading
-            try:
-                async for item in request_iterator:
-                    started = time.perf_counter()
-                    check_parsed(item)
-                    no_unknown_fields(item, deep=False)
-                    if len(item.asks) > MAX_ASKS_PER_MESSAGE:
-                        raise errors.invalid(f"asks: at most {MAX_ASKS_PER_MESSAGE} per message, got {len(item.asks)}")
-                    for i, ask_msg in enumerate(item.asks):
-                        in_flight += 1
-                        try:
-                            no_unknown_fields(ask_msg, f"asks[{i}]")
-                            ask = self._validate_reserve(ask_msg.reserve, tenant)
-                        except errors.ApiError as exc:
-                            fut = asyncio.get_running_loop().create_future()
-                            fut.set_exception(exc)
-                        else:
-                            fut = self._reserver.submit(ask)
-                        fut.add_done_callback(functools.partial(answer, ask_msg.tag, started))
-            finally:
-                reading = False
-                wake.set()
+        def answer(ask_msg, fut: asyncio.Future, started: float):
+            rec, api = outcome(fut)
+            metrics.reserve_answered(time.perf_counter() - started, "OK" if api is None else api.code.name)
+            if api is None:
+                return scheduler_pb2.ReserveAnswer(tag=ask_msg.tag, reservation=rec.to_proto())
+            return scheduler_pb2.ReserveAnswer(tag=ask_msg.tag, code=api.code.value[0], message=api.message)
 
-        reader = asyncio.create_task(read())
-        try:
-            while reading or in_flight:
-                await wake.wait()
-                wake.clear()
-                if reader.done() and reader.exception() is not None:
-                    raise reader.exception()
-                if ready:
-                    # Everything a group commit answered goes out in one message.
-                    batch, ready[:] = list(ready), []
-                    in_flight -= len(batch)
-                    yield scheduler_pb2.ReserveStreamResponse(answers=batch)
-        finally:
-            reader.cancel()
+        async for response in serve_tagged(request_iterator, lambda m: m.asks, "asks", start, answer,
+                                           lambda answers: scheduler_pb2.ReserveStreamResponse(answers=answers)):
+            yield response
 
     def _validate_reserve(self, request, tenant) -> ReserveAsk:
         v.request_id(request.request_id)

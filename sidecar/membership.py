@@ -70,7 +70,7 @@ class ServiceConfig:
     rpc_timeout_s: float = 5.0
     backoff_initial_s: float = 0.1
     backoff_max_s: float = 5.0
-    report_workers: int = 4
+    report_workers: int = 32  # reservations reported at once (one stream carries them all)
     report_queue_max: int = 100_000
     report_give_up_s: float = 30.0  # a report still failing after this is dropped
     # LANDED and CONSUMED wait this long before they are sent, so a CONSUMED that

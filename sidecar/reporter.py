@@ -23,6 +23,7 @@ from typing import Callable
 
 import grpc
 
+from client.report_stream import StreamReporter
 from kvpush.contract.states import LIVE, State
 from kvpush.contract.v1 import registry_pb2
 
@@ -72,6 +73,8 @@ class Reporter:
         self._closing = False
         self._tasks: list[asyncio.Task] = []
         self.counters = collections.Counter()
+        self._reports: StreamReporter | None = None   # every report on one stream (client/report_stream.py)
+        self._closing_streams: set[asyncio.Future] = set()
 
     def start(self) -> None:
         self._tasks = [asyncio.get_running_loop().create_task(self._worker(), name=f"reporter-{n}")
@@ -153,6 +156,9 @@ class Reporter:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._reports is not None:
+            await self._reports.close()
+        await asyncio.gather(*self._closing_streams, return_exceptions=True)
 
     async def _worker(self) -> None:
         while True:
@@ -187,10 +193,8 @@ class Reporter:
                                                   incarnation=self.incarnation if item.state == State.PUSHING else "")
         name = State(item.state).name
         while True:
-            client = self.link.client
             try:
-                await guarded(client.registry.ReportState(request, metadata=client.metadata,
-                                                          timeout=self.config.rpc_timeout_s))
+                await guarded(self._stream().report(request, timeout=self.config.rpc_timeout_s))
                 self.counters["sent"] += 1
                 log.debug("reported %s %s", rid, name)
                 return True
@@ -218,6 +222,14 @@ class Reporter:
                 self.counters["retried"] += 1
                 await asyncio.sleep(backoff.next())
 
+
+    def _stream(self) -> StreamReporter:
+        """The reports' stream on the link's current channel (a new one after a reconnect)."""
+        if self._reports is None or self._reports.client is not self.link.client:
+            old, self._reports = self._reports, StreamReporter(self.link.client)
+            if old is not None:
+                self._closing_streams.add(asyncio.ensure_future(old.close()))
+        return self._reports
 
     async def _ended_at_control_plane(self, rid: str) -> str | None:
         """Why ``rid`` is over ("" while it is live; None if we cannot tell)."""

@@ -35,10 +35,15 @@ reserves = st.builds(scheduler_pb2.ReserveRequest, request_id=texts, num_tokens=
                      preferred_engine_id=texts, deadline_ms=u32, prefill_layout=st.one_of(st.none(), layouts))
 stream_messages = st.lists(st.builds(scheduler_pb2.ReserveStreamRequest, asks=st.lists(st.builds(
     scheduler_pb2.ReserveAsk, tag=st.integers(0, 2**64 - 1), reserve=reserves), max_size=5)), max_size=3)
+reports = st.builds(registry_pb2.ReportStateRequest, reservation_id=texts, state=st.integers(0, 9), reason=texts,
+                    engine_id=texts, landed=st.booleans())
+report_messages = st.lists(st.builds(registry_pb2.ReportStatesRequest, reports=st.lists(st.builds(
+    registry_pb2.TaggedReport, tag=st.integers(0, 2**64 - 1), report=reports), max_size=5)), max_size=3)
 
 CALLS = st.one_of(
     st.tuples(st.just(("scheduler", "Reserve", "tenant")), reserves),
     st.tuples(st.just(("scheduler", "ReserveStream", "tenant")), stream_messages),
+    st.tuples(st.just(("registry", "ReportStates", "engine")), report_messages),
     st.tuples(st.just(("scheduler", "WatchReservations", "tenant")),
               st.builds(scheduler_pb2.WatchReservationsRequest, include_snapshot=st.booleans())),
     st.tuples(st.just(("registry", "WatchEngineReservations", "engine")), st.builds(
@@ -100,11 +105,11 @@ async def drain(stub, method: str, request, client) -> None:
         pass
 
 
-async def stream_answers(stub, messages, client) -> list:
+async def stream_answers(stub, method: str, messages, client) -> list:
     async def requests():
         for msg in messages:
             yield msg
-    return [a async for msg in stub.ReserveStream(requests(), metadata=client.metadata, timeout=10)
+    return [a async for msg in getattr(stub, method)(requests(), metadata=client.metadata, timeout=10)
             for a in msg.answers]
 
 
@@ -129,12 +134,12 @@ async def test_fuzz_every_rpc(cp, admin, engine_client, etcd):
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                         raise
-            elif method == "ReserveStream":
-                answers = await stream_answers(stub, request, client)
+            elif method in ("ReserveStream", "ReportStates"):
+                answers = await stream_answers(stub, method, request, client)
                 for ans in answers:
                     code = next(c for c in grpc.StatusCode if c.value[0] == ans.code)
                     assert code == grpc.StatusCode.OK or code in ALLOWED, f"{method}: {code.name}: {ans.message}"
-                assert len(answers) == sum(len(m.asks) for m in request)
+                assert len(answers) == sum(len(m.asks if method == "ReserveStream" else m.reports) for m in request)
             else:
                 await getattr(stub, method)(request, metadata=client.metadata, timeout=10)
             seen["OK"] = seen.get("OK", 0) + 1

@@ -11,6 +11,7 @@ import types
 import pytest
 import pytest_asyncio
 
+from kvpush.contract.v1 import registry_pb2 as R
 from kvpush.contract.v1 import types_pb2 as S
 from sidecar.membership import ServiceConfig
 from sidecar.reporter import Reporter
@@ -19,12 +20,36 @@ pytestmark = pytest.mark.timeout(30)
 
 
 class FakeRegistry:
+    """Answers each report on the ReportStates stream as the control plane would."""
+
     def __init__(self):
         self.sent = []
+        self.streams = 0
 
-    async def ReportState(self, request, metadata=None, timeout=None):
-        self.sent.append((request.reservation_id, S.ReservationState.Name(request.state), request.landed))
-        return S.Reservation(id=request.reservation_id, state=request.state)
+    def ReportStates(self, metadata=None):
+        self.streams += 1
+        return _FakeStream(self)
+
+
+class _FakeStream:
+    def __init__(self, registry: FakeRegistry):
+        self.registry = registry
+        self.answers: asyncio.Queue = asyncio.Queue()
+
+    async def write(self, msg) -> None:
+        answers = []
+        for tagged in msg.reports:
+            r = tagged.report
+            self.registry.sent.append((r.reservation_id, S.ReservationState.Name(r.state), r.landed))
+            answers.append(R.ReportAnswer(tag=tagged.tag, reservation=S.Reservation(id=r.reservation_id,
+                                                                                   state=r.state)))
+        await self.answers.put(R.ReportStatesResponse(answers=answers))
+
+    async def read(self):
+        return await self.answers.get()
+
+    def cancel(self) -> None:
+        pass
 
 
 @pytest_asyncio.fixture
