@@ -186,7 +186,8 @@ def cmd_router(args) -> None:
                        listen_port=args.port, deadline_ms=args.deadline_ms, max_model_len=args.max_model_len,
                        max_logprobs=args.max_logprobs, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
                        tls_key=args.tls_key, tls_server_name=args.tls_server_name,
-                       http_tls_cert=args.http_tls_cert, http_tls_key=args.http_tls_key)
+                       http_tls_cert=args.http_tls_cert, http_tls_key=args.http_tls_key,
+                       body_timeout_s=args.body_timeout)
     aio.run(serve(cfg, args.ready_file))
 
 
@@ -285,6 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ENGINE_ID=URL of a decode engine (repeatable); ENGINE_ID as its sidecar registered it")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a client's whole request body may take to arrive (408 after)")
     p.add_argument("--deadline-ms", type=int, default=30_000)
     p.add_argument("--max-model-len", type=int, default=None,
                    help="the engines' context length (default: asked of the prefill engine)")

@@ -60,7 +60,11 @@ def build_app(cfg: RouterConfig, counter: TokenCounter | None = None) -> web.App
             outcome = "ok"
             try:
                 try:
-                    body = json.loads(await request.read())
+                    # A body trickled in holds a handler and a connection: bounded. (No
+                    # reservation is made before the body is whole.)
+                    body = json.loads(await asyncio.wait_for(request.read(), cfg.body_timeout_s))
+                except asyncio.TimeoutError:
+                    raise ApiError(f"the request body did not arrive within {cfg.body_timeout_s:g} s", 408) from None
                 except web.HTTPRequestEntityTooLarge:
                     raise ApiError(f"request body is larger than {MAX_BODY} bytes", 413) from None
                 except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -8,7 +8,8 @@ import json
 
 from aiohttp import web
 
-_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLargeError", 502: "BadGatewayError",
+_TYPES = {400: "BadRequestError", 404: "NotFoundError", 408: "RequestTimeoutError", 413: "RequestTooLargeError",
+          502: "BadGatewayError",
           503: "ServiceUnavailableError"}
 
 

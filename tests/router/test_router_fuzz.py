@@ -96,3 +96,39 @@ async def test_fuzzed_http_gets_no_5xx_no_hang_and_pins_nothing(stack, engine_cl
             assert exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND), exc
     report = await settle(s["etcd"].endpoint, quiet=True, until=lambda r: not r.live)
     assert not report.live, report.summary()
+
+
+async def test_a_body_trickled_in_is_cut_off_and_reserves_nothing(stack):  # noqa: F811
+    """A client that sends its headers and then its body a byte at a time, too slowly, is
+    answered 408 within the body timeout; the engines never see it, nothing is reserved."""
+    import dataclasses
+
+    from aiohttp.test_utils import TestServer
+
+    from router.app import build_app
+    from router.config import DecodeEngine, RouterConfig
+    from router.tokens import WhitespaceCounter
+
+    s = stack
+    cfg = RouterConfig(controlplane=s["cp"].address, token=s["token"], model="tiny",
+                       prefill_urls=(s["prefill_url"],), decode=(DecodeEngine("decode-0", s["decode_url"]),),
+                       max_model_len=1000)
+    router = TestServer(build_app(dataclasses.replace(cfg, body_timeout_s=0.5), WhitespaceCounter()))
+    await router.start_server()
+    before = len(s["prefill"].bodies) + len(s["decode"].bodies)
+    try:
+        reader, writer = await asyncio.open_connection(router.host, router.port)
+        body = json.dumps({"model": "tiny", "prompt": "a b c", "max_tokens": 3}).encode()
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body[:5])
+        await writer.drain()
+        started = asyncio.get_running_loop().time()
+        status_line = await asyncio.wait_for(reader.readline(), 5)
+        waited = asyncio.get_running_loop().time() - started
+        assert b" 408 " in status_line and waited < 3, (status_line, waited)
+        writer.close()
+    finally:
+        await router.close()
+    assert len(s["prefill"].bodies) + len(s["decode"].bodies) == before
+    report = await settle(s["etcd"].endpoint, quiet=True)
+    assert not report.live
