@@ -14,7 +14,7 @@ from kvpush.contract.v1 import registry_pb2, types_pb2
 from router.app import build_app
 from router.config import RouterConfig
 from tests.controlplane.helpers import make_tenant, settle
-from tests.router.test_router import FakeEngine, WordTokenizer
+from tests.router.fakes import FakeEngine, WordTokenizer
 
 
 async def _serve(engine: FakeEngine) -> tuple[TestServer, str]:

@@ -15,7 +15,6 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kvpush.contract.v1 import registry_pb2, types_pb2
 from tests.controlplane.helpers import settle
-from tests.router.test_router import stack  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -53,7 +52,7 @@ requests = st.tuples(st.sampled_from(["POST"] * 8 + ["GET", "PUT", "DELETE", "PA
                      bodies)
 
 
-async def test_fuzzed_http_gets_no_5xx_no_hang_and_pins_nothing(stack, engine_client):  # noqa: F811
+async def test_fuzzed_http_gets_no_5xx_no_hang_and_pins_nothing(stack, engine_client):
     s = stack
     loop = asyncio.get_running_loop()
     seen: dict[int, int] = {}
@@ -98,7 +97,7 @@ async def test_fuzzed_http_gets_no_5xx_no_hang_and_pins_nothing(stack, engine_cl
     assert not report.live, report.summary()
 
 
-async def test_a_body_trickled_in_is_cut_off_and_reserves_nothing(stack):  # noqa: F811
+async def test_a_body_trickled_in_is_cut_off_and_reserves_nothing(stack):
     """A client that sends its headers and then its body a byte at a time, too slowly, is
     answered 408 within the body timeout; the engines never see it, nothing is reserved."""
     import dataclasses

@@ -24,7 +24,7 @@ from router.tokens import WhitespaceCounter
 from tests.conftest import ADMIN_TOKEN, ENGINE_TOKEN
 from tests.controlplane.helpers import make_tenant
 from tests.pki import make_pki
-from tests.router.test_router import FakeEngine
+from tests.router.fakes import FakeEngine
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,0 +1,99 @@
+"""Stand-ins for the router's tests: an OpenAI-ish engine (records bodies, streams,
+can fail or stall, answers like vLLM with token ids) and a fast-detokenizer tokenizer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from aiohttp import web
+
+from kvpush.contract.transfer_params import push_report
+from router.tokens import WhitespaceCounter
+
+
+class FakeEngine:
+    """An OpenAI-ish server: records bodies; streams three chunks; can fail or stall."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.bodies: list[dict] = []
+        self.fail = False
+        self.stall = asyncio.Event()
+        self.stall.set()
+        self.cancelled = 0
+        self.answer: tuple[int, dict] | None = None   # a fixed (status, body) answer
+        self.mode = ""          # "token_ids": answer like vLLM with return_token_ids (prefill: one token;
+        self.first = 7          # decode: a stream of ids 10, 11, ... up to max_tokens)
+        self.finish = "length"
+        self.pushes = True      # what the prefill answer's push report says
+
+    async def _with_token_ids(self, request: web.Request, body: dict):
+        base = {"id": f"cmpl-{self.name}", "created": 1, "model": "tiny"}
+        if not body.get("stream"):
+            choice = {"index": 0, "token_ids": [self.first], "finish_reason": self.finish, "stop_reason": None,
+                      "logprobs": None}
+            if request.path.endswith("/chat/completions"):
+                choice["message"] = {"role": "assistant", "content": f" w{self.first}"}
+                return web.json_response(dict(base, object="chat.completion", usage={"prompt_tokens": 3},
+                                              prompt_token_ids=[1, 2, 3], choices=[choice]))
+            choice.update(text=f" w{self.first}", prompt_token_ids=[1, 2, 3])
+            kv = (body.get("kv_transfer_params") or {}).get("kvpush") or {}
+            report = push_report(kv["reservation_id"], self.pushes) if "reservation_id" in kv else None
+            return web.json_response(dict(base, object="text_completion", usage={"prompt_tokens": 3},
+                                          choices=[choice], kv_transfer_params=report))
+        resp = web.StreamResponse()
+        resp.content_type = "text/event-stream"
+        await resp.prepare(request)
+        for i in range(body["max_tokens"]):
+            last = i == body["max_tokens"] - 1
+            chunk = dict(base, choices=[{"index": 0, "text": "(decode's text is not used)", "token_ids": [10 + i],
+                                         "finish_reason": "length" if last else None, "stop_reason": None}])
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        usage = {"prompt_tokens": 4, "completion_tokens": body["max_tokens"]}
+        await resp.write(f"data: {json.dumps(dict(base, choices=[], usage=usage))}\n\ndata: [DONE]\n\n".encode())
+        return resp
+
+    def app(self) -> web.Application:
+        async def handle(request: web.Request):
+            body = await request.json()
+            self.bodies.append(body)
+            if self.fail:
+                return web.json_response({"error": "boom"}, status=500)
+            if self.answer is not None:
+                status, payload = self.answer
+                return web.json_response(payload, status=status)
+            try:
+                await self.stall.wait()
+                if "token_ids" in self.mode:
+                    return await self._with_token_ids(request, body)
+                if not body.get("stream"):
+                    return web.json_response({"object": "text_completion", "engine": self.name,
+                                              "choices": [{"text": " hi", "index": 0}]})
+                resp = web.StreamResponse()
+                resp.content_type = "text/event-stream"
+                await resp.prepare(request)
+                for i in range(3):
+                    await resp.write(f"data: {json.dumps({'choices': [{'text': f't{i}'}]})}\n\n".encode())
+                    await asyncio.sleep(0.01)
+                await resp.write(b"data: [DONE]\n\n")
+                return resp
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+        app = web.Application()
+        app.router.add_post("/v1/completions", handle)
+        app.router.add_post("/v1/chat/completions", handle)
+        return app
+
+
+class WordTokenizer(WhitespaceCounter):
+    """A fast-detokenizer stand-in: token id t is the text " w{t}"."""
+    fast = True
+    vocab_size = 1000
+
+    def output_text(self, prompt_ids, skip_special_tokens=True):
+        class Words:
+            def step(self, t):
+                return f" w{t}"
+        return Words()
