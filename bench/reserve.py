@@ -250,11 +250,7 @@ async def run_mode(etcd: EmbeddedEtcd, group_commit: bool, levels, seconds: floa
         await admin.close()
     finally:
         plane.stop()
-    wiper = EtcdClient(etcd.endpoint)
-    result = await wiper.txn([], [op_delete_prefix(b"/kvpush/v1/")])
-    await wiper.close()
-    await compact_and_defragment(etcd.endpoint, result.revision)
-    waited = await asyncio.to_thread(wait_idle, psutil.Process(etcd.proc.pid))
+    waited = await wipe_registry(etcd)
     print(f"  registry wiped, etcd compacted and idle again after {waited:.1f} s", flush=True)
     return rows
 
@@ -262,6 +258,16 @@ async def run_mode(etcd: EmbeddedEtcd, group_commit: bool, levels, seconds: floa
 async def live_count(admin: ControlPlaneClient) -> int:
     status = await admin.admin.GetStatus(admin_pb2.GetStatusRequest(), metadata=admin.metadata, timeout=30)
     return sum(n for state, n in status.reservations_by_state.items() if State[state].live)
+
+
+async def wipe_registry(etcd: EmbeddedEtcd) -> float:
+    """Delete the whole registry, compact and defragment, and wait until etcd is idle
+    again (the seconds waited): the next measurement starts from a fresh etcd."""
+    wiper = EtcdClient(etcd.endpoint)
+    result = await wiper.txn([], [op_delete_prefix(b"/kvpush/v1/")])
+    await wiper.close()
+    await compact_and_defragment(etcd.endpoint, result.revision)
+    return await asyncio.to_thread(wait_idle, psutil.Process(etcd.proc.pid))
 
 
 async def compact_and_defragment(endpoint: str, revision: int) -> None:

@@ -17,7 +17,7 @@ from app.etcd_server import EmbeddedEtcd
 from app.simulated import SimulatedEngine
 from app.table import markdown, render
 from bench.common import CpuMeter, pct, update_section, wait_idle
-from bench.reserve import ADMIN, BLOCKS_PER_ENGINE, ENGINES, Plane, compact_and_defragment, paced
+from bench.reserve import ADMIN, BLOCKS_PER_ENGINE, ENGINES, Plane, paced, wipe_registry
 from client.control_plane import ControlPlaneClient
 from client.report_stream import StreamReporter
 from client.reserve_stream import ReserveRefused, StreamReserver
@@ -147,11 +147,7 @@ async def run_mode(etcd: EmbeddedEtcd, group_commit: bool, seconds: float, rate:
         await admin.close()
     finally:
         plane.stop()
-    wiper = EtcdClient(etcd.endpoint)
-    result = await wiper.txn([], [op_delete_prefix(b"/kvpush/v1/")])
-    await wiper.close()
-    await compact_and_defragment(etcd.endpoint, result.revision)
-    await asyncio.to_thread(wait_idle, psutil.Process(etcd.proc.pid))
+    await wipe_registry(etcd)
     return rows
 
 

@@ -35,11 +35,11 @@ from app.etcd_server import EmbeddedEtcd  # noqa: E402
 from app.simulated import SimulatedEngine  # noqa: E402
 from app.table import markdown, render  # noqa: E402
 from bench.common import CpuMeter, pct, update_section, wait_idle  # noqa: E402
-from bench.reserve import ADMIN, Plane, compact_and_defragment, paced  # noqa: E402
+from bench.reserve import ADMIN, Plane, compact_and_defragment, paced, wipe_registry  # noqa: E402
 from client.control_plane import ControlPlaneClient  # noqa: E402
 from client.reserve_stream import ReserveRefused, StreamReserver  # noqa: E402
 from controlplane import keys  # noqa: E402
-from controlplane.etcd import EtcdClient, op_delete_prefix  # noqa: E402
+from controlplane.etcd import EtcdClient  # noqa: E402
 from controlplane.invariants import check  # noqa: E402
 from kvpush.aio import tune_gc  # noqa: E402
 from kvpush.contract.v1 import admin_pb2, registry_pb2, scheduler_pb2  # noqa: E402
@@ -172,9 +172,6 @@ async def point(etcd: EmbeddedEtcd, engines_n: int, live: int, rate: float, seco
         for engine in engines:
             await engine.crash()
         report = await check(etcd.endpoint, allow_orphans=True)
-        await wiper.txn([], [op_delete_prefix(keys.ROOT)])
-        result = await wiper.txn([], [op_delete_prefix(keys.ROOT)])
-        await compact_and_defragment(etcd.endpoint, result.revision)
         await wiper.close()
         await reserver.close()
         await tenant.close()
@@ -183,7 +180,7 @@ async def point(etcd: EmbeddedEtcd, engines_n: int, live: int, rate: float, seco
         plane.stop()
         if follower is not None:
             follower.stop()
-    await asyncio.to_thread(wait_idle, etcd_proc)
+    await wipe_registry(etcd)
     row = dict(engines=engines_n, live=live, watchers=engines_n if watchers else 0, passive=passive,
                register_s=register_s,
                fill_rate=fill_rate, ok=len(lat), errors=errors, rate=len(lat) / wall,
