@@ -317,12 +317,18 @@ class Dispatcher:
             metrics.FALLBACKS.labels(reason="not_pushed").inc()
             await self.release(res.id, "the prefill engine did not push")
             res = None
+        decode_url = self.engines.decode_url(res.engine_id) if res is not None else self._alone_url()
+        if res is not None and decode_url is None:
+            # Its decode engine went away while prefill ran (the router dropped it): the KV
+            # is lost to this request, and another engine computes the prompt.
+            decode_url = self._alone_url()
+            await self._decode_failed(res.id, f"decode engine {res.engine_id} went away", decode_url or "-")
+            res = None
+        if decode_url is None:
+            raise ApiError(f"no engine is available for model {self.cfg.model!r}", 503)
         kv = PushParams.from_reservation(res, DECODE).as_kv_transfer_params() if res is not None else None
         d_body = decode_body(ask, head, self.cfg.model, kv)
         tail = Tail(ask, head, self.counter.output_text(head.prompt_ids, ask.body.get("skip_special_tokens", True)))
-        decode_url = self.engines.decode_url(res.engine_id) if res is not None else self._alone_url()
-        if decode_url is None:
-            raise ApiError(f"no engine is available for model {self.cfg.model!r}", 503)
         return await self._continue(ask, head, tail, decode_url, d_body, request, timings, res)
 
     async def _head_only(self, ask: asks.Ask, head, request: web.Request) -> web.StreamResponse:

@@ -12,7 +12,7 @@ from aiohttp.test_utils import TestServer
 from app.simulated import SimulatedEngine
 from kvpush.contract.v1 import registry_pb2, types_pb2
 from router.app import build_app
-from router.config import RouterConfig
+from router.config import DecodeEngine, RouterConfig
 from tests.controlplane.helpers import make_tenant, settle
 from tests.router.fakes import FakeEngine, WordTokenizer
 
@@ -97,3 +97,43 @@ async def test_engines_come_and_go_without_a_restart(cp, admin, engine_client, e
         for srv in (p_srv, d_srv, s_srv):
             await srv.close()
         await tenant.close()
+
+
+
+async def test_a_decode_engine_dropped_while_prefill_runs_is_replaced(stack):
+    """The reservation names a decode engine; while the prefill engine computes, the
+    router drops that engine (its sidecar reported it gone). The continuation goes to the
+    engine left (the prefill engine), without KV params, the reservation is released and
+    the client gets 200."""
+    from router.app import DISPATCHER
+    from router.engines import Engines
+
+    s = stack
+    s["prefill"].mode = "token_ids"
+    cfg = RouterConfig(controlplane=s["cp"].address, token=s["token"], model="tiny", prefill_urls=(s["prefill_url"],),
+                       decode=(DecodeEngine("decode-0", s["decode_url"]),), max_model_len=1000)
+    app = build_app(cfg, WordTokenizer())
+    router = TestServer(app, handler_cancellation=True)
+    await router.start_server()
+    try:
+        s["prefill"].stall.clear()  # the prefill engine holds its answer
+        before = len(s["prefill"].bodies)
+        ask = asyncio.ensure_future(s["session"].post(str(router.make_url("")).rstrip("/") + "/v1/completions",
+                                                      json={"model": "tiny", "prompt": "a b", "max_tokens": 3}))
+        while len(s["prefill"].bodies) == before:
+            await asyncio.sleep(0.01)
+        directory = app[DISPATCHER].engines
+        directory.engines = Engines(prefill=directory.engines.prefill, decode=())  # decode-0 dropped
+        s["prefill"].stall.set()
+        resp = await asyncio.wait_for(ask, 20)
+        assert resp.status == 200, await resp.text()
+        resp.release()
+        continuation = s["prefill"].bodies[-1]
+        assert "kv_transfer_params" not in continuation and continuation["prompt"] == [1, 2, 3, 7]
+        res_id = s["prefill"].bodies[before]["kv_transfer_params"]["kvpush"]["reservation_id"]
+        assert s["decode"].bodies == [] or all("kv_transfer_params" not in b for b in s["decode"].bodies)
+        report = await settle(s["etcd"].endpoint, quiet=True)
+        assert res_id not in {r.id for r in report.live}
+    finally:
+        s["prefill"].stall.set()
+        await router.close()
