@@ -10,17 +10,16 @@ import asyncio
 import itertools
 import time
 
-import grpc
 import psutil
 
 from app.etcd_server import EmbeddedEtcd
 from app.simulated import SimulatedEngine
 from app.table import markdown, render
 from bench.common import CpuMeter, pct, update_section, wait_idle
-from bench.reserve import ADMIN, BLOCKS_PER_ENGINE, ENGINES, Plane, paced, wipe_registry
+from bench.reserve import ADMIN, BLOCKS_PER_ENGINE, ENGINES, REFUSED, Plane, paced, wipe_registry
 from client.control_plane import ControlPlaneClient
 from client.report_stream import StreamReporter
-from client.reserve_stream import ReserveRefused, StreamReserver
+from client.reserve_stream import StreamReserver
 from controlplane import keys
 from controlplane.etcd import EtcdClient, op_delete_prefix
 from controlplane.invariants import check
@@ -28,7 +27,6 @@ from kvpush.aio import tune_gc
 from kvpush.contract.v1 import admin_pb2, registry_pb2, scheduler_pb2, types_pb2
 
 _ids = itertools.count()
-REFUSED = (grpc.aio.AioRpcError, ReserveRefused)
 
 
 class Ops:

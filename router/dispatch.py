@@ -82,10 +82,6 @@ class Dispatcher:
                 return self._least_loaded(others)
         return None
 
-    def _other_decode(self, failed_url: str) -> str | None:
-        """Another engine for a request whose decode engine failed before answering, or None."""
-        return self._alone_url(failed_url)
-
     async def reserve(self, request_id: str, num_tokens: int, prefill_engine_id: str = ""):
         """The reservation (its decode engine one the router can reach), or (None, reason)
         when serving without push."""
@@ -190,7 +186,7 @@ class Dispatcher:
         d_body = dict(ask.body, kv_transfer_params=params.for_role(DECODE).as_kv_transfer_params())
         prefill = asyncio.create_task(self._prefill_then_release(prefill_url, ask.endpoint, p_body,
                                                                  params.target.reservation_id, timings))
-        other = self._other_decode(decode_url)
+        other = self._alone_url(decode_url)
         try:
             response = await self._proxy(decode_url, ask.endpoint, d_body, request, "push", timings)
         except aiohttp.ClientError as exc:
@@ -397,7 +393,7 @@ class Dispatcher:
                     except DecodeStreamError as exc:
                         # Decode died part way: once, another engine goes on from the tokens
                         # received, so the client's answer is whole (not a 502 or a cut stream).
-                        other = self._other_decode(answering) if not resumes and tail.finish_reason is None else None
+                        other = self._alone_url(answering) if not resumes and tail.finish_reason is None else None
                         body = resume_body(d_body, tail) if other is not None else None
                         if body is None:
                             if other is not None:  # every token came; only the last event was lost
@@ -436,7 +432,7 @@ class Dispatcher:
         decode engine that cannot be reached, or answers 5xx, before sending anything is
         replaced once by another, which computes the prompt itself: the KV landed on the
         first, so its reservation is released."""
-        other = self._other_decode(decode_url)
+        other = self._alone_url(decode_url)
         try:
             resp = await self.session.post(f"{decode_url}/v1/completions", json=d_body)
             if resp.status < 500 or other is None:
