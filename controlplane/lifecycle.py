@@ -33,6 +33,26 @@ def ending(rec: ReservationRecord, target: State, reason: str) -> ReservationRec
     return dataclasses.replace(rec, state=target, reason=reason or rec.reason, ended_ms=now_ms())
 
 
+def move_writes(current: ReservationRecord, revision: int, new_id: str, reason: str,
+                tombstone_lease: int) -> tuple[list, list, tuple]:
+    """The replaced half of a decode failover (``Scheduler.Relocate``), for the
+    transaction that also creates its successor ``new_id``: a live reservation ends
+    FAILED under ``tombstone_lease``, one already FAILED keeps its tombstone; either way
+    it names ``new_id``, and the compare on its mod revision makes the move happen once.
+    Its request-index key is not deleted: the successor's put takes it over in the same
+    transaction (etcd refuses two operations on one key in a transaction).
+    (compares, ops, (key, value, lease, record) for the view)."""
+    key = keys.reservation(current.id)
+    if current.state.live:
+        decide(current.state, State.FAILED)  # raises IllegalTransition if the table forbids it
+        moved = dataclasses.replace(ending(current, State.FAILED, reason), moved_to=new_id)
+        value = moved.encode()
+        return [cmp_mod(key, revision)], [op_put(key, value, tombstone_lease)], (key, value, tombstone_lease, moved)
+    moved = dataclasses.replace(current, moved_to=new_id)
+    value = moved.encode()
+    return [cmp_mod(key, revision)], [op_put(key, value, keep_lease=True)], (key, value, 0, moved)
+
+
 class _GroupCommit:
     """Transitions of different reservations, many per etcd transaction: each is one
     nested compare-and-swap, so one that lost its race fails alone. While one
@@ -153,16 +173,21 @@ class Lifecycle:
             self._leases.forget()
             raise errors.unavailable("lease vanished; retry") from None
 
-    async def find(self, res_id: str) -> ReservationRecord | None:
-        """The reservation from the view, or from etcd when the view has not seen it yet."""
-        rec = self._view.reservation(res_id)
-        if rec is not None:
-            return rec
+    async def read(self, res_id: str) -> tuple[ReservationRecord, int] | None:
+        """The reservation and its mod revision, live (the view) or ended (etcd)."""
+        current = self._view.reservation_at(res_id)
+        if current is not None:
+            return current
         try:
             kv = await self._etcd.get(keys.reservation(res_id))
         except EtcdUnavailable as exc:
             raise errors.unavailable(f"etcd unavailable: {exc}") from None
-        return ReservationRecord.decode(kv.value) if kv else None
+        return (ReservationRecord.decode(kv.value), kv.mod_revision) if kv else None
+
+    async def find(self, res_id: str) -> ReservationRecord | None:
+        """The reservation from the view, or from etcd when the view has not seen it yet."""
+        found = await self.read(res_id)
+        return found[0] if found is not None else None
 
     async def record_expiries(self, records: list[ReservationRecord]) -> int:
         """Deadline leases deleted these live reservations: write their EXPIRED

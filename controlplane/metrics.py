@@ -21,6 +21,8 @@ END_BATCH_SIZE = Histogram("kvpush_transition_batch_size", "Lifecycle transition
 BATCH_CONFLICTS = Counter("kvpush_reserve_batch_conflicts_total",
                           "Group commits retried because another replica changed a fence")
 TRANSITIONS = Counter("kvpush_transitions_total", "Lifecycle transitions written", ["to"])
+RELOCATIONS = Counter("kvpush_relocations_total",
+                      "Decode failovers asked (Scheduler.Relocate), by outcome (OK or the gRPC status code)", ["outcome"])
 
 _RESULT_CHILDREN: dict = {}
 

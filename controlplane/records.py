@@ -59,6 +59,8 @@ class ReservationRecord:
     prefill_engine_id: str = ""   # named in Reserve, or set by the PUSHING report
     ended_ms: int = 0             # set when it reaches a terminal state
     prefill_incarnation: str = ""  # with prefill_engine_id ("" from sidecars that do not say)
+    moved_from: str = ""          # decode failover: the reservation this one replaces
+    moved_to: str = ""            # on the replaced one: its successor
 
     @property
     def blocks(self) -> list[int]:
@@ -71,14 +73,18 @@ class ReservationRecord:
     def encode(self) -> bytes:
         # Written out by hand: dataclasses.asdict deep-copies and costs more
         # than the rest of a Reserve on the hot path.
-        return json.dumps({
+        data = {
             "id": self.id, "tenant": self.tenant, "request_id": self.request_id, "engine_id": self.engine_id,
             "incarnation": self.incarnation, "nixl_agent": self.nixl_agent, "extents": self.extents,
             "block_size": self.block_size, "num_tokens": self.num_tokens, "model": self.model,
             "state": self.state.name, "deadline_ms": self.deadline_ms, "created_ms": self.created_ms,
             "reason": self.reason, "prefill_engine_id": self.prefill_engine_id, "ended_ms": self.ended_ms,
-            "prefill_incarnation": self.prefill_incarnation},
-            separators=(",", ":")).encode()
+            "prefill_incarnation": self.prefill_incarnation}
+        if self.moved_from:  # rare (failover): left out otherwise, as decode defaults them
+            data["moved_from"] = self.moved_from
+        if self.moved_to:
+            data["moved_to"] = self.moved_to
+        return json.dumps(data, separators=(",", ":")).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> "ReservationRecord":
@@ -94,7 +100,8 @@ class ReservationRecord:
             num_tokens=self.num_tokens, model=self.model, state=int(self.state),
             deadline_unix_ms=self.deadline_ms, created_unix_ms=self.created_ms, reason=self.reason,
             engine_incarnation=self.incarnation, prefill_engine_id=self.prefill_engine_id,
-            ended_unix_ms=self.ended_ms, prefill_engine_incarnation=self.prefill_incarnation)
+            ended_unix_ms=self.ended_ms, prefill_engine_incarnation=self.prefill_incarnation,
+            moved_from=self.moved_from, moved_to=self.moved_to)
 
 
 @dataclasses.dataclass

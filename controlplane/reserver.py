@@ -26,6 +26,7 @@ from controlplane.candidates import CandidateCache
 from controlplane.etcd import (KV, EtcdClient, EtcdLeaseNotFound, EtcdUnavailable, cmp_create, cmp_mod,
                                op_put, op_touch)
 from controlplane.leases import LeaseBuckets
+from controlplane.lifecycle import move_writes
 from kvpush.contract.states import State
 from kvpush.contract.engine import EngineRecord
 from controlplane.records import ReservationRecord, TenantRecord, now_ms, to_extents
@@ -48,6 +49,12 @@ class ReserveAsk:
     prefill_layout: KvLayout | None = None
     prefill_engine_id: str = ""           # named by the scheduler: its sidecar hears the grant by watch
     prefill_incarnation: str = ""
+    # Decode failover (Scheduler.Relocate): the reservation this one replaces, as read at
+    # ``moving_revision``; it ends FAILED (or, already FAILED, is marked moved) in the
+    # same transaction, on another engine of its block size.
+    moving: ReservationRecord | None = None
+    moving_revision: int = 0
+    move_reason: str = ""                 # why its decode engine failed, kept on the old one
     future: asyncio.Future | None = None
 
     def same_params(self, rec: ReservationRecord) -> bool:
@@ -145,6 +152,8 @@ class Reserver:
                 continue
             if result.succeeded:
                 metrics.BATCH_SIZE.observe(len(plan.records))
+                if plan.moved_live:
+                    metrics.TRANSITIONS.labels(to=State.FAILED.name).inc(plan.moved_live)
                 self._apply_own_writes(plan, result.revision)
                 for ask, rec in zip(plan.asks, plan.records):
                     if not ask.future.done():
@@ -180,8 +189,15 @@ class Reserver:
                 continue
             existing_id = view.requests.get(req)
             existing = view.reservation(existing_id) if existing_id else None
-            if existing is not None and existing.state.live:
-                if ask.same_params(existing):
+            moving = ask.moving
+            if existing is not None and existing.state.live and not (moving and existing.id == moving.id):
+                if moving is not None:
+                    if existing.moved_from == moving.id:  # moved already: the same successor again
+                        ask.future.set_result(existing)
+                    else:
+                        ask.future.set_exception(errors.failed_precondition(
+                            f"request_id {ask.request_id!r} has another live reservation, {existing.id}"))
+                elif ask.same_params(existing):
                     ask.future.set_result(existing)
                 else:
                     ask.future.set_exception(errors.ApiError(
@@ -215,13 +231,25 @@ class Reserver:
         free = view.free_count.array[cands.slots] - batch.taken[cands.slots]
         need = cands.need(ask.num_tokens)
         fits = free >= need
+        credit = 0
+        if ask.moving is not None:
+            # Staging holds the KV in the old engine's block geometry: another engine of
+            # that block size (moves are rare: a Python pass over the candidates is fine).
+            old = ask.moving
+            fits &= np.array([e.engine_id != old.engine_id and e.layout.block_size == old.block_size
+                              for e in cands.engines])
+            credit = old.num_blocks if old.state.live and view.counts(old) else 0  # given back in the same txn
         if tenant.quota_blocks:
-            quota_left = tenant.quota_blocks - view.tenant_used.get(tenant.name, 0) - batch.used.get(tenant.name, 0)
+            quota_left = (tenant.quota_blocks - view.tenant_used.get(tenant.name, 0) - batch.used.get(tenant.name, 0)
+                          + credit)
             within = fits & (need <= quota_left)
             if fits.any() and not within.any():
                 raise errors.exhausted(f"tenant {tenant.name!r} quota of {tenant.quota_blocks} blocks "
                                        f"reached ({tenant.quota_blocks - quota_left} reserved)")
             fits = within
+        if not fits.any() and ask.moving is not None:
+            raise errors.exhausted(f"no other decode engine of block size {ask.moving.block_size} has room for "
+                                   f"num_tokens={ask.num_tokens}")
         if not fits.any():
             most = int(np.argmax(free))
             raise errors.exhausted(f"no decode engine has room for num_tokens={ask.num_tokens} "
@@ -257,7 +285,8 @@ class Reserver:
             engine_id=engine.engine_id, incarnation=engine.incarnation, nixl_agent=engine.nixl_agent,
             extents=to_extents(blocks), block_size=engine.layout.block_size, num_tokens=ask.num_tokens,
             model=ask.model, state=State.RESERVED, deadline_ms=created + ask.deadline_ms, created_ms=created,
-            prefill_engine_id=ask.prefill_engine_id, prefill_incarnation=ask.prefill_incarnation)
+            prefill_engine_id=ask.prefill_engine_id, prefill_incarnation=ask.prefill_incarnation,
+            moved_from=ask.moving.id if ask.moving is not None else "")
 
     def _apply_own_writes(self, plan: "_Plan", revision: int) -> None:
         # The watch will bring the same writes; applying them now lets the next
@@ -282,12 +311,16 @@ class _Plan:
     compares: list = dataclasses.field(default_factory=list)
     ops: list = dataclasses.field(default_factory=list)
     writes: list = dataclasses.field(default_factory=list)   # (key, value, lease, record) for the view
+    moved_live: int = 0                                      # live reservations a move ends FAILED
     _fenced: set = dataclasses.field(default_factory=set)
 
     def add(self, ask: ReserveAsk, rec: ReservationRecord, tenant: TenantRecord, view: View) -> None:
         self.asks.append(ask)
         self.records.append(rec)
-        self.compares.append(cmp_create(keys.request(rec.tenant, rec.request_id), 0))
+        if ask.moving is None or not ask.moving.state.live:
+            # (A live reservation being moved holds the request key: the compare on its
+            # own mod revision, in attach_records, stands for this one.)
+            self.compares.append(cmp_create(keys.request(rec.tenant, rec.request_id), 0))
         if ("e", rec.engine_id) not in self._fenced:
             self._fenced.add(("e", rec.engine_id))
             self.compares.append(cmp_mod(keys.engine(rec.engine_id), view.engines[rec.engine_id].mod_revision))
@@ -303,7 +336,16 @@ class _Plan:
 
     async def attach_records(self, leases: LeaseBuckets) -> None:
         """Add the reservation and request-index puts, bound to their deadline lease."""
-        for rec in self.records:
+        for ask, rec in zip(self.asks, self.records):
+            if ask.moving is not None:
+                old = ask.moving
+                tombstone = await leases.tombstone() if old.state.live else 0
+                compares, ops, write = move_writes(old, ask.moving_revision, rec.id,
+                                                   f"moved to another decode engine: {ask.move_reason}", tombstone)
+                self.compares += compares
+                self.ops += ops
+                self.writes.append(write)
+                self.moved_live += old.state.live
             lease = await leases.for_deadline(rec.deadline_ms)
             value = rec.encode()
             req_key = keys.request(rec.tenant, rec.request_id)
@@ -311,3 +353,4 @@ class _Plan:
             self.ops.append(op_put(req_key, rec.id.encode(), lease))
             self.writes.append((keys.reservation(rec.id), value, lease, rec))
             self.writes.append((req_key, rec.id.encode(), lease, None))
+

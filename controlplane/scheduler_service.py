@@ -14,6 +14,7 @@ from controlplane.auth import Auth
 from controlplane.engine_events import engine_events, engine_proto
 from controlplane.lifecycle import Lifecycle
 from kvpush.contract.states import State
+from controlplane.records import ReservationRecord, now_ms
 from controlplane.reserver import Reserver, ReserveAsk
 from controlplane.tagged_stream import outcome, serve_tagged
 from controlplane.view import ReservationChange, View
@@ -123,6 +124,54 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                        f"({exc.current.name})") from None
             raise
         return rec.to_proto()
+
+    @unary
+    async def Relocate(self, request: scheduler_pb2.RelocateRequest, context) -> types_pb2.Reservation:
+        tenant = self._auth.tenant(context)
+        v.reservation_id(request.reservation_id)
+        v.text(request.reason, "reason", 1024, required=False)
+        structlog.contextvars.bind_contextvars(tenant=tenant.name, reservation_id=request.reservation_id)
+        try:
+            move = await self._relocation(request, tenant)
+            rec = move if isinstance(move, ReservationRecord) else await self._reserver.reserve(move)
+        except errors.ApiError as exc:
+            metrics.RELOCATIONS.labels(outcome=exc.code.name).inc()
+            raise
+        metrics.RELOCATIONS.labels(outcome="OK").inc()
+        structlog.contextvars.bind_contextvars(moved_to=rec.id, engine_id=rec.engine_id)
+        return rec.to_proto()
+
+    async def _relocation(self, request, tenant) -> "ReserveAsk | ReservationRecord":
+        """The Reserve that replaces ``request.reservation_id`` (its live successor when it
+        was moved already), or an ApiError saying why it cannot be moved."""
+        name = request.reservation_id
+        found = await self._lifecycle.read(name)
+        if found is None or found[0].tenant != tenant.name:
+            raise errors.not_found(f"reservation_id {name!r} not found")
+        old, revision = found
+        if old.moved_to:
+            successor = self.view.reservation(old.moved_to)
+            if successor is not None:  # asked again: the same answer while it lives
+                return successor
+            raise errors.failed_precondition(f"reservation_id {name!r} was moved to {old.moved_to}, "
+                                             "which has ended")
+        if old.state.terminal and old.state != State.FAILED:
+            raise errors.failed_precondition(f"reservation_id {name!r} has ended {old.state.name}: "
+                                             + ("its KV was loaded by its decode engine" if old.state == State.CONSUMED
+                                                else "there is nothing to move"))
+        if not old.prefill_engine_id:
+            raise errors.failed_precondition(f"reservation_id {name!r} names no prefill engine: none holds its KV")
+        prefill = self.view.engine(old.prefill_engine_id)
+        if prefill is None or (old.prefill_incarnation and prefill.incarnation != old.prefill_incarnation):
+            raise errors.failed_precondition(f"prefill engine {old.prefill_engine_id!r} of reservation_id {name!r} "
+                                             "is gone or restarted: its staged KV went with it")
+        if old.deadline_ms - now_ms() < v.MIN_DEADLINE_MS:
+            raise errors.failed_precondition(f"reservation_id {name!r} is within {v.MIN_DEADLINE_MS} ms of its "
+                                             "deadline: too late to move")
+        return ReserveAsk(tenant=tenant, request_id=old.request_id, num_tokens=old.num_tokens, model=old.model,
+                          deadline_ms=old.deadline_ms - now_ms(), prefill_layout=prefill.layout,
+                          prefill_engine_id=old.prefill_engine_id, prefill_incarnation=old.prefill_incarnation,
+                          moving=old, moving_revision=revision, move_reason=request.reason or "decode engine failed")
 
     @unary
     async def GetReservation(self, request, context) -> types_pb2.Reservation:
