@@ -103,8 +103,10 @@ class SidecarBase(ChannelHandler):
         pass
 
     @abc.abstractmethod
-    def cancel_reservation(self, reservation_id: str, reason: str = "cancelled") -> bool:
-        """The control plane ended a reservation (deadline, release): stop/ignore it here."""
+    def cancel_reservation(self, reservation_id: str, reason: str = "cancelled", hold: bool = False) -> bool:
+        """The control plane ended a reservation (deadline, release): stop/ignore it here.
+        ``hold``: it ended FAILED (its decode engine died): a prefill keeps its staging
+        for a relocation."""
 
     @abc.abstractmethod
     def live_reservations(self) -> list[str]:

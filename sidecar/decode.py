@@ -41,7 +41,7 @@ class DecodeSidecar(SidecarBase):
         if self.landing is not None:
             self.landing.close()
 
-    def cancel_reservation(self, reservation_id: str, reason: str = "cancelled") -> bool:
+    def cancel_reservation(self, reservation_id: str, reason: str = "cancelled", hold: bool = False) -> bool:
         return self.landing.cancel(reservation_id, reason)
 
     def live_reservations(self) -> list[str]:

@@ -9,12 +9,14 @@ handover). The push itself is ``sidecar/push.py``; decode peers are cached by
 
 from __future__ import annotations
 
+import collections
 import logging
 from typing import Callable
 
 from engine import frames as F
 from engine.pool import StagingAllocation
 from kvpush.contract.engine import EngineRecord
+from kvpush.contract.target import PushTarget
 from sidecar.base import SidecarBase, SidecarConfig
 from sidecar.channel_server import Connection
 from sidecar.handover import Handover
@@ -40,6 +42,9 @@ class PrefillSidecar(SidecarBase):
         self.pusher: PushEngine | None = None
         self.handover = Handover()
         self._request_owner: dict[str, Connection] = {}
+        # Reservations heard by watch as naming this engine, until their BEGIN: only they
+        # can be moved (Scheduler.Relocate), so only their staging is held after the push.
+        self._named: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def _make_pool(self, tag: str) -> StagingPool:
         return StagingPool.create(tag, self.config.layout, self.config.num_blocks, self.config.device)
@@ -56,8 +61,17 @@ class PrefillSidecar(SidecarBase):
     def add_peer(self, record: EngineRecord) -> RemotePeer:
         return self.peers.add(record)
 
-    def cancel_reservation(self, reservation_id: str, reason: str = "cancelled") -> bool:
-        return self.pusher.cancel_reservation(reservation_id, reason)
+    def cancel_reservation(self, reservation_id: str, reason: str = "cancelled", hold: bool = False) -> bool:
+        return self.pusher.cancel_reservation(reservation_id, reason, hold)
+
+    def release_held(self, reservation_id: str) -> bool:
+        """Its decode engine consumed the KV: the staging held for a failover goes."""
+        return self.pusher.release_held(reservation_id)
+
+    def relocate(self, old_reservation_id: str, target: PushTarget) -> str:
+        """The control plane moved a reservation this engine pushed (its decode engine
+        failed): push the staged KV into ``target``. "" or why it cannot."""
+        return self.pusher.relocate(old_reservation_id, target)
 
     def live_reservations(self) -> list[str]:
         return self.pusher.live_reservations() if self.pusher is not None else []
@@ -69,12 +83,15 @@ class PrefillSidecar(SidecarBase):
     def offer_reservation(self, params: dict, request_id: str, reservation_id: str, deadline_unix_ms: int) -> None:
         """The control plane granted a reservation naming this engine (the handover)."""
         self.handover.offer(request_id, params, deadline_unix_ms)
+        self._named[reservation_id] = None
+        while len(self._named) > self.handover.limit:
+            self._named.popitem(last=False)
         self.trace("handover_heard", reservation_id, request_id)
 
     def stats(self) -> dict:
         out = super().stats()
         out.update(self.handover.stats())
-        out.update(active=self.pusher.active, staging_free_units=self.pool.free_units,
+        out.update(active=self.pusher.active, staging_held=self.pusher.held, staging_free_units=self.pool.free_units,
                    staging_units=self.pool.num_units, staging_allocations=self.pool.live_allocations,
                    peer_loads=self.peers.loads, **dict(self.pusher.counters))
         return out
@@ -97,7 +114,8 @@ class PrefillSidecar(SidecarBase):
             raise ValueError(f"sidecar {self.config.engine_id} is shutting down; not accepting pushes")
         self._request_owner[req.request_id] = conn
         try:
-            return self.pusher.begin(req.request_id, req.target, owner=conn.owner)
+            holdable = self._named.pop(req.target.reservation_id, 0) is None
+            return self.pusher.begin(req.request_id, req.target, owner=conn.owner, holdable=holdable)
         except Exception:
             self._request_owner.pop(req.request_id, None)
             raise

@@ -13,7 +13,7 @@ The engine (through the local channel) calls, per request:
    *final* write; it carries the ``LANDED`` notification and is posted only
    when every earlier write of the request is DONE, so the decode side can
    never see the notification before all the bytes.
-4. When the final write is DONE the staging is freed and a ``PushOutcome``
+4. When the final write is DONE the staging is held (below) and a ``PushOutcome``
    (PUSHED) is reported; any failure, timeout or cancellation reports FAILED
    or CANCELLED instead, stops the request's remaining pushes, frees its
    staging once no write still reads from it, and tells the decode side
@@ -22,13 +22,20 @@ The engine (through the local channel) calls, per request:
 Every wait is bounded: writes by ``transfer_timeout_s``, peer resolution by
 ``resolve_timeout_s``. A peer that disconnected is marked dead, so the next
 request to it is refused at ``begin`` without touching the network.
+
+Decode failover: a request's staging is *held* (``hold_s``) after its final write, and
+after a failure on the decode side (a write failed, its reservation ended FAILED),
+rather than freed, so that if its decode engine dies before loading it the KV is pushed
+again from staging into the reservation that replaces it (``relocate``), without a
+second prefill. Held staging goes at CONSUMED (``release_held``), at a release or the
+deadline, after ``hold_s`` (counted from the engine's END), and first of all whenever a
+new request needs the room: holding never refuses a push.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import logging
 import time
 from typing import Callable
@@ -42,66 +49,15 @@ from kvpush.trace import Trace
 from sidecar import notify
 from sidecar.transport.base import TransferError, Transport
 from engine.geometry import DestGeometry
-from sidecar.descriptors import SegmentMap, blocks_segment_map, block_checksums, pair_descriptors, staging_segment_map
+from sidecar.descriptors import blocks_segment_map, block_checksums, pair_descriptors, staging_segment_map
 from sidecar.peers import PeerRegistry, PeerUnavailable, RemotePeer
 from sidecar.pools import StagingFull, StagingPool
 from engine.pool import StagingAllocation
 from sidecar.progress import ProgressDriver
+from sidecar.outbound import Outbound, PushConfig, PushError, PushOutcome
+from sidecar.staging_hold import StagingHold
 
 log = logging.getLogger(__name__)
-
-
-class PushError(Exception):
-    """A push was refused before anything was written (bad target, no staging, ...)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class PushConfig:
-    transfer_timeout_s: float = 2.0
-    resolve_timeout_s: float = 2.0
-    checksums: bool = False  # per-block CRC32 verified by the decode side (debug mode)
-    tombstones: int = 4096  # ended request ids remembered, to drop their late pushes quietly
-    # A final write expected to take at least this long is announced (FINAL notice
-    # with its estimated duration) so the decode side polls fine as it ends; a
-    # shorter one ends before the announcement would change anything.
-    final_hint_min_s: float = 0.0003
-
-
-@dataclasses.dataclass(frozen=True)
-class PushOutcome:
-    request_id: str
-    reservation_id: str
-    engine_id: str
-    state: PushState
-    reason: str = ""
-    bytes_pushed: int = 0
-    transfers: int = 0
-    elapsed_s: float = 0.0
-    exposed_s: float = 0.0  # from the last piece's PUSH (the end of prefill) to this outcome; 0: never got there
-
-
-@dataclasses.dataclass
-class _Outbound:
-    request_id: str
-    target: PushTarget
-    owner: str
-    geom: DestGeometry
-    alloc: StagingAllocation
-    coverage: list[int]  # tokens pushed so far, per layer (pieces arrive in order)
-    remaining: int  # layer-tokens not yet pushed
-    started: float
-    state: PushState = PushState.PUSHING
-    peer: RemotePeer | None = None
-    local0: SegmentMap | None = None
-    remote0: SegmentMap | None = None
-    queued: collections.deque = dataclasses.field(default_factory=collections.deque)
-    final: tuple[np.ndarray, np.ndarray] | None = None  # held until the earlier writes are DONE
-    inflight: int = 0
-    begun: bool = False  # BEGIN hint sent
-    staging_freed: bool = False
-    final_at: float = 0.0  # when the last piece's PUSH arrived
-    bytes_pushed: int = 0
-    transfers: int = 0
 
 
 class PushEngine:
@@ -117,15 +73,18 @@ class PushEngine:
         self.config = config
         self.on_outcome = on_outcome
         self.on_start = on_start  # (reservation_id, request_id) when its first write is posted
-        self._requests: dict[str, _Outbound] = {}
+        self._requests: dict[str, Outbound] = {}  # by the engine's request id, held ones included
+        self._held = StagingHold(config.hold_s, self._hold_over)
         self._ended: collections.OrderedDict[str, PushState] = collections.OrderedDict()
         self.counters = collections.Counter()
         self.trace = Trace.off()
         self.write_rate = 0.0  # bytes/s of recent writes (moving average; 0 = not measured yet)
 
     # -- the engine's calls ------------------------------------------------------------
-    def begin(self, request_id: str, target: PushTarget, owner: str = "") -> StagingAllocation:
-        """Check the destination, allocate staging; ``PushError`` (and a FAILED outcome) if refused."""
+    def begin(self, request_id: str, target: PushTarget, owner: str = "", holdable: bool = False) -> StagingAllocation:
+        """Check the destination, allocate staging; ``PushError`` (and a FAILED outcome) if refused.
+        ``holdable``: the reservation names this prefill engine, so the control plane can
+        move it (only then is its staging held after the push)."""
         if request_id in self._requests:
             raise PushError(f"request {request_id} is already being pushed")
         try:
@@ -137,14 +96,14 @@ class PushEngine:
             if self.peers.cached(target.engine_id, target.incarnation) or self.peers.resolver is None:
                 peer = self.peers.get(target.engine_id, target.incarnation)
                 self._check_peer(peer, target, geom)
-            alloc = self.staging.allocate(geom.block_layer_bytes, geom.num_blocks, owner)
+            alloc = self._allocate(geom, owner)
         except (PushError, PeerUnavailable, StagingFull, ValueError) as exc:
             self.counters["refused"] += 1
             self._emit(PushOutcome(request_id, target.reservation_id, target.engine_id, PushState.FAILED,
                                    f"refused: {exc}"))
             raise PushError(str(exc)) from exc
-        ob = _Outbound(request_id, target, owner, geom, alloc, [0] * self.layout.num_layers,
-                       self.layout.num_layers * target.num_tokens, time.monotonic())
+        ob = Outbound(request_id, target, owner, geom, alloc, [0] * self.layout.num_layers,
+                       self.layout.num_layers * target.num_tokens, time.monotonic(), holdable=holdable)
         self._requests[request_id] = ob
         if peer is not None:
             self._attach_peer(ob, peer)
@@ -161,9 +120,15 @@ class PushEngine:
             if request_id not in self._ended:
                 log.warning("push for unknown request %s ignored", request_id)
             return
-        if ob.state.terminal:
+        if ob.state.terminal and not ob.held:
             return
         end = ob.target.num_tokens if end is None else end
+        if ob.held:  # staged for a relocation: count it, write nothing
+            if 0 <= layer < self.layout.num_layers and start == ob.coverage[layer] < end <= ob.target.num_tokens:
+                ob.coverage[layer] = end
+                ob.remaining -= end - start
+                return
+            return self._drop_held(ob, f"layer {layer} piece [{start}, {end}) out of order while held")
         if not 0 <= layer < self.layout.num_layers:
             return self._fail(ob, f"layer {layer} outside [0, {self.layout.num_layers})")
         if start != ob.coverage[layer] or not start < end <= ob.target.num_tokens:
@@ -184,21 +149,93 @@ class PushEngine:
     def end(self, request_id: str, aborted: bool = False, reason: str = "") -> None:
         """The engine is done with the request (finished, or aborted: stop and free)."""
         ob = self._requests.get(request_id)
+        if ob is not None and ob.held:
+            ob.engine_done = True
+            if aborted or ob.remaining:
+                return self._drop_held(ob, f"the engine ended it with {ob.remaining} layer-tokens not staged")
+            return self._held.arm(ob)  # the hold runs from the end of staging
         if ob is None or ob.state.terminal:
             return
+        ob.engine_done = True
         if aborted:
             self._fail(ob, f"aborted by the engine: {reason}" if reason else "aborted by the engine",
                        state=PushState.CANCELLED)
         elif ob.remaining:
             self._fail(ob, f"engine finished the request with {ob.remaining} layer-tokens not pushed")
 
-    def cancel_reservation(self, reservation_id: str, reason: str = "cancelled") -> bool:
-        """Stop every pending push of a reservation (deadline, abort by the control plane)."""
-        for ob in list(self._requests.values()):
-            if ob.target.reservation_id == reservation_id and not ob.state.terminal:
-                self._fail(ob, reason, state=PushState.CANCELLED)
-                return True
+    def cancel_reservation(self, reservation_id: str, reason: str = "cancelled", hold: bool = False) -> bool:
+        """Stop every pending push of a reservation (deadline, abort by the control plane).
+        ``hold``: it failed on the decode side (its engine died): keep its staging for a
+        relocation; otherwise held staging of it is freed too."""
+        held = self._held.get(reservation_id)
+        if held is not None:
+            if not hold:
+                self._drop_held(held, reason)
+            return not hold
+        ob = self._outbound_of(reservation_id)
+        if ob is not None and not ob.state.terminal:
+            self._fail(ob, reason, state=PushState.CANCELLED, hold=hold)
+            return True
         return False
+
+    def release_held(self, reservation_id: str, reason: str = "consumed") -> bool:
+        """Its decode engine has the KV (CONSUMED): the staging is not needed any more."""
+        ob = self._held.get(reservation_id)
+        if ob is None:
+            return False
+        self._drop_held(ob, reason)
+        return True
+
+    def relocate(self, old_reservation_id: str, target: PushTarget) -> str:
+        """Push a request's staged KV again, into ``target``, the reservation that replaced
+        ``old_reservation_id`` (its decode engine failed). "" when under way, else why not
+        (the staging is gone, or the new target cannot take it)."""
+        if self._held.get(target.reservation_id) or self._outbound_of(target.reservation_id):
+            return ""  # heard again (a watch's snapshot after a break): under way already
+        ob = self._held.get(old_reservation_id) or self._outbound_of(old_reservation_id)
+        if ob is None or ob.state.terminal and not ob.held:
+            return f"no staged KV for reservation {old_reservation_id} (freed, or never staged here)"
+        if (target.block_size, target.num_tokens) != (ob.target.block_size, ob.target.num_tokens):
+            return (f"reservation {target.reservation_id} ({target.num_tokens} tokens in blocks of "
+                    f"{target.block_size}) does not match the staged {ob.target.num_tokens} in {ob.target.block_size}")
+        if len(target.block_ids) < ob.geom.num_blocks:
+            return f"reservation {target.reservation_id} has {len(target.block_ids)} blocks, {ob.geom.num_blocks} needed"
+        if not ob.held:  # still pushing to the old one (the move was heard before its end)
+            self._fail(ob, f"moved to {target.reservation_id}", state=PushState.CANCELLED, hold=True)
+        self._held.remove(ob)
+        ob.generation += 1
+        ob.stale_inflight += ob.inflight
+        ob.inflight, ob.target, ob.state, ob.begun, ob.final = 0, target, PushState.PUSHING, False, None
+        ob.bytes_pushed = ob.transfers = 0
+        ob.started, ob.final_at = time.monotonic(), 0.0
+        ob.queued.clear()
+        self._ended.pop(ob.request_id, None)
+        pieces = [(layer, 0, covered, False) for layer, covered in enumerate(ob.coverage) if covered]
+        if not ob.remaining:
+            pieces[-1] = pieces[-1][:3] + (True,)
+            ob.state, ob.final_at = PushState.FINALIZING, time.monotonic()
+        self.counters["relocated"] += 1
+        log.info("pushing %s again from staging, into reservation %s on %s (was %s)", ob.request_id,
+                 target.reservation_id, target.engine_id, old_reservation_id)
+        ob.peer = None
+        if self.peers.cached(target.engine_id, target.incarnation) or self.peers.resolver is None:
+            try:
+                peer = self.peers.get(target.engine_id, target.incarnation)
+                self._check_peer(peer, target, ob.geom)
+            except (PushError, PeerUnavailable, ValueError) as exc:
+                self._fail(ob, f"engine {target.engine_id}: {exc}")
+                return str(exc)
+            self._attach_peer(ob, peer)
+            for piece in pieces:
+                if not ob.state.terminal:
+                    self._push_piece(ob, *piece)
+        else:
+            ob.queued.extend(pieces)
+            resolving = ob.state
+            ob.state = PushState.RESOLVING
+            asyncio.get_running_loop().create_task(self._resolve(ob, after=resolving),
+                                                   name=f"resolve-{target.engine_id}")
+        return ""
 
     def drop_owner(self, owner: str) -> None:
         """The engine connection ``owner`` closed: its unfinished requests fail.
@@ -206,6 +243,8 @@ class PushEngine:
         for ob in list(self._requests.values()):
             if ob.owner == owner and ob.state in (PushState.RESOLVING, PushState.PUSHING):
                 self._fail(ob, "engine connection closed before the request was fully staged")
+            elif ob.owner == owner and ob.held and not ob.engine_done:
+                self._drop_held(ob, "engine connection closed before the request was fully staged")
 
     def state(self, request_id: str) -> PushState | None:
         ob = self._requests.get(request_id)
@@ -213,11 +252,16 @@ class PushEngine:
 
     @property
     def active(self) -> int:
-        return len(self._requests)
+        """Pushes under way (held staging is not one)."""
+        return len(self._requests) - len(self._held)
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
 
     def live_reservations(self) -> list[str]:
-        """Reservations with a push under way here (not yet ended)."""
-        return [ob.target.reservation_id for ob in self._requests.values() if not ob.state.terminal]
+        """Reservations with a push under way here, or staging held for them."""
+        return [ob.target.reservation_id for ob in self._requests.values() if not ob.state.terminal or ob.held]
 
     # -- internals -------------------------------------------------------------------------
     def _check_peer(self, peer: RemotePeer, target: PushTarget, geom: DestGeometry) -> None:
@@ -226,13 +270,13 @@ class PushEngine:
             raise PushError(f"engine {target.engine_id} cannot take our KV: {why}")
         peer.check_blocks(list(target.block_ids[:geom.num_blocks]), target.block_size)
 
-    def _attach_peer(self, ob: _Outbound, peer: RemotePeer) -> None:
+    def _attach_peer(self, ob: Outbound, peer: RemotePeer) -> None:
         ob.peer = peer
         ob.local0 = staging_segment_map(ob.alloc, 0, self.staging.base_address)
         ob.remote0 = blocks_segment_map(ob.target.block_ids[:ob.geom.num_blocks], ob.geom.block_layer_bytes,
                                         peer.layer_base(0))
 
-    async def _resolve(self, ob: _Outbound) -> None:
+    async def _resolve(self, ob: Outbound, after: PushState = PushState.PUSHING) -> None:
         t = ob.target
         try:
             peer = await asyncio.wait_for(self.peers.resolve(t.engine_id, t.incarnation),
@@ -246,11 +290,11 @@ class PushEngine:
             return
         self._attach_peer(ob, peer)
         if ob.state == PushState.RESOLVING:
-            ob.state = PushState.PUSHING
+            ob.state = after
         while ob.queued and not ob.state.terminal:
             self._push_piece(ob, *ob.queued.popleft())
 
-    def _push_piece(self, ob: _Outbound, layer: int, start: int, end: int, final: bool) -> None:
+    def _push_piece(self, ob: Outbound, layer: int, start: int, end: int, final: bool) -> None:
         ranges = ob.geom.token_ranges(start, end)
         local = ob.local0.shifted(layer * self.staging.layer_stride)
         remote = ob.remote0.shifted(layer * ob.peer.layer_stride)
@@ -269,7 +313,7 @@ class PushEngine:
         ob.final = (loc, rem)
         self._maybe_post_final(ob)
 
-    def _maybe_post_final(self, ob: _Outbound) -> None:
+    def _maybe_post_final(self, ob: Outbound) -> None:
         if ob.final is None or ob.inflight or ob.state.terminal:
             return
         loc, rem = ob.final
@@ -294,15 +338,15 @@ class PushEngine:
         self._post(ob, loc, rem, notify.encode(notice), final=True)
         self.trace("final_posted", t.reservation_id, ob.state.value)
 
-    def _post(self, ob: _Outbound, loc: np.ndarray, rem: np.ndarray, notif: bytes, final: bool) -> None:
-        peer = ob.peer
+    def _post(self, ob: Outbound, loc: np.ndarray, rem: np.ndarray, notif: bytes, final: bool) -> None:
+        peer, generation = ob.peer, ob.generation
         nbytes = int(loc[:, 1].sum())
         posted = time.perf_counter()
         try:
             handle, done = self.transport.post_write(loc, rem, peer.agent_name, local_kind=self.staging.memory.mem_kind,
                                                  remote_kind=peer.record.memory_kind, notif=notif)
         except TransferError as exc:
-            return self._fail(ob, f"engine {ob.target.engine_id}: {exc}", peer_gone=exc.peer_gone)
+            return self._fail(ob, f"engine {ob.target.engine_id}: {exc}", peer_gone=exc.peer_gone, hold=True)
         ob.inflight += 1
         ob.transfers += 1
         ob.bytes_pushed += nbytes
@@ -312,10 +356,15 @@ class PushEngine:
         def on_done(ok: bool, error: str) -> None:
             if ok:
                 self._measure_rate(nbytes, time.perf_counter() - posted)
-            self._write_done(ob, ok, error, final)
+            if generation == ob.generation:  # (a write to a target since replaced decides nothing)
+                self._write_done(ob, ok, error, final)
 
         def on_released() -> None:
-            self._write_released(ob)
+            if generation == ob.generation:
+                self._write_released(ob)
+            else:
+                ob.stale_inflight -= 1
+                self._maybe_free(ob)
 
         if done:
             self.transport.release(handle)
@@ -333,29 +382,29 @@ class PushEngine:
         rate = nbytes / seconds
         self.write_rate = rate if not self.write_rate else 0.8 * self.write_rate + 0.2 * rate
 
-    def _write_done(self, ob: _Outbound, ok: bool, error: str, final: bool) -> None:
+    def _write_done(self, ob: Outbound, ok: bool, error: str, final: bool) -> None:
         """A write's outcome: failures end the reservation at once."""
         if not ok:
-            self._fail(ob, f"write to engine {ob.target.engine_id} failed: {error}")
+            self._fail(ob, f"write to engine {ob.target.engine_id} failed: {error}", hold=True)
         elif final and not ob.state.terminal:
             self.trace("final_done", ob.target.reservation_id)
             ob.state = PushState.PUSHED
             self.counters["pushed"] += 1
-            self._finish(ob, "")
+            self._finish(ob, "", hold=True)
 
-    def _write_released(self, ob: _Outbound) -> None:
+    def _write_released(self, ob: Outbound) -> None:
         """NIXL let go of a write: it reads staging no more. Staging is freed only when
         no write of the request is left (a cancelled write NIXL cannot release yet
         keeps it, so a later request can never have its bytes sent by a zombie)."""
         ob.inflight -= 1
         if ob.state.terminal:
-            if not ob.inflight:
-                self._free_staging(ob)
+            self._maybe_free(ob)
         else:
             self._maybe_post_final(ob)
 
-    def _fail(self, ob: _Outbound, reason: str, peer_gone: bool = False,
-              state: PushState = PushState.FAILED) -> None:
+    def _fail(self, ob: Outbound, reason: str, peer_gone: bool = False,
+              state: PushState = PushState.FAILED, hold: bool = False) -> None:
+        """``hold``: the failure is the decode side's, so staging may serve a relocation."""
         if ob.state.terminal:
             return
         ob.state = state
@@ -373,21 +422,61 @@ class PushEngine:
                 log.info("abort notice for %s not sent: %s", t.reservation_id, exc)
         log.info("push of %s (reservation %s) %s: %s", ob.request_id, t.reservation_id, state.value, reason,
                  extra={"reservation_id": t.reservation_id, "request_id": ob.request_id, "engine_id": t.engine_id})
-        self._finish(ob, reason)
-        if not ob.inflight:  # otherwise freed when the last write stops reading staging
-            self._free_staging(ob)
+        self._finish(ob, reason, hold=hold)
+        self._maybe_free(ob)  # otherwise freed when the last write stops reading staging
 
-    def _finish(self, ob: _Outbound, reason: str) -> None:
-        self._requests.pop(ob.request_id, None)
-        self._ended[ob.request_id] = ob.state
-        while len(self._ended) > self.config.tombstones:
-            self._ended.popitem(last=False)
+    def _finish(self, ob: Outbound, reason: str, hold: bool = False) -> None:
         now = time.monotonic()
         self._emit(PushOutcome(ob.request_id, ob.target.reservation_id, ob.target.engine_id, ob.state, reason,
                                ob.bytes_pushed, ob.transfers, now - ob.started,
                                now - ob.final_at if ob.final_at else 0.0))
+        if hold and ob.holdable and self._held.enabled:
+            self._held.add(ob)
+            return
+        self._forget(ob)
 
-    def _free_staging(self, ob: _Outbound) -> None:
+    def _forget(self, ob: Outbound) -> None:
+        self._requests.pop(ob.request_id, None)
+        self._ended[ob.request_id] = ob.state
+        while len(self._ended) > self.config.tombstones:
+            self._ended.popitem(last=False)
+
+    # -- held staging ----------------------------------------------------------------------------
+    def _outbound_of(self, reservation_id: str) -> Outbound | None:
+        for ob in self._requests.values():
+            if ob.target.reservation_id == reservation_id:
+                return ob
+        return None
+
+    def _hold_over(self, ob: Outbound) -> None:
+        self.counters["hold_expired"] += 1
+        self._drop_held(ob, "hold time over")
+
+    def _drop_held(self, ob: Outbound, reason: str) -> None:
+        if not ob.held:
+            return
+        log.debug("staging of %s (reservation %s) freed: %s", ob.request_id, ob.target.reservation_id, reason)
+        self._held.remove(ob)
+        self._forget(ob)
+        self._maybe_free(ob)
+
+    def _allocate(self, geom: DestGeometry, owner: str) -> StagingAllocation:
+        """Staging for a new request; held staging (oldest first) makes room when it must."""
+        while True:
+            try:
+                return self.staging.allocate(geom.block_layer_bytes, geom.num_blocks, owner)
+            except StagingFull:
+                victim = self._held.evictable()
+                if victim is None:
+                    raise
+                self.counters["hold_evicted"] += 1
+                self._drop_held(victim, "its staging was needed for a new request")
+
+    def _maybe_free(self, ob: Outbound) -> None:
+        if ob.state.terminal and not ob.held and not ob.inflight and not ob.stale_inflight:
+            self._free_staging(ob)
+
+    def _free_staging(self, ob: Outbound) -> None:
         if not ob.staging_freed:
             ob.staging_freed = True
             self.staging.free(ob.alloc.alloc_id)

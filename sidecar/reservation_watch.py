@@ -1,6 +1,7 @@
 """Follows ``Registry.WatchEngineReservations`` and cancels the local pushes and
 landings of reservations that end (RELEASED, EXPIRED, FAILED); on a prefill engine
-it also hands the reservations named for it to the handover (``sidecar/handover.py``).
+it also hands the reservations named for it to the handover (``sidecar/handover.py``),
+and says when one is CONSUMED (its staging, held for a failover, can go).
 After a break it subscribes again with a snapshot and checks every local reservation
 missing from it (``LookupReservation``).
 """
@@ -25,14 +26,14 @@ log = logging.getLogger("kvpush.sidecar")
 # -- the reservation watch -------------------------------------------------------------------------
 class ReservationWatch:
     def __init__(self, link: ControlPlaneLink, config: ServiceConfig, engine_id: str, membership: Membership,
-                 live_reservations: Callable[[], list[str]], on_ended: Callable[[str, str], None],
+                 live_reservations: Callable[[], list[str]], on_ended: Callable[..., None],
                  on_reserved: Callable[[types_pb2.Reservation], None] | None = None):
         self.link = link
         self.config = config
         self.engine_id = engine_id
         self.membership = membership
         self.live_reservations = live_reservations
-        self.on_ended = on_ended
+        self.on_ended = on_ended  # (reservation id, reason, its terminal State or None when gone)
         self.on_reserved = on_reserved  # prefill: a reservation named for this engine, not yet pushed
         self.subscribed = asyncio.Event()  # the snapshot is in: changes from here on are seen
         self.subscriptions = 0
@@ -95,10 +96,10 @@ class ReservationWatch:
     def _apply(self, reservation: types_pb2.Reservation) -> None:
         if reservation.state == types_pb2.RESERVED and self.on_reserved is not None:
             self.on_reserved(reservation)
-        if reservation.state in ENDED_BY_CONTROL_PLANE:
-            state = State(reservation.state).name
-            self.on_ended(reservation.id, f"reservation {state}" + (f": {reservation.reason}"
-                                                                    if reservation.reason else ""))
+        if reservation.state in ENDED_BY_CONTROL_PLANE or reservation.state == State.CONSUMED:
+            state = State(reservation.state)
+            self.on_ended(reservation.id, f"reservation {state.name}" + (f": {reservation.reason}"
+                                                                         if reservation.reason else ""), state)
 
     async def _reconcile(self, snapshot: set[str]) -> None:
         """Local work for reservations the snapshot does not list may have ended while

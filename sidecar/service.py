@@ -50,6 +50,7 @@ from engine.memory import PoolMapError
 from kvpush import log as klog
 from kvpush.aio import tune_gc, write_ready_file
 from kvpush.contract.layout import KvLayout, LayoutError
+from kvpush.contract.target import PushTarget
 from kvpush.contract.transfer_params import PushParams
 from kvpush.contract.v1 import registry_pb2, types_pb2
 from sidecar.landing import LandingConfig, LandingEvent
@@ -129,20 +130,31 @@ class SidecarService:
             self.reporter.report(event.reservation_id, state, reason, hold_s=hold)
 
     def _reserved(self, res: types_pb2.Reservation) -> None:
-        """A reservation the router named this prefill engine for: hold it for the request."""
-        if self._started:
+        """A reservation the router named this prefill engine for: hold it for the request;
+        one that replaces a reservation it pushed (decode failover): push it again."""
+        if self._started and res.moved_from:
+            why = self.sidecar.relocate(res.moved_from, PushTarget.from_proto(res))
+            if why:  # the decode engine waiting for it recomputes now, not at its timeout
+                self.reporter.report(res.id, State.FAILED, f"prefill {self.engine_id}: {why}")
+        elif self._started:
             params = PushParams.from_reservation(res, PREFILL).to_dict()
             self.sidecar.offer_reservation(params, res.request_id, res.id, res.deadline_unix_ms)
 
-    def _ended(self, reservation_id: str, reason: str) -> None:
-        """The control plane says the reservation is over: stop local work for it."""
+    def _ended(self, reservation_id: str, reason: str, state: State | None = None) -> None:
+        """The control plane says the reservation is over: stop local work for it (a
+        prefill keeps a FAILED one's staging for a relocation, and drops a CONSUMED one's)."""
+        prefill = self.sidecar.config.role == PREFILL
+        if state == State.CONSUMED:
+            if prefill and self._started:
+                self.sidecar.release_held(reservation_id)
+            return
         self._ended_remotely[reservation_id] = None
         while len(self._ended_remotely) > 65536:
             self._ended_remotely.popitem(last=False)
         if not self._started:
             return
         try:
-            if self.sidecar.cancel_reservation(reservation_id, reason):
+            if self.sidecar.cancel_reservation(reservation_id, reason, hold=prefill and state == State.FAILED):
                 log.info("cancelled local work for %s: %s", reservation_id, reason)
         except Exception:
             log.exception("cancelling %s failed", reservation_id)
@@ -306,6 +318,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--incarnation", default=None, help="default: a fresh random one per start")
     p.add_argument("--lease-ttl", type=int, default=10, help="engine lease TTL in seconds; beats every TTL/3")
     p.add_argument("--transfer-timeout", type=float, default=PushConfig.transfer_timeout_s)
+    p.add_argument("--failover-hold", type=float, default=PushConfig.hold_s,
+                   help="prefill: keep a pushed request's staged KV this long (s) until decode consumed it, to push "
+                        "it again if its decode engine dies (0: free it at once; room for new pushes comes first)")
     p.add_argument("--landing-timeout", type=float, default=60.0,
                    help="decode: FAILED when nothing landed this long after a push began (0: off)")
     p.add_argument("--checksums", action="store_true", help="send per-block CRC32 with each push (debug)")
@@ -346,7 +361,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[SidecarConfig, ServiceC
     extra = {"incarnation": args.incarnation} if args.incarnation else {}
     sidecar = SidecarConfig(args.engine_id, args.role, layout, args.num_blocks, args.socket, device, backends=backends,
                             poll=PollPolicy(hot_interval_s=args.hot_interval, idle_interval_s=args.idle_interval),
-                            push=PushConfig(transfer_timeout_s=args.transfer_timeout, checksums=args.checksums),
+                            push=PushConfig(transfer_timeout_s=args.transfer_timeout, checksums=args.checksums,
+                                            hold_s=max(0.0, args.failover_hold)),
                             landing=LandingConfig(landing_timeout_s=args.landing_timeout),
                             wait_for_engine=args.wait_for_engine, engine_grace_s=max(0.0, args.engine_grace), **extra)
     service = ServiceConfig(controlplane=args.controlplane, token=args.token, model=args.model, pool=args.pool,

@@ -27,10 +27,14 @@ LAYOUT = KvLayout(num_layers=4, block_size=16, num_kv_heads=2, head_dim=8, dtype
 BLOCKS, TOKENS = (3, 7, 8), 40
 
 
-class Pair:
-    """A prefill pusher and a decode landing table joined by a fake fabric."""
+MOVED = PushTarget("res-2", "D2", "inc-d2", (9, 1, 4), LAYOUT.block_size, TOKENS)  # D's reservation, moved to D2
 
-    def __init__(self):
+
+class Pair:
+    """A prefill pusher and a decode landing table joined by a fake fabric (and a second
+    decode engine, for relocations)."""
+
+    def __init__(self, hold_s: float = 0.0):
         self.fabric = FakeFabric()
         self.staging = StagingPool.create_shm("fake-test.staging", LAYOUT, 16)
         self.landing_pool = LandingPool.create_shm("fake-test.landing", LAYOUT, 16)
@@ -46,8 +50,20 @@ class Pair:
                                pool_base_address=self.landing_pool.base_address,
                                pool_size_bytes=self.landing_pool.size_bytes))
         self.outcomes = []
-        self.pusher = PushEngine(self.tp, self.pdriver, self.staging, LAYOUT, peers, PushConfig(),
+        self.holdable = hold_s > 0
+        self.pusher = PushEngine(self.tp, self.pdriver, self.staging, LAYOUT, peers, PushConfig(hold_s=hold_s),
                                  self.outcomes.append)
+        # A second decode engine, where a relocation sends the KV when the first one fails.
+        self.landing_pool2 = LandingPool.create_shm("fake-test.landing2", LAYOUT, 16)
+        self.td2 = self.fabric.transport("D2.1")
+        self.td2.register(self.landing_pool2.memory)
+        self.ddriver2 = ProgressDriver(self.td2)
+        self.landing2 = LandingTable(self.landing_pool2, "inc-d2", self.ddriver2)
+        self.ddriver2.on_notif = self.landing2.handle_notif
+        peers.add(EngineRecord(engine_id="D2", role=types_pb2.DECODE, layout=LAYOUT, incarnation="inc-d2",
+                               nixl_agent="D2.1", nixl_metadata=self.td2.metadata(), num_blocks=16,
+                               pool_base_address=self.landing_pool2.base_address,
+                               pool_size_bytes=self.landing_pool2.size_bytes))
         self.geom = DestGeometry.for_layout(LAYOUT, LAYOUT.block_size, TOKENS)
         rng = np.random.default_rng(7)
         width = LAYOUT.head_dim * LAYOUT.itemsize
@@ -55,7 +71,8 @@ class Pair:
                        for _ in range(LAYOUT.num_layers)]
 
     def begin_and_push_all(self):
-        alloc = self.pusher.begin("req-1", PushTarget("res-1", "D", "inc-d", BLOCKS, LAYOUT.block_size, TOKENS))
+        alloc = self.pusher.begin("req-1", PushTarget("res-1", "D", "inc-d", BLOCKS, LAYOUT.block_size, TOKENS),
+                                  holdable=self.holdable)
         for layer, tokens in enumerate(self.tokens):
             reblock.stage_tokens(self.staging.memory.host_view(), alloc, self.geom, layer, tokens, 0, TOKENS)
             self.pusher.push("req-1", layer)
@@ -64,9 +81,11 @@ class Pair:
     def poll(self):
         self.pdriver.poll_once()
         self.ddriver.poll_once()
+        self.ddriver2.poll_once()
 
-    def landed_bytes_match(self) -> bool:
-        return all(np.array_equal(reblock.gather_tokens(self.landing_pool.blocks_view(layer), BLOCKS, 0, TOKENS),
+    def landed_bytes_match(self, pool=None, blocks=BLOCKS) -> bool:
+        pool = pool or self.landing_pool
+        return all(np.array_equal(reblock.gather_tokens(pool.blocks_view(layer), blocks, 0, TOKENS),
                                   self.tokens[layer]) for layer in range(LAYOUT.num_layers))
 
     def state(self) -> LandingState:
@@ -75,6 +94,7 @@ class Pair:
     def close(self):
         self.staging.close()
         self.landing_pool.close()
+        self.landing_pool2.close()
 
 
 @pytest.fixture
@@ -136,6 +156,121 @@ def test_a_peer_that_left_the_fabric_fails_the_push_and_is_not_tried_again(pair)
     assert pair.staging.live_allocations == 0
     with pytest.raises(Exception, match="gone"):
         pair.pusher.begin("req-2", PushTarget("res-2", "D", "inc-d", BLOCKS, LAYOUT.block_size, TOKENS))
+
+
+def complete_all(pair, receiver: str = "") -> None:
+    for _ in range(LAYOUT.num_layers + 1):  # the final write is posted once the others are done
+        for w in pair.fabric.pending:
+            if not receiver or w.receiver == receiver:
+                pair.fabric.complete(w)
+        pair.poll()
+
+
+def test_staging_is_held_after_the_push_until_the_kv_is_consumed():
+    pair = Pair(hold_s=5.0)
+    try:
+        pair.begin_and_push_all()
+        complete_all(pair)
+        assert [o.state for o in pair.outcomes] == [PushState.PUSHED]
+        assert pair.staging.live_allocations == 1 and pair.pusher.held == 1 and pair.pusher.active == 0
+        assert pair.pusher.live_reservations() == ["res-1"]  # checked after a watch break, like a push
+        assert pair.pusher.release_held("res-1")
+        assert pair.staging.live_allocations == 0 and pair.pusher.held == 0
+        assert pair.pusher.relocate("res-1", MOVED).startswith("no staged KV")
+    finally:
+        pair.close()
+
+
+def test_a_push_whose_decode_engine_died_after_it_landed_is_pushed_again_from_staging():
+    pair = Pair(hold_s=5.0)
+    try:
+        pair.begin_and_push_all()
+        complete_all(pair)
+        assert pair.state() == LandingState.LANDED
+        # D died before loading it: the control plane moved the reservation to D2.
+        assert pair.pusher.relocate("res-1", MOVED) == ""
+        assert {w.receiver for w in pair.fabric.pending} == {"D2.1"}
+        complete_all(pair)
+        assert pair.landing2.query("res-2").state == LandingState.LANDED
+        assert pair.landed_bytes_match(pair.landing_pool2, MOVED.block_ids)
+        assert [(o.reservation_id, o.state) for o in pair.outcomes] == [("res-1", PushState.PUSHED),
+                                                                       ("res-2", PushState.PUSHED)]
+        assert pair.pusher.counters["relocated"] == 1
+        assert pair.pusher.release_held("res-2") and pair.staging.live_allocations == 0
+    finally:
+        pair.close()
+
+
+def test_a_push_whose_decode_engine_dies_mid_push_keeps_staging_and_finishes_on_the_new_engine():
+    pair = Pair(hold_s=5.0)
+    try:
+        alloc = pair.pusher.begin("req-1", PushTarget("res-1", "D", "inc-d", BLOCKS, LAYOUT.block_size, TOKENS),
+                                  holdable=True)
+
+        def stage(layer):
+            reblock.stage_tokens(pair.staging.memory.host_view(), alloc, pair.geom, layer, pair.tokens[layer], 0,
+                                 TOKENS)
+            pair.pusher.push("req-1", layer)
+        stage(0)
+        stage(1)
+        first, second = pair.fabric.pending
+        pair.fabric.complete(first)
+        pair.fabric.fail(second)  # D is gone
+        pair.poll()
+        assert [o.state for o in pair.outcomes] == [PushState.FAILED]
+        # The engine goes on staging layers as it computes them; nothing is written.
+        stage(2)
+        assert not pair.fabric.pending
+        assert pair.pusher.relocate("res-1", MOVED) == ""  # moved while prefill still runs
+        stage(3)
+        pair.pusher.end("req-1")
+        complete_all(pair, "D2.1")
+        assert pair.landing2.query("res-2").state == LandingState.LANDED
+        assert pair.landed_bytes_match(pair.landing_pool2, MOVED.block_ids)
+        assert [o.state for o in pair.outcomes] == [PushState.FAILED, PushState.PUSHED]
+    finally:
+        pair.close()
+
+
+def test_held_staging_is_freed_for_new_requests_refused_when_it_does_not_fit_and_cancelled_with_its_reservation():
+    pair = Pair(hold_s=5.0)
+    try:
+        pair.begin_and_push_all()
+        complete_all(pair)
+        assert pair.pusher.held == 1
+        # A target of another size is not the staged request.
+        wrong = PushTarget("res-9", "D2", "inc-d2", (1, 2, 4, 5), LAYOUT.block_size, TOKENS + 16)
+        assert "does not match" in pair.pusher.relocate("res-1", wrong)
+        # New requests take all of staging: the held one makes room rather than refusing them.
+        for i in range(pair.staging.num_units // len(BLOCKS)):
+            pair.pusher.begin(f"new-{i}", PushTarget(f"n-{i}", "D2", "inc-d2", BLOCKS, LAYOUT.block_size, TOKENS))
+        assert pair.pusher.held == 0 and pair.pusher.counters["hold_evicted"] == 1
+        assert pair.pusher.relocate("res-1", MOVED).startswith("no staged KV")
+    finally:
+        pair.close()
+    pair = Pair(hold_s=5.0)
+    try:
+        pair.begin_and_push_all()
+        complete_all(pair)
+        assert not pair.pusher.cancel_reservation("res-1", "reservation FAILED: engine gone", hold=True)
+        assert pair.pusher.held == 1  # FAILED: a relocation may come
+        assert pair.pusher.cancel_reservation("res-1", "reservation RELEASED")
+        assert pair.pusher.held == 0 and pair.staging.live_allocations == 0
+    finally:
+        pair.close()
+
+
+async def test_held_staging_is_freed_when_its_time_is_over():
+    pair = Pair(hold_s=0.05)
+    try:
+        pair.begin_and_push_all()
+        complete_all(pair)
+        assert pair.pusher.held == 1
+        await asyncio.sleep(0.2)
+        assert pair.pusher.held == 0 and pair.staging.live_allocations == 0
+        assert pair.pusher.counters["hold_expired"] == 1
+    finally:
+        pair.close()
 
 
 async def test_a_whole_sidecar_pair_runs_on_an_injected_transport(tmp_path):
