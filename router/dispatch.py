@@ -38,7 +38,9 @@ from router.config import RouterConfig
 from router.engines import EngineDirectory
 from router.model_limits import ModelLimits
 from router.errors import ApiError, json_error
+from router.failover import Failover, with_reservation
 from router.streams import DecodeStreamError, sse_events, sse_response
+from router.upstream import Upstream, nothing_sent
 from router.first_token import (BadHead, Chunks, Tail, decode_body, final_answer, parse_head, prefill_body,
                                 resume_body)
 from router.tokens import TokenCounter
@@ -55,11 +57,13 @@ class Dispatcher:
         self.cp = cp
         self.session = session
         self.engines = engines or EngineDirectory(cfg, cp)
-        self.outstanding: dict[str, int] = {}  # engine URL -> requests the router has on it
+        self.up = Upstream(session)
+        self.outstanding = self.up.outstanding  # engine URL -> requests the router has on it
         # One ReserveStream for all requests: cheaper than a call each, for the
         # router and the control plane, and concurrent requests share messages.
         self.reserver = StreamReserver(cp)
         self.limits = ModelLimits(cfg, counter, session, self.engines)
+        self.failover = Failover(cp, self.engines, self.release, cfg.relocate, cfg.reserve_timeout_s + 0.5)
         # How long a prefill engine holds a request for its reservation: past the
         # Reserve's own timeout the router has given up on it (and taken the request back).
         self.await_ms = int(cfg.reserve_timeout_s * 1000) + 250
@@ -72,12 +76,12 @@ class Dispatcher:
             raise ApiError(f"no prefill engine is available for model {self.cfg.model!r}", 503)
         return min(urls, key=lambda u: self.outstanding.get(u, 0))
 
-    def _alone_url(self, failed_url: str = "") -> str | None:
-        """Where a request is served whole: the least loaded decode engine other than
-        ``failed_url``, else a prefill engine (it is a whole vLLM engine too: the local
+    def _alone_url(self, *failed: str) -> str | None:
+        """Where a request is served whole: the least loaded decode engine not among
+        ``failed``, else a prefill engine (it is a whole vLLM engine too: the local
         fallback when no decode engine is left), else None."""
         for urls in (self.engines.decode_urls(), self.engines.prefill_urls()):
-            others = [u for u in urls if u != failed_url]
+            others = [u for u in urls if u not in failed]
             if others:
                 return self._least_loaded(others)
         return None
@@ -121,7 +125,7 @@ class Dispatcher:
             metrics.FALLBACKS.labels(reason="no_prefill_engine").inc()
             return await self._decode_alone(endpoint, body, request)
         if ask.path == asks.PREFILL_ONLY:
-            return await self._proxy(self._least_loaded(self.engines.prefill_urls()), endpoint, body, request,
+            return await self.up.proxy(self._least_loaded(self.engines.prefill_urls()), endpoint, body, request,
                                      "prefill_only")
         if ask.path == asks.DECODE_ONLY:
             return await self._decode_alone(endpoint, body, request, "decode_only")
@@ -170,13 +174,13 @@ class Dispatcher:
         if url is None:
             raise ApiError(f"no engine is available for model {self.cfg.model!r}", 503)
         try:
-            return await self._proxy(url, endpoint, body, request, path)
+            return await self.up.proxy(url, endpoint, body, request, path)
         except aiohttp.ClientError as exc:
             other = self._alone_url(url)
             if other is None or not nothing_sent(exc, body):
                 raise
             await self._decode_failed(None, f"{type(exc).__name__}: {exc}", other)
-            return await self._proxy(other, endpoint, body, request, "retry")
+            return await self.up.proxy(other, endpoint, body, request, "retry")
 
     # -- push: prefill pushes, decode computes every output token -------------------------------
     async def _push(self, ask: asks.Ask, params: PushParams, decode_url: str, request: web.Request,
@@ -188,7 +192,7 @@ class Dispatcher:
                                                                  params.target.reservation_id, timings))
         other = self._alone_url(decode_url)
         try:
-            response = await self._proxy(decode_url, ask.endpoint, d_body, request, "push", timings)
+            response = await self.up.proxy(decode_url, ask.endpoint, d_body, request, "push", timings)
         except aiohttp.ClientError as exc:
             prefill.cancel()
             # Unreachable, or broke before the client got a byte (a whole answer is sent
@@ -214,7 +218,7 @@ class Dispatcher:
         """The reservation's decode engine failed before answering anything: its KV is lost
         to this request, so another decode engine serves it alone (computing the prompt)."""
         await self._decode_failed(res_id, why, url)
-        return await self._proxy(url, ask.endpoint, ask.body, request, "retry")
+        return await self.up.proxy(url, ask.endpoint, ask.body, request, "retry")
 
     async def _decode_failed(self, res_id: str | None, why: str, other: str) -> None:
         """A reservation's decode engine failed before answering and ``other`` takes the
@@ -227,7 +231,7 @@ class Dispatcher:
 
     async def _prefill_then_release(self, url: str, endpoint: str, body: dict, res_id: str, timings: dict) -> None:
         try:
-            status, text = await self._post(url, endpoint, body, timings)
+            status, text = await self.up.post(url, endpoint, body, timings)
             if status != 200:
                 raise RuntimeError(f"prefill answered {status}: {text[:200]!r}")
         except asyncio.CancelledError:
@@ -236,18 +240,6 @@ class Dispatcher:
             # Decode is waiting for KV that will not come: end the wait now.
             _log.warning("prefill failed; aborting its reservation", reservation_id=res_id, error=str(exc))
             await self.release(res_id, f"prefill failed: {exc}")
-
-    async def _post(self, url: str, endpoint: str, body: dict, timings: dict) -> tuple[int, bytes]:
-        self.outstanding[url] = self.outstanding.get(url, 0) + 1
-        sent = time.perf_counter()
-        try:
-            async with self.session.post(f"{url}/v1/{path_of(endpoint)}", json=body) as resp:
-                payload = await resp.read()
-                timings["prefill_answered"] = time.perf_counter()
-                metrics.PREFILL_LATENCY.observe(timings["prefill_answered"] - sent)
-                return resp.status, payload
-        finally:
-            self.outstanding[url] -= 1
 
     # -- first token: prefill's token goes out at once, decode continues from it -----------------
     async def _first_token(self, ask: asks.Ask, request_id: str, prefill_url: str, request: web.Request,
@@ -258,7 +250,7 @@ class Dispatcher:
             kv = AwaitParams(request_id, self.await_ms).as_kv_transfer_params()
         else:
             kv = PushParams.from_reservation(held[0], PREFILL).as_kv_transfer_params()
-        prefill = asyncio.create_task(self._post(prefill_url, ask.endpoint, prefill_body(ask.body, kv, True), timings))
+        prefill = asyncio.create_task(self.up.post(prefill_url, ask.endpoint, prefill_body(ask.body, kv, True), timings))
         try:
             if reserving is not None:
                 res, why = await reserving
@@ -273,7 +265,7 @@ class Dispatcher:
                     _log.info("first token without push", request_id=request_id, reason=why)
                     prefill.cancel()
                     await asyncio.gather(prefill, return_exceptions=True)
-                    prefill = asyncio.create_task(self._post(prefill_url, ask.endpoint,
+                    prefill = asyncio.create_task(self.up.post(prefill_url, ask.endpoint,
                                                              prefill_body(ask.body, None, True), timings))
             status, payload = await prefill
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -314,9 +306,13 @@ class Dispatcher:
             await self.release(res.id, "the prefill engine did not push")
             res = None
         decode_url = self.engines.decode_url(res.engine_id) if res is not None else self._alone_url()
+        moved = None
         if res is not None and decode_url is None:
-            # Its decode engine went away while prefill ran (the router dropped it): the KV
-            # is lost to this request, and another engine computes the prompt.
+            moved = await self.failover.relocate(res, f"decode engine {res.engine_id} went away")
+        if moved is not None:  # its decode engine went away while prefill ran: the KV follows
+            res, decode_url = moved
+        elif res is not None and decode_url is None:
+            # ... or cannot: the KV is lost to this request, and another engine computes the prompt.
             decode_url = self._alone_url()
             await self._decode_failed(res.id, f"decode engine {res.engine_id} went away", decode_url or "-")
             res = None
@@ -325,7 +321,8 @@ class Dispatcher:
         kv = PushParams.from_reservation(res, DECODE).as_kv_transfer_params() if res is not None else None
         d_body = decode_body(ask, head, self.cfg.model, kv)
         tail = Tail(ask, head, self.counter.output_text(head.prompt_ids, ask.body.get("skip_special_tokens", True)))
-        return await self._continue(ask, head, tail, decode_url, d_body, request, timings, res)
+        held[:] = [res] if res is not None else []
+        return await self._continue(ask, head, tail, decode_url, d_body, request, timings, held)
 
     async def _head_only(self, ask: asks.Ask, head, request: web.Request) -> web.StreamResponse:
         if not ask.stream:
@@ -338,7 +335,10 @@ class Dispatcher:
         return out
 
     async def _continue(self, ask: asks.Ask, head, tail: Tail, decode_url: str, d_body: dict, request: web.Request,
-                        timings: dict, res) -> web.StreamResponse:
+                        timings: dict, held: list) -> web.StreamResponse:
+        """``held``: the reservation decode loads ([] if none), kept current through moves
+        so that a client gone away releases the right one."""
+        res = held[0] if held else None
         chunks = Chunks(ask, head)
         self.outstanding[decode_url] = self.outstanding.get(decode_url, 0) + 1
         call = asyncio.ensure_future(self._continuation(decode_url, d_body, res))
@@ -360,6 +360,7 @@ class Dispatcher:
                 await out.write(chunks.head_events(tail.usage(), tail.head_text()))
             try:
                 resp, res, answering = await call
+                held[:] = [res] if res is not None else held
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 if out is None:
                     if res is not None:
@@ -393,6 +394,21 @@ class Dispatcher:
                     except DecodeStreamError as exc:
                         # Decode died part way: once, another engine goes on from the tokens
                         # received, so the client's answer is whole (not a 502 or a cut stream).
+                        moved = None if resumes or tail.token_ids else await self.failover.relocate(res, str(exc))
+                        if moved is not None:  # it failed before loading the KV: the KV follows
+                            resumes += 1
+                            resp.release()
+                            res, new_url = moved
+                            held[:] = [res]
+                            self.outstanding[decode_url] -= 1
+                            decode_url = answering = new_url
+                            self.outstanding[decode_url] = self.outstanding.get(decode_url, 0) + 1
+                            resp = await self.session.post(f"{decode_url}/v1/completions",
+                                                           json=with_reservation(d_body, res))
+                            if resp.status != 200:
+                                payload = await resp.read()
+                                return await failed(f"decode answered {resp.status}: {payload[:200]!r}")
+                            continue
                         other = self._alone_url(answering) if not resumes and tail.finish_reason is None else None
                         body = resume_body(d_body, tail) if other is not None else None
                         if body is None:
@@ -443,6 +459,24 @@ class Dispatcher:
             if other is None:
                 raise
             why = f"decode unreachable: {type(exc).__name__}: {exc}"
+        moved = await self.failover.relocate(res, why)
+        if moved is not None:  # the KV is pushed again into another engine: continue there
+            res, url = moved
+            self.outstanding[url] = self.outstanding.get(url, 0) + 1
+            try:
+                resp = await self.session.post(f"{url}/v1/completions", json=with_reservation(d_body, res))
+                if resp.status < 500:
+                    return resp, res, url
+                why = f"decode answered {resp.status}"
+                resp.release()
+            except aiohttp.ClientError as exc:
+                why = f"decode unreachable: {type(exc).__name__}: {exc}"
+            finally:
+                self.outstanding[url] -= 1
+            other = self._alone_url(decode_url, url)
+            if other is None:
+                await self.release(res.id, why)
+                raise ApiError(f"no engine is available for model {self.cfg.model!r}", 503)
         await self._decode_failed(res.id if res is not None else None, why, other)
         body = {k: v for k, v in d_body.items() if k != "kv_transfer_params"}
         self.outstanding[other] = self.outstanding.get(other, 0) + 1
@@ -450,43 +484,3 @@ class Dispatcher:
             return await self.session.post(f"{other}/v1/completions", json=body), None, other
         finally:
             self.outstanding[other] -= 1
-
-    # -- a whole answer from one engine, streamed or not ---------------------------------------
-    async def _proxy(self, url: str, endpoint: str, body: dict, request: web.Request, path: str,
-                     timings: dict | None = None):
-        timings = {} if timings is None else timings
-        started = time.perf_counter()
-        self.outstanding[url] = self.outstanding.get(url, 0) + 1
-        try:
-            async with self.session.post(f"{url}/v1/{path_of(endpoint)}", json=body) as upstream:
-                if not body.get("stream") or upstream.status != 200:
-                    payload = await upstream.read()
-                    timings["decode_done"] = time.perf_counter()
-                    metrics.TTFT.labels(path=path).observe(timings["decode_done"] - started)
-                    return web.Response(body=payload, status=upstream.status,
-                                        content_type=upstream.content_type or "application/json")
-                out = web.StreamResponse(status=upstream.status)
-                out.content_type = upstream.content_type or "text/event-stream"
-                await out.prepare(request)
-                first = True
-                async for chunk in upstream.content.iter_any():
-                    if first:
-                        timings["first_chunk"] = time.perf_counter()
-                        metrics.TTFT.labels(path=path).observe(timings["first_chunk"] - started)
-                        first = False
-                    await out.write(chunk)
-                await out.write_eof()
-                return out
-        finally:
-            self.outstanding[url] -= 1
-
-
-def nothing_sent(exc: aiohttp.ClientError, ask_or_body) -> bool:
-    """Whether a proxied request that failed with ``exc`` sent its client nothing yet: it
-    never reached the engine, or its answer was not streamed (sent only once whole)."""
-    body = ask_or_body.body if isinstance(ask_or_body, asks.Ask) else ask_or_body
-    return isinstance(exc, aiohttp.ClientConnectorError) or not body.get("stream")
-
-
-def path_of(endpoint: str) -> str:
-    return "chat/completions" if endpoint == "chat" else "completions"

@@ -11,6 +11,9 @@ REQUESTS = Counter("kvpush_router_requests_total", "Requests by endpoint and out
                    registry=REGISTRY)
 FALLBACKS = Counter("kvpush_router_fallbacks_total", "Requests served without push (decode prefilled itself)",
                     ["reason"], registry=REGISTRY)
+RELOCATIONS = Counter("kvpush_router_relocations_total",
+                      "Decode failovers: reservations moved to another decode engine (moved) or why not",
+                      ["outcome"], registry=REGISTRY)
 TTFT = Histogram("kvpush_router_ttft_seconds", "Time to first token as the router sees it", ["path"],
                  buckets=_BUCKETS, registry=REGISTRY)
 RESERVE_LATENCY = Histogram("kvpush_router_reserve_seconds", "Reserve round trip", buckets=_BUCKETS,

@@ -27,6 +27,7 @@ class FakeEngine:
         self.first = 7          # decode: a stream of ids 10, 11, ... up to max_tokens)
         self.finish = "length"
         self.pushes = True      # what the prefill answer's push report says
+        self.handover = None    # async (router's request id) -> reservation id, for awaited reservations
 
     async def _with_token_ids(self, request: web.Request, body: dict):
         base = {"id": f"cmpl-{self.name}", "created": 1, "model": "tiny"}
@@ -39,6 +40,8 @@ class FakeEngine:
                                               prompt_token_ids=[1, 2, 3], choices=[choice]))
             choice.update(text=f" w{self.first}", prompt_token_ids=[1, 2, 3])
             kv = (body.get("kv_transfer_params") or {}).get("kvpush") or {}
+            if "await" in kv and self.handover is not None:  # as a prefill sidecar hands it over
+                kv = {"reservation_id": await self.handover(kv["await"]["request_id"])}
             report = push_report(kv["reservation_id"], self.pushes) if "reservation_id" in kv else None
             return web.json_response(dict(base, object="text_completion", usage={"prompt_tokens": 3},
                                           choices=[choice], kv_transfer_params=report))

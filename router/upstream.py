@@ -1,0 +1,71 @@
+"""The router's HTTP to its engines: a whole answer passed through to the client
+(streamed or not), a POST read whole, and how many requests each engine has."""
+
+from __future__ import annotations
+
+import time
+
+import aiohttp
+from aiohttp import web
+
+from router import ask as asks
+from router import metrics
+
+
+class Upstream:
+    def __init__(self, session: aiohttp.ClientSession) -> None:
+        self.session = session
+        self.outstanding: dict[str, int] = {}  # engine URL -> requests the router has on it
+
+    async def post(self, url: str, endpoint: str, body: dict, timings: dict) -> tuple[int, bytes]:
+        """POST and read the whole answer: (status, body)."""
+        self.outstanding[url] = self.outstanding.get(url, 0) + 1
+        sent = time.perf_counter()
+        try:
+            async with self.session.post(f"{url}/v1/{path_of(endpoint)}", json=body) as resp:
+                payload = await resp.read()
+                timings["prefill_answered"] = time.perf_counter()
+                metrics.PREFILL_LATENCY.observe(timings["prefill_answered"] - sent)
+                return resp.status, payload
+        finally:
+            self.outstanding[url] -= 1
+
+    async def proxy(self, url: str, endpoint: str, body: dict, request: web.Request, path: str,
+                    timings: dict | None = None) -> web.StreamResponse:
+        """A whole answer from one engine, streamed or not, as the client gets it."""
+        timings = {} if timings is None else timings
+        started = time.perf_counter()
+        self.outstanding[url] = self.outstanding.get(url, 0) + 1
+        try:
+            async with self.session.post(f"{url}/v1/{path_of(endpoint)}", json=body) as upstream:
+                if not body.get("stream") or upstream.status != 200:
+                    payload = await upstream.read()
+                    timings["decode_done"] = time.perf_counter()
+                    metrics.TTFT.labels(path=path).observe(timings["decode_done"] - started)
+                    return web.Response(body=payload, status=upstream.status,
+                                        content_type=upstream.content_type or "application/json")
+                out = web.StreamResponse(status=upstream.status)
+                out.content_type = upstream.content_type or "text/event-stream"
+                await out.prepare(request)
+                first = True
+                async for chunk in upstream.content.iter_any():
+                    if first:
+                        timings["first_chunk"] = time.perf_counter()
+                        metrics.TTFT.labels(path=path).observe(timings["first_chunk"] - started)
+                        first = False
+                    await out.write(chunk)
+                await out.write_eof()
+                return out
+        finally:
+            self.outstanding[url] -= 1
+
+
+def nothing_sent(exc: aiohttp.ClientError, ask_or_body) -> bool:
+    """Whether a proxied request that failed with ``exc`` sent its client nothing yet: it
+    never reached the engine, or its answer was not streamed (sent only once whole)."""
+    body = ask_or_body.body if isinstance(ask_or_body, asks.Ask) else ask_or_body
+    return isinstance(exc, aiohttp.ClientConnectorError) or not body.get("stream")
+
+
+def path_of(endpoint: str) -> str:
+    return "chat/completions" if endpoint == "chat" else "completions"

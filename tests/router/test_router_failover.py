@@ -1,0 +1,106 @@
+"""Decode failover at the router: the reservation's decode engine is unreachable when the
+continuation goes out, so the router moves the reservation (Scheduler.Relocate) and sends
+the continuation, with the moved reservation, to the other decode engine; the prefill
+engine is asked once. (Stand-in engines, a real control plane; the sidecars' half, the
+push again from staging, is tested with real sidecars and real vLLM engines.)"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp.test_utils import TestServer
+
+from app.simulated import SimulatedEngine
+from kvpush.contract.v1 import registry_pb2, scheduler_pb2, types_pb2
+from router import metrics
+from router.app import build_app
+from router.config import DecodeEngine, RouterConfig
+from tests.controlplane.helpers import settle
+from tests.router.fakes import FakeEngine, WordTokenizer
+
+
+def relocations(outcome: str) -> float:
+    return metrics.REGISTRY.get_sample_value("kvpush_router_relocations_total", {"outcome": outcome}) or 0.0
+
+
+async def test_an_unreachable_decode_engine_is_replaced_by_moving_the_reservation(stack, engine_client):
+    s = stack
+    prefill_sim = SimulatedEngine(engine_client, "prefill-0", num_blocks=8, model="tiny", role=types_pb2.PREFILL)
+    other_sim = SimulatedEngine(engine_client, "decode-1", num_blocks=8, model="tiny")
+    await prefill_sim.register()
+    await other_sim.register()
+    other = FakeEngine("D1")
+    other.mode = "token_ids"
+    other_server = TestServer(other.app(), handler_cancellation=True)
+    await other_server.start_server()
+    named_server = TestServer(s["decode"].app(), handler_cancellation=True)  # decode-0, to be killed
+    await named_server.start_server()
+    urls = {"decode-0": str(named_server.make_url("")).rstrip("/"),
+            "decode-1": str(other_server.make_url("")).rstrip("/")}
+    servers = {"decode-0": named_server, "decode-1": other_server}
+    fakes = {"decode-0": s["decode"], "decode-1": other}
+    s["decode"].mode = "token_ids"
+
+    # The prefill sidecar's part: hear the reservations naming the prefill engine.
+    heard: dict[str, types_pb2.Reservation] = {}
+    watch = engine_client.registry.WatchEngineReservations(
+        registry_pb2.WatchEngineReservationsRequest(engine_id="prefill-0"), metadata=engine_client.metadata)
+
+    async def follow():
+        async for event in watch:
+            if event.reservation.id:
+                heard.setdefault(event.reservation.request_id, event.reservation)
+    following = asyncio.ensure_future(follow())
+
+    async def handover(request_id: str) -> str:
+        while request_id not in heard:
+            await asyncio.sleep(0.01)
+        return heard[request_id].id
+    s["prefill"].mode = "token_ids"
+    s["prefill"].handover = handover
+
+    cfg = RouterConfig(controlplane=s["cp"].address, token=s["token"], model="tiny", prefill_urls=(s["prefill_url"],),
+                       prefill_ids=("prefill-0",),
+                       decode=tuple(DecodeEngine(eid, url) for eid, url in urls.items()), max_model_len=1000)
+    router = TestServer(build_app(cfg, WordTokenizer()), handler_cancellation=True)
+    await router.start_server()
+    moved_before = relocations("moved")
+    try:
+        s["prefill"].stall.clear()  # the prefill engine computes ...
+        ask = asyncio.ensure_future(s["session"].post(str(router.make_url("")).rstrip("/") + "/v1/completions",
+                                                      json={"model": "tiny", "prompt": "a b", "max_tokens": 3}))
+        while not heard:
+            await asyncio.sleep(0.01)
+        first = next(iter(heard.values()))
+        assert first.prefill_engine_id == "prefill-0"
+        await servers[first.engine_id].close()  # ... and the reservation's decode engine dies
+        s["prefill"].stall.set()
+        resp = await asyncio.wait_for(ask, 20)
+        assert resp.status == 200, await resp.text()
+        answer = await resp.json()
+        assert answer["choices"][0]["text"] == " w7 w10 w11"  # the first token, then the other's two
+        survivor = "decode-0" if first.engine_id == "decode-1" else "decode-1"
+        continuation = fakes[survivor].bodies[-1]
+        kv = continuation["kv_transfer_params"]["kvpush"]
+        assert kv["engine_id"] == survivor and kv["reservation_id"] != first.id
+        assert continuation["prompt"] == [1, 2, 3, 7]
+        assert len(s["prefill"].bodies) == 1  # one prefill
+        moved = await s["tenant"].scheduler.GetReservation(
+            scheduler_pb2.GetReservationRequest(reservation_id=kv["reservation_id"]), metadata=s["tenant"].metadata)
+        assert moved.moved_from == first.id and moved.state == types_pb2.RESERVED
+        old = await s["tenant"].scheduler.GetReservation(
+            scheduler_pb2.GetReservationRequest(reservation_id=first.id), metadata=s["tenant"].metadata)
+        assert old.state == types_pb2.FAILED and old.moved_to == moved.id
+        assert relocations("moved") == moved_before + 1
+        # The new decode engine's sidecar would report it consumed once loaded.
+        await engine_client.registry.ReportState(registry_pb2.ReportStateRequest(
+            reservation_id=moved.id, state=types_pb2.CONSUMED, landed=True), metadata=engine_client.metadata)
+        await settle(s["etcd"].endpoint, quiet=True)
+    finally:
+        s["prefill"].stall.set()
+        following.cancel()
+        await router.close()
+        for server in servers.values():
+            await server.close()
+        await prefill_sim.stop()
+        await other_sim.stop()
