@@ -34,9 +34,11 @@ class StackSpec:
     sidecar_env: dict = dataclasses.field(default_factory=dict)   # added to both sidecars' environment
     max_num_seqs: int = 8
     prefill_args: tuple[str, ...] = ()   # extra vLLM flags for the prefill engine
+    decode_args: tuple[str, ...] = ()    # ... and for each decode engine
     deadline_ms: int = 30_000
     quarantine_ms: int = 5_000
     discover: bool = False           # the router finds the engines in the registry (no --prefill/--decode)
+    decode_engines: int = 1          # decode-0, decode-1, ... (each a vLLM engine and its sidecar)
 
 
 class Stack:
@@ -52,6 +54,7 @@ class Stack:
         self.etcd: EmbeddedEtcd | None = None
         self.controlplane = ""
         self.prefill_url = self.decode_url = self.router_url = ""
+        self.urls: dict[str, str] = {}  # engine id -> its OpenAI server
         self.stats_dir = os.path.join(self.run_dir, "stats")
         os.makedirs(self.stats_dir)
         self.ipc_dir = os.path.join(self.run_dir, "ipc")
@@ -98,16 +101,17 @@ class Stack:
         sidecars = []
         # Each sidecar publishes its engine's URL (routers discover engines by it) and
         # keeps the engine unavailable until vLLM's connector connects.
-        urls = {role: f"http://127.0.0.1:{free_port()}" for role in ("prefill", "decode")}
-        for role, engine_id, blocks in (("decode", "decode-0", spec.decode_blocks),
-                                        ("prefill", "prefill-0", spec.staging_units)):
-            sockets[role] = os.path.join(self.run_dir, f"{role}.sock")
-            ready = os.path.join(self.run_dir, f"{role}.sidecar.ready")
-            sidecars.append((self._start(f"sidecar-{role}", [
+        members = [("decode", f"decode-{i}", spec.decode_blocks) for i in range(spec.decode_engines)]
+        members.append(("prefill", "prefill-0", spec.staging_units))
+        urls = self.urls = {engine_id: f"http://127.0.0.1:{free_port()}" for _, engine_id, _ in members}
+        for role, engine_id, blocks in members:
+            sockets[engine_id] = os.path.join(self.run_dir, f"{engine_id}.sock")
+            ready = os.path.join(self.run_dir, f"{engine_id}.sidecar.ready")
+            sidecars.append((self._start(f"sidecar-{_name(engine_id)}", [
                 python(), "-m", "app.cli", "sidecar", "--role", role, "--engine-id", engine_id,
                 "--controlplane", self.controlplane, "--token", self.engine_token, "--kv-layout", layout,
-                "--num-blocks", str(blocks), "--model", spec.served_model, "--socket", sockets[role],
-                "--serving-url", urls[role], "--wait-for-engine",
+                "--num-blocks", str(blocks), "--model", spec.served_model, "--socket", sockets[engine_id],
+                "--serving-url", urls[engine_id], "--wait-for-engine",
                 "--ready-file", ready], env=spec.sidecar_env or None),
                              ready))
         for proc, ready in sidecars:
@@ -115,31 +119,31 @@ class Stack:
         self.say("sidecars registered (decode landing pool, prefill staging pool)")
 
         engine_procs = []
-        for role, kv_role, env in (("prefill", "kv_producer", spec.prefill_env),
-                                   ("decode", "kv_consumer", spec.decode_env)):
-            port = int(urls[role].rsplit(":", 1)[1])
-            cfg = engines.kvpush_transfer_config(kv_role, sockets[role], self.stats_dir, f"{role}-0")
-            self._engine_cmds[role] = (engines.vllm_command(
+        for role, engine_id, _ in sorted(members, key=lambda m: m[0] != "prefill"):
+            port = int(urls[engine_id].rsplit(":", 1)[1])
+            kv_role, env = ("kv_producer", spec.prefill_env) if role == "prefill" else ("kv_consumer", spec.decode_env)
+            cfg = engines.kvpush_transfer_config(kv_role, sockets[engine_id], self.stats_dir, engine_id)
+            self._engine_cmds[engine_id] = (engines.vllm_command(
                 spec.model_dir, port, spec.served_model, cfg, max_num_seqs=spec.max_num_seqs,
-                extra=spec.prefill_args if role == "prefill" else ()),
+                extra=spec.prefill_args if role == "prefill" else spec.decode_args),
                 engines.engine_env({**spec.engine_env, **env}, pair=True, ipc_dir=self.ipc_dir))
-            engine_procs.append(self._start(f"vllm-{role}", *self._engine_cmds[role]))
-        self.say("starting the prefill and decode vLLM engines (about a minute on 2 cores) ...")
-        for proc, role in zip(engine_procs, ("prefill", "decode")):
-            proc.wait_until(http_ok(urls[role] + "/health"), 300, "serving", self.say)
-        self.prefill_url, self.decode_url = urls["prefill"], urls["decode"]
+            engine_procs.append((self._start(f"vllm-{_name(engine_id)}", *self._engine_cmds[engine_id]), engine_id))
+        self.say(f"starting {len(engine_procs)} vLLM engines (about a minute each on 2 cores) ...")
+        for proc, engine_id in engine_procs:
+            proc.wait_until(http_ok(urls[engine_id] + "/health"), 300, "serving", self.say)
+        self.prefill_url, self.decode_url = urls["prefill-0"], urls["decode-0"]
         self.say(f"engines serving: prefill {self.prefill_url}, decode {self.decode_url}")
 
         self.router_url = self.add_router("router", discover=spec.discover)
         self.say(f"router serving on {self.router_url}")
 
-    def restart_engine(self, role: str) -> ManagedProcess:
-        """Start the ``role`` vLLM engine again (after a fault test killed it), on its
-        port and sidecar; returns once it serves."""
-        cmd, env = self._engine_cmds[role]
-        proc = self._start(f"vllm-{role}-restarted", cmd, env)
-        proc.wait_until(http_ok((self.prefill_url if role == "prefill" else self.decode_url) + "/health"), 300,
-                        "serving", self.say)
+    def restart_engine(self, role: str, engine_id: str = "") -> ManagedProcess:
+        """Start the ``role`` vLLM engine (``engine_id``, default its first) again after a
+        fault test killed it, on its port and sidecar; returns once it serves."""
+        engine_id = engine_id or f"{role}-0"
+        cmd, env = self._engine_cmds[engine_id]
+        proc = self._start(f"vllm-{_name(engine_id)}-restarted", cmd, env)
+        proc.wait_until(http_ok(self.urls[engine_id] + "/health"), 300, "serving", self.say)
         return proc
 
     def add_router(self, name: str, handover: bool = True, token: str = "", discover: bool = False) -> str:
@@ -151,7 +155,8 @@ class Stack:
         port = free_port()
         ready = os.path.join(self.run_dir, f"{name}.ready")
         prefill = f"prefill-0={self.prefill_url}" if handover else self.prefill_url
-        engines_args = [] if discover else ["--prefill", prefill, "--decode", f"decode-0={self.decode_url}"]
+        decodes = [f"{eid}={url}" for eid, url in self.urls.items() if eid.startswith("decode-")]
+        engines_args = [] if discover else ["--prefill", prefill, *(a for d in decodes for a in ("--decode", d))]
         router = self._start(name, [
             python(), "-m", "app.cli", "router", "--controlplane", self.controlplane, "--token",
             token or self.tenant_token, "--model", spec.served_model, "--model-dir", spec.model_dir,
@@ -229,3 +234,9 @@ def complete(url: str, prompt, max_tokens: int, model: str = "tiny", timeout: fl
             chunk = json.loads(line[6:])
             text += "".join(c.get("text", "") for c in chunk.get("choices", []))
         return {"text": text, "ttft_s": ttft, "total_s": time.perf_counter() - started}
+
+
+def _name(engine_id: str) -> str:
+    """A process's name part for an engine: its role for the first of a role (``vllm-decode``,
+    as it always was), its id for the others (``vllm-decode-1``)."""
+    return engine_id[:-2] if engine_id.endswith("-0") else engine_id

@@ -56,7 +56,7 @@ class Reporter:
     """
 
     def __init__(self, link: ControlPlaneLink, config: ServiceConfig, engine_id: str,
-                 on_ended: Callable[[str, str], None], incarnation: str = ""):
+                 on_ended: Callable[..., None], incarnation: str = ""):
         self.link = link
         self.config = config
         self.engine_id = engine_id
@@ -203,12 +203,12 @@ class Reporter:
                 if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
                     # Usually: the reservation already ended. Make sure before cancelling work
                     # (NOT_FOUND may also mean our own engine is not registered right now).
-                    ended = await self._ended_at_control_plane(rid)
+                    ended, state = await self._ended_at_control_plane(rid)
                     if ended:
                         self.counters["already_ended"] += 1
                         log.info("report %s %s refused (%s): the reservation has ended", rid, name,
                                  rpc_error_text(exc))
-                        self.on_ended(rid, f"reservation ended at the control plane: {ended}")
+                        self.on_ended(rid, f"reservation ended at the control plane: {ended}", state)
                         return False
                     if code == grpc.StatusCode.FAILED_PRECONDITION or ended is None:
                         self.counters["dropped"] += 1
@@ -231,15 +231,16 @@ class Reporter:
                 self._closing_streams.add(asyncio.ensure_future(old.close()))
         return self._reports
 
-    async def _ended_at_control_plane(self, rid: str) -> str | None:
-        """Why ``rid`` is over ("" while it is live; None if we cannot tell)."""
+    async def _ended_at_control_plane(self, rid: str) -> tuple[str | None, State | None]:
+        """Why ``rid`` is over ("" while it is live; None if we cannot tell), and how it
+        ended (None: live, gone or unknown)."""
         client = self.link.client
         try:
             res = await guarded(client.registry.LookupReservation(
                 registry_pb2.LookupReservationRequest(reservation_id=rid), metadata=client.metadata,
                 timeout=self.config.rpc_timeout_s))
         except Exception as exc:
-            return "it no longer exists" if status_code(exc) == grpc.StatusCode.NOT_FOUND else None
+            return ("it no longer exists" if status_code(exc) == grpc.StatusCode.NOT_FOUND else None), None
         if res.state in LIVE:
-            return ""
-        return State(res.state).name + (f": {res.reason}" if res.reason else "")
+            return "", None
+        return State(res.state).name + (f": {res.reason}" if res.reason else ""), State(res.state)
