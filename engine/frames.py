@@ -47,7 +47,7 @@ class BeginRequest:
     its binary encoding)."""
 
     request_id: str  # the engine's request
-    target: PushTarget  # where it goes (the BEGIN frame carries all but nixl_agent and the deadline)
+    target: PushTarget  # where it goes (the BEGIN frame carries all but nixl_agent)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +119,7 @@ class _Reader:
         return tuple(ids.tolist())
 
 
-_U16, _U32 = struct.Struct("<H"), struct.Struct("<I")
+_U16, _U32, _U64 = struct.Struct("<H"), struct.Struct("<I"), struct.Struct("<Q")
 _BEGIN_NUMS = struct.Struct("<II")
 _PUSH_NUMS = struct.Struct("<HII")
 _ALLOC_HEAD = struct.Struct("<IIQQQI")
@@ -130,14 +130,17 @@ def encode_begin(b: BeginRequest) -> bytes:
     t = b.target
     ids = np.asarray(t.block_ids, dtype="<u4")
     return (_s(b.request_id) + _s(t.reservation_id) + _s(t.engine_id) + _s(t.incarnation)
-            + _BEGIN_NUMS.pack(t.block_size, t.num_tokens) + _U32.pack(len(ids)) + ids.tobytes())
+            + _BEGIN_NUMS.pack(t.block_size, t.num_tokens) + _U32.pack(len(ids)) + ids.tobytes()
+            + _U64.pack(max(0, t.deadline_unix_ms)))
 
 
 def decode_begin(body: bytes) -> BeginRequest:
     r = _Reader(body)
     rid, res, eng, inc = r.str(), r.str(), r.str(), r.str()
     bs, nt = r.take(_BEGIN_NUMS)
-    return BeginRequest(rid, PushTarget(res, eng, inc, r.u32s(), bs, nt))
+    ids = r.u32s()
+    (deadline,) = r.take(_U64)  # the sidecar refuses a push into a reservation past it
+    return BeginRequest(rid, PushTarget(res, eng, inc, ids, bs, nt, deadline_unix_ms=deadline))
 
 
 def encode_push(p: PushPiece) -> bytes:

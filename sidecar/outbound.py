@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import time
 
 import numpy as np
 
@@ -75,3 +76,30 @@ class Outbound:
     engine_done: bool = False  # the engine sent END (every piece it will stage is staged)
     generation: int = 0  # bumped by each relocation: writes of an older one are stale
     stale_inflight: int = 0  # writes to an earlier target not yet released (they still read staging)
+
+    def misfit(self, target: PushTarget) -> str:
+        """Why ``target`` cannot take this request's staging ("" if it can): staging is
+        laid out in the decode engine's block geometry."""
+        if (target.block_size, target.num_tokens) != (self.target.block_size, self.target.num_tokens):
+            return (f"reservation {target.reservation_id} ({target.num_tokens} tokens in blocks of "
+                    f"{target.block_size}) does not match the staged {self.target.num_tokens} in "
+                    f"{self.target.block_size}")
+        if len(target.block_ids) < self.geom.num_blocks:
+            return f"reservation {target.reservation_id} has {len(target.block_ids)} blocks, {self.geom.num_blocks} needed"
+        return ""
+
+    def retarget(self, target: PushTarget) -> list[tuple[int, int, int, bool]]:
+        """Point this request at ``target`` (a relocation): writes still in flight to the
+        old one become stale. Returns the pieces to write now: every layer staged so far,
+        the last one final if the whole request is staged."""
+        self.generation += 1
+        self.stale_inflight += self.inflight
+        self.inflight, self.target, self.state, self.begun, self.final = 0, target, PushState.PUSHING, False, None
+        self.bytes_pushed = self.transfers = 0
+        self.started, self.final_at = time.monotonic(), 0.0
+        self.queued.clear()
+        pieces = [(layer, 0, covered, False) for layer, covered in enumerate(self.coverage) if covered]
+        if not self.remaining:
+            pieces[-1] = pieces[-1][:3] + (True,)
+            self.state, self.final_at = PushState.FINALIZING, time.monotonic()
+        return pieces

@@ -75,6 +75,7 @@ class PushEngine:
         self.on_start = on_start  # (reservation_id, request_id) when its first write is posted
         self._requests: dict[str, Outbound] = {}  # by the engine's request id, held ones included
         self._held = StagingHold(config.hold_s, self._hold_over)
+        self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()  # ended reservations: why
         self._ended: collections.OrderedDict[str, PushState] = collections.OrderedDict()
         self.counters = collections.Counter()
         self.trace = Trace.off()
@@ -88,6 +89,12 @@ class PushEngine:
         if request_id in self._requests:
             raise PushError(f"request {request_id} is already being pushed")
         try:
+            # Its blocks may be free already, even another request's once their quarantine
+            # is over: nothing is written into them.
+            if target.deadline_unix_ms and time.time() * 1000 >= target.deadline_unix_ms:
+                raise PushError(f"reservation {target.reservation_id} is past its deadline")
+            if target.reservation_id in self._gone:
+                raise PushError(f"reservation {target.reservation_id} has ended ({self._gone[target.reservation_id]})")
             geom = DestGeometry.for_layout(self.layout, target.block_size, target.num_tokens)
             if len(target.block_ids) < geom.num_blocks:
                 raise PushError(f"reservation {target.reservation_id} has {len(target.block_ids)} blocks, "
@@ -167,6 +174,9 @@ class PushEngine:
         """Stop every pending push of a reservation (deadline, abort by the control plane).
         ``hold``: it failed on the decode side (its engine died): keep its staging for a
         relocation; otherwise held staging of it is freed too."""
+        self._gone[reservation_id] = reason  # a BEGIN for it from now on is refused
+        while len(self._gone) > self.config.tombstones:
+            self._gone.popitem(last=False)
         held = self._held.get(reservation_id)
         if held is not None:
             if not hold:
@@ -195,25 +205,16 @@ class PushEngine:
         ob = self._held.get(old_reservation_id) or self._outbound_of(old_reservation_id)
         if ob is None or ob.state.terminal and not ob.held:
             return f"no staged KV for reservation {old_reservation_id} (freed, or never staged here)"
-        if (target.block_size, target.num_tokens) != (ob.target.block_size, ob.target.num_tokens):
-            return (f"reservation {target.reservation_id} ({target.num_tokens} tokens in blocks of "
-                    f"{target.block_size}) does not match the staged {ob.target.num_tokens} in {ob.target.block_size}")
-        if len(target.block_ids) < ob.geom.num_blocks:
-            return f"reservation {target.reservation_id} has {len(target.block_ids)} blocks, {ob.geom.num_blocks} needed"
+        if not ob.holdable:
+            return f"reservation {old_reservation_id} was not heard as naming this engine: its staging is not held"
+        why = ob.misfit(target)
+        if why:
+            return why
         if not ob.held:  # still pushing to the old one (the move was heard before its end)
             self._fail(ob, f"moved to {target.reservation_id}", state=PushState.CANCELLED, hold=True)
         self._held.remove(ob)
-        ob.generation += 1
-        ob.stale_inflight += ob.inflight
-        ob.inflight, ob.target, ob.state, ob.begun, ob.final = 0, target, PushState.PUSHING, False, None
-        ob.bytes_pushed = ob.transfers = 0
-        ob.started, ob.final_at = time.monotonic(), 0.0
-        ob.queued.clear()
+        pieces = ob.retarget(target)
         self._ended.pop(ob.request_id, None)
-        pieces = [(layer, 0, covered, False) for layer, covered in enumerate(ob.coverage) if covered]
-        if not ob.remaining:
-            pieces[-1] = pieces[-1][:3] + (True,)
-            ob.state, ob.final_at = PushState.FINALIZING, time.monotonic()
         self.counters["relocated"] += 1
         log.info("pushing %s again from staging, into reservation %s on %s (was %s)", ob.request_id,
                  target.reservation_id, target.engine_id, old_reservation_id)
@@ -277,16 +278,21 @@ class PushEngine:
                                         peer.layer_base(0))
 
     async def _resolve(self, ob: Outbound, after: PushState = PushState.PUSHING) -> None:
-        t = ob.target
+        t, generation = ob.target, ob.generation
         try:
             peer = await asyncio.wait_for(self.peers.resolve(t.engine_id, t.incarnation),
                                           self.config.resolve_timeout_s)
             self._check_peer(peer, t, ob.geom)
         except asyncio.TimeoutError:
-            return self._fail(ob, f"engine {t.engine_id} not resolved within {self.config.resolve_timeout_s} s")
+            if ob.generation == generation:
+                self._fail(ob, f"engine {t.engine_id} not resolved within {self.config.resolve_timeout_s} s",
+                           hold=True)
+            return
         except Exception as exc:  # PeerUnavailable, PushError, resolver errors
-            return self._fail(ob, f"engine {t.engine_id}: {exc}")
-        if ob.state.terminal:
+            if ob.generation == generation:
+                self._fail(ob, f"engine {t.engine_id}: {exc}", hold=True)
+            return
+        if ob.state.terminal or ob.generation != generation:  # ended, or moved meanwhile
             return
         self._attach_peer(ob, peer)
         if ob.state == PushState.RESOLVING:

@@ -18,6 +18,9 @@ LAYOUT = KvLayout(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dt
 def test_frames_round_trip():
     begin = F.BeginRequest("req-1", PushTarget("res-1", "decode-0", "inc9", tuple(range(7, 70)), 16, 1000))
     assert F.decode_begin(F.encode_begin(begin)) == begin
+    timed = F.BeginRequest("req-2", PushTarget("res-2", "decode-0", "inc9", (1, 2), 16, 20,
+                                               deadline_unix_ms=1_790_000_000_123))
+    assert F.decode_begin(F.encode_begin(timed)) == timed  # the deadline travels (the sidecar checks it)
     piece = F.PushPiece("req-1", 31, 512, 1000)
     assert F.decode_push(F.encode_push(piece)) == piece
     end = F.EndRequest("req-1", True, "client went away")

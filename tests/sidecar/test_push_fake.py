@@ -4,6 +4,7 @@ in whatever order the test says, and a write can fail, with real bytes moved."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -145,6 +146,16 @@ def test_a_failed_write_fails_the_push_and_the_landing_and_frees_staging_only_wh
     assert pair.staging.live_allocations == 0
     assert not any(w.notif for w in pair.fabric.writes)  # LANDED was never sent
     assert pair.state() == LandingState.FAILED  # and a late write changes nothing
+
+
+def test_a_reservation_past_its_deadline_is_never_pushed_into(pair):
+    """Its blocks may be free, or another request's once their quarantine is over."""
+    late = PushTarget("res-1", "D", "inc-d", BLOCKS, LAYOUT.block_size, TOKENS,
+                      deadline_unix_ms=int(time.time() * 1000) - 1)
+    with pytest.raises(Exception, match="past its deadline"):
+        pair.pusher.begin("req-1", late)
+    assert [o.state for o in pair.outcomes] == [PushState.FAILED] and "deadline" in pair.outcomes[0].reason
+    assert pair.staging.live_allocations == 0 and not pair.fabric.writes
 
 
 def test_a_peer_that_left_the_fabric_fails_the_push_and_is_not_tried_again(pair):

@@ -4,6 +4,8 @@ scheduler (Reserve) and both vLLM engines (through the local channels)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -16,14 +18,25 @@ pytestmark = pytest.mark.timeout(60)
 LAYOUT = "layers=4,block={bs},heads=2,dim=16,dtype=float16"
 
 
-async def test_push_lands_exactly_and_the_lifecycle_reaches_etcd(stack):
-    dec = stack.sidecar("decode", "D1", LAYOUT.format(bs=16), 64)
-    pre = stack.sidecar("prefill", "P1", LAYOUT.format(bs=16), 256)
+@contextlib.asynccontextmanager
+async def sidecar_pair(stack, p_block: int = 16, d_block: int = 16, landing_blocks: int = 64):
+    """A decode sidecar D1 and a prefill sidecar P1 (real processes), the scheduler, etcd,
+    and the test's stand-ins for both engines (the decode pool filled with a sentinel)."""
+    dec = stack.sidecar("decode", "D1", LAYOUT.format(bs=d_block), landing_blocks)
+    pre = stack.sidecar("prefill", "P1", LAYOUT.format(bs=p_block), 256)
     dec.ready(), pre.ready()
     sched, etcd = await Scheduler(stack.cp.address).setup(), Etcd(stack.etcd.endpoint)
     prefill, decode = PrefillEngine(pre.client()), DecodeEngine(dec.client())
     try:
         decode.fill_sentinel()
+        yield pre, sched, etcd, prefill, decode
+    finally:
+        prefill.close(), decode.close()
+        await sched.close(), await etcd.close()
+
+
+async def test_push_lands_exactly_and_the_lifecycle_reaches_etcd(stack):
+    async with sidecar_pair(stack) as (pre, sched, etcd, prefill, decode):
         pushes = []
         for n, (tokens, chunks) in enumerate([(90, 1), (64, 3)]):
             res = await sched.reserve(f"req-{n}", tokens, prefill_layout=layout_pb(LAYOUT.format(bs=16)))
@@ -51,20 +64,11 @@ async def test_push_lands_exactly_and_the_lifecycle_reaches_etcd(stack):
         assert stats["staging_allocations"] == 0
         report = await settle(stack.etcd.endpoint, quiet=True)
         assert report.engines["D1"].free == set(range(64))
-    finally:
-        prefill.close(), decode.close()
-        await sched.close(), await etcd.close()
 
 
 @pytest.mark.parametrize("p_block,d_block", [(16, 32), (32, 16)])
 async def test_reblocking_through_the_control_plane_is_exact(stack, p_block, d_block):
-    dec = stack.sidecar("decode", "D1", LAYOUT.format(bs=d_block), 32)
-    pre = stack.sidecar("prefill", "P1", LAYOUT.format(bs=p_block), 256)
-    dec.ready(), pre.ready()
-    sched, etcd = await Scheduler(stack.cp.address).setup(), Etcd(stack.etcd.endpoint)
-    prefill, decode = PrefillEngine(pre.client()), DecodeEngine(dec.client())
-    try:
-        decode.fill_sentinel()
+    async with sidecar_pair(stack, p_block, d_block, landing_blocks=32) as (_, sched, etcd, prefill, decode):
         tokens = 150  # a multiple of neither block size
         res = await sched.reserve("rb", tokens, prefill_layout=layout_pb(LAYOUT.format(bs=p_block)))
         assert res.block_size == d_block and len(res.block_ids) == -(-tokens // d_block)
@@ -77,6 +81,21 @@ async def test_reblocking_through_the_control_plane_is_exact(stack, p_block, d_b
                                            tokens)])
         assert np.array_equal(decode.mem, expected)
         await etcd.wait_state(res.id, State.LANDED)
-    finally:
-        prefill.close(), decode.close()
-        await sched.close(), await etcd.close()
+
+
+async def test_a_reservation_that_expired_before_its_prefill_began_is_not_pushed_into(stack):
+    """Its landing blocks go back to the pool at the deadline (after the quarantine,
+    to other requests): a prefill that starts late must write nothing into them."""
+    from engine.channel import ChannelError
+    async with sidecar_pair(stack) as (pre, sched, etcd, prefill, decode):
+        res = await sched.reserve("late", 40, prefill_engine_id="P1", deadline_ms=1000)
+        await etcd.wait_state(res.id, State.EXPIRED, timeout_s=20)
+        # As the connector sends it (the deadline in BEGIN), and without the deadline (the
+        # sidecar heard the expiry by watch): refused either way.
+        with pytest.raises(ChannelError, match="past its deadline"):
+            prefill.begin("late", res.id, record_of(res), res.block_ids, 40, deadline_unix_ms=res.deadline_unix_ms)
+        with pytest.raises(ChannelError, match="has ended"):
+            prefill.begin("late-2", res.id, record_of(res), res.block_ids, 40)
+        assert np.array_equal(decode.mem, decode.expected_image([]))  # not a byte written
+        assert pre.client().admin("service")["staging_allocations"] == 0
+        await settle(stack.etcd.endpoint, quiet=True)
