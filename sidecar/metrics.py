@@ -19,6 +19,10 @@ counted by class (``reason_class``), so the label set stays small.
                                                   instead of loading it (failed, cancelled, timeout, restarted, ...)
     kvpush_sidecar_engine_available               1 while the engine is connected (engine_presence.py)
     kvpush_sidecar_engine_departures_total        times the engine's connections all went away
+    kvpush_sidecar_staging_held                   prefill: requests whose staging is held for a decode failover
+                                                  (counted in pool_units{state="used"} too)
+    kvpush_sidecar_failover_total{event}          prefill: relocated (pushed again from staging into a moved
+                                                  reservation), hold_expired, hold_evicted (room for a new push)
 """
 
 from __future__ import annotations
@@ -103,14 +107,23 @@ class _StateCollector:
         s = self.state()
         units = GaugeMetricFamily("kvpush_sidecar_pool_units", "Pool units (staging) or blocks (landing)",
                                   labels=["state"])
+        failover = None
         if "staging_units" in s:
             units.add_metric(["free"], s["staging_free_units"])
             units.add_metric(["used"], s["staging_units"] - s["staging_free_units"])
             units.add_metric(["total"], s["staging_units"])
+            failover = CounterMetricFamily("kvpush_sidecar_failover", "Decode failovers served from staging, and "
+                                           "held staging let go", labels=["event"])
+            for event in ("relocated", "hold_expired", "hold_evicted"):
+                failover.add_metric([event], s.get(event, 0))
         elif "landing_blocks" in s:  # which blocks are reserved is the control plane's (kvpush_engine_free_blocks)
             units.add_metric(["landed"], s["landing_blocks_landed"])
             units.add_metric(["total"], s["landing_blocks"])
         yield units
+        if failover is not None:
+            yield failover
+            yield GaugeMetricFamily("kvpush_sidecar_staging_held", "Requests whose staging is held for a decode "
+                                    "failover", value=s.get("staging_held", 0))
         yield GaugeMetricFamily("kvpush_sidecar_transfers_in_flight", "NIXL writes not yet done",
                                 value=s.get("inflight", 0))
         yield GaugeMetricFamily("kvpush_sidecar_registered", "1 while the control plane has this engine",
