@@ -187,7 +187,8 @@ def cmd_router(args) -> None:
                        max_logprobs=args.max_logprobs, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
                        tls_key=args.tls_key, tls_server_name=args.tls_server_name,
                        http_tls_cert=args.http_tls_cert, http_tls_key=args.http_tls_key,
-                       body_timeout_s=args.body_timeout, relocate=not args.no_relocate)
+                       body_timeout_s=args.body_timeout, write_timeout_s=args.write_timeout,
+                       relocate=not args.no_relocate)
     aio.run(serve(cfg, args.ready_file))
 
 
@@ -288,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--body-timeout", type=float, default=30.0,
                    help="seconds a client's whole request body may take to arrive (408 after)")
+    p.add_argument("--write-timeout", type=float, default=30.0,
+                   help="seconds a streaming client may leave a write untaken (a full buffer) before it is cut off "
+                        "and its reservation released")
     p.add_argument("--no-relocate", action="store_true",
                    help="when a decode engine fails before loading a request's KV, compute the prompt on another "
                         "(the baseline) instead of moving the reservation and pushing the staged KV again")

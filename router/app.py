@@ -19,6 +19,7 @@ from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.engines import EngineDirectory
 from router.errors import ApiError, json_error
+from router.streams import ClientTooSlow
 from router.tokens import HFTokenCounter, TokenCounter
 
 _log = log.get("router")
@@ -81,6 +82,14 @@ def build_app(cfg: RouterConfig, counter: TokenCounter | None = None) -> web.App
             except asyncio.CancelledError:
                 outcome = "client_gone"
                 raise
+            except ClientTooSlow:
+                # Its reservation is released and decode's request closed by now. The
+                # connection is aborted: this answer is never sent (aiohttp closes quietly
+                # on the ConnectionError its writer meets).
+                outcome = "client_too_slow"
+                if request.transport is not None:
+                    request.transport.abort()
+                return web.Response(status=408)
             except aiohttp.ClientError as exc:
                 outcome = "upstream_error"
                 return json_error(f"engine unreachable: {exc}", 502)

@@ -29,6 +29,7 @@ class RouterConfig:
     deadline_ms: int = 30_000               # reservation lifetime
     upstream_timeout_s: float = 600.0
     body_timeout_s: float = 30.0            # a client's whole request body must arrive within this
+    write_timeout_s: float = 30.0           # ... and it must take each streamed write within this
     relocate: bool = True                   # decode failover: move a failed decode's reservation (no 2nd prefill)
     max_model_len: int | None = None        # None: asked of the prefill engine (/v1/models)
     max_logprobs: int = 20                  # the engines' --max-logprobs

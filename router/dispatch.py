@@ -57,7 +57,7 @@ class Dispatcher:
         self.cp = cp
         self.session = session
         self.engines = engines or EngineDirectory(cfg, cp)
-        self.up = Upstream(session)
+        self.up = Upstream(session, cfg.write_timeout_s)
         self.outstanding = self.up.outstanding  # engine URL -> requests the router has on it
         # One ReserveStream for all requests: cheaper than a call each, for the
         # router and the control plane, and concurrent requests share messages.
@@ -328,7 +328,7 @@ class Dispatcher:
         if not ask.stream:
             return web.json_response(final_answer(ask, head, None))
         chunks = Chunks(ask, head)
-        out = await sse_response(request)
+        out = await sse_response(request, self.cfg.write_timeout_s)
         usage = head.usage
         await out.write(chunks.head_events(usage, head.text) + chunks.usage_event(usage) + Chunks.DONE)
         await out.write_eof()
@@ -356,7 +356,7 @@ class Dispatcher:
             return out
         try:
             if ask.stream:
-                out = await sse_response(request)
+                out = await sse_response(request, self.cfg.write_timeout_s)
                 await out.write(chunks.head_events(tail.usage(), tail.head_text()))
             try:
                 resp, res, answering = await call

@@ -14,8 +14,36 @@ class DecodeStreamError(Exception):
     """Decode's stream broke or sent an error: the request failed after its first token."""
 
 
-async def sse_response(request: web.Request) -> web.StreamResponse:
-    out = web.StreamResponse(status=200)
+class ClientTooSlow(ConnectionResetError):
+    """The client did not take what it was sent within the write timeout: the request is
+    over (its reservation released) and the router's handler aborts the connection."""
+
+
+class BoundedStream(web.StreamResponse):
+    """A streamed answer each of whose writes the client must take within ``timeout_s``:
+    one that stops reading is cut off, rather than holding a handler, an engine request
+    and a reservation for as long as it likes. (A write waits only once aiohttp's buffer
+    is full, so a client that reads, however slowly, is never cut.)"""
+
+    def __init__(self, timeout_s: float, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.timeout_s = timeout_s
+
+    async def _bounded(self, write) -> None:
+        try:
+            await asyncio.wait_for(write, self.timeout_s)
+        except asyncio.TimeoutError:
+            raise ClientTooSlow(f"the client took nothing for {self.timeout_s:g} s") from None
+
+    async def write(self, data) -> None:
+        await self._bounded(super().write(data))
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        await self._bounded(super().write_eof(data))
+
+
+async def sse_response(request: web.Request, timeout_s: float) -> web.StreamResponse:
+    out = BoundedStream(timeout_s, status=200)
     out.content_type = "text/event-stream"
     out.headers["Cache-Control"] = "no-cache"
     await out.prepare(request)

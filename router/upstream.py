@@ -10,11 +10,13 @@ from aiohttp import web
 
 from router import ask as asks
 from router import metrics
+from router.streams import BoundedStream
 
 
 class Upstream:
-    def __init__(self, session: aiohttp.ClientSession) -> None:
+    def __init__(self, session: aiohttp.ClientSession, write_timeout_s: float) -> None:
         self.session = session
+        self.write_timeout_s = write_timeout_s  # a client must take each streamed write within this
         self.outstanding: dict[str, int] = {}  # engine URL -> requests the router has on it
 
     async def post(self, url: str, endpoint: str, body: dict, timings: dict) -> tuple[int, bytes]:
@@ -44,7 +46,7 @@ class Upstream:
                     metrics.TTFT.labels(path=path).observe(timings["decode_done"] - started)
                     return web.Response(body=payload, status=upstream.status,
                                         content_type=upstream.content_type or "application/json")
-                out = web.StreamResponse(status=upstream.status)
+                out = BoundedStream(self.write_timeout_s, status=upstream.status)
                 out.content_type = upstream.content_type or "text/event-stream"
                 await out.prepare(request)
                 first = True

@@ -28,6 +28,8 @@ class FakeEngine:
         self.finish = "length"
         self.pushes = True      # what the prefill answer's push report says
         self.handover = None    # async (router's request id) -> reservation id, for awaited reservations
+        self.chunk_delay = 0.0  # seconds between streamed token chunks (token_ids mode)
+        self.chunks, self.chunk_bytes = 3, 0  # the plain stream: how many chunks, each of this much text
 
     async def _with_token_ids(self, request: web.Request, body: dict):
         base = {"id": f"cmpl-{self.name}", "created": 1, "model": "tiny"}
@@ -53,6 +55,8 @@ class FakeEngine:
             chunk = dict(base, choices=[{"index": 0, "text": "(decode's text is not used)", "token_ids": [10 + i],
                                          "finish_reason": "length" if last else None, "stop_reason": None}])
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            if self.chunk_delay:
+                await asyncio.sleep(self.chunk_delay)
         usage = {"prompt_tokens": 4, "completion_tokens": body["max_tokens"]}
         await resp.write(f"data: {json.dumps(dict(base, choices=[], usage=usage))}\n\ndata: [DONE]\n\n".encode())
         return resp
@@ -76,8 +80,9 @@ class FakeEngine:
                 resp = web.StreamResponse()
                 resp.content_type = "text/event-stream"
                 await resp.prepare(request)
-                for i in range(3):
-                    await resp.write(f"data: {json.dumps({'choices': [{'text': f't{i}'}]})}\n\n".encode())
+                for i in range(self.chunks):
+                    text = "x" * self.chunk_bytes if self.chunk_bytes else f"t{i}"
+                    await resp.write(f"data: {json.dumps({'choices': [{'text': text}]})}\n\n".encode())
                     await asyncio.sleep(0.01)
                 await resp.write(b"data: [DONE]\n\n")
                 return resp

@@ -105,6 +105,34 @@ async def test_client_disconnect_aborts_everything(stack):
     assert s["decode"].cancelled == 1 and s["prefill"].cancelled == 1
 
 
+async def test_a_client_gone_in_the_middle_of_the_decode_stream_ends_everything(stack):
+    """First-token path: the client reads its first tokens and goes away while decode is
+    still streaming. Decode's request is closed (vLLM aborts it) and nothing is left
+    reserved."""
+    s = stack
+    s["prefill"].mode = s["decode"].mode = "token_ids"
+    s["decode"].chunk_delay = 0.05
+    resp = await s["session"].post(s["ft_url"] + "/v1/completions",
+                                   json={"model": "tiny", "prompt": "a b", "max_tokens": 40, "stream": True})
+    assert resp.status == 200
+    seen = 0
+    async for line in resp.content:
+        seen += line.startswith(b"data: {")
+        if seen == 3:  # the prefill engine's token and two of decode's
+            break
+    res_id = s["decode"].bodies[-1]["kv_transfer_params"]["kvpush"]["reservation_id"]
+    resp.close()  # gone, mid-stream
+    for _ in range(200):
+        if s["decode"].cancelled:
+            break
+        await asyncio.sleep(0.02)
+    assert s["decode"].cancelled == 1
+    await settle(s["etcd"].endpoint, quiet=True)
+    res = await s["tenant"].scheduler.GetReservation(
+        scheduler_pb2.GetReservationRequest(reservation_id=res_id), metadata=s["tenant"].metadata)
+    assert res.state == types_pb2.RELEASED
+
+
 async def test_bad_requests(stack):
     s = stack
     cases = [({"model": "other", "prompt": "x"}, 404), ({"model": "tiny"}, 400), ({"model": "tiny", "prompt": None}, 400),

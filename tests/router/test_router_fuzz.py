@@ -13,7 +13,7 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from kvpush.contract.v1 import registry_pb2, types_pb2
+from kvpush.contract.v1 import registry_pb2, scheduler_pb2, types_pb2
 from tests.controlplane.helpers import settle
 
 pytestmark = pytest.mark.timeout(300)
@@ -131,3 +131,54 @@ async def test_a_body_trickled_in_is_cut_off_and_reserves_nothing(stack):
     assert len(s["prefill"].bodies) + len(s["decode"].bodies) == before
     report = await settle(s["etcd"].endpoint, quiet=True)
     assert not report.live
+
+
+async def test_a_client_that_stops_reading_is_cut_off_and_its_reservation_released(stack):
+    """A streamed answer the client does not read: once the buffers are full, a write
+    waits; past the write timeout the router aborts the connection, closes decode's
+    request and releases the reservation, instead of holding all three indefinitely."""
+    import socket
+
+    from aiohttp.test_utils import TestServer
+
+    from router import metrics
+    from router.app import build_app
+    from router.config import DecodeEngine, RouterConfig
+    from router.tokens import WhitespaceCounter
+
+    s = stack
+    s["decode"].chunks, s["decode"].chunk_bytes = 400, 64 * 1024  # 25 MiB: more than any socket buffers
+    cfg = RouterConfig(controlplane=s["cp"].address, token=s["token"], model="tiny",
+                       prefill_urls=(s["prefill_url"],), decode=(DecodeEngine("decode-0", s["decode_url"]),),
+                       max_model_len=1000, write_timeout_s=1.0)
+    router = TestServer(build_app(cfg, WhitespaceCounter()))
+    await router.start_server()
+    def slow() -> float:
+        return metrics.REGISTRY.get_sample_value(
+            "kvpush_router_requests_total", {"endpoint": "completions", "outcome": "client_too_slow"}) or 0.0
+    before = slow()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a client that takes almost nothing
+    try:
+        sock.connect((router.host, router.port))
+        body = json.dumps({"model": "tiny", "prompt": "a b c", "max_tokens": 8, "stream": True}).encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        deadline = asyncio.get_running_loop().time() + 30
+        while slow() == before:  # it reads nothing at all
+            assert asyncio.get_running_loop().time() < deadline, "the slow reader was never cut off"
+            await asyncio.sleep(0.1)
+        for _ in range(100):
+            if s["decode"].cancelled:
+                break
+            await asyncio.sleep(0.05)
+        assert s["decode"].cancelled == 1  # decode's request was closed (vLLM would abort it)
+        res_id = s["decode"].bodies[-1]["kv_transfer_params"]["kvpush"]["reservation_id"]
+        report = await settle(s["etcd"].endpoint, quiet=True)
+        assert not report.live
+        got = await s["tenant"].scheduler.GetReservation(
+            scheduler_pb2.GetReservationRequest(reservation_id=res_id), metadata=s["tenant"].metadata)
+        assert got.state == types_pb2.RELEASED
+    finally:
+        sock.close()
+        await router.close()
