@@ -106,12 +106,17 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                           prefill_engine_id=prefill.engine_id if prefill else "",
                           prefill_incarnation=prefill.incarnation if prefill else "")
 
-    @unary
-    async def Release(self, request: scheduler_pb2.ReleaseRequest, context) -> types_pb2.Reservation:
+    def _tenant_ending(self, request, context):
+        """The caller's tenant, with ``request``'s reservation_id and reason checked (Release, Relocate)."""
         tenant = self._auth.tenant(context)
         v.reservation_id(request.reservation_id)
         v.text(request.reason, "reason", 1024, required=False)
         structlog.contextvars.bind_contextvars(tenant=tenant.name, reservation_id=request.reservation_id)
+        return tenant
+
+    @unary
+    async def Release(self, request: scheduler_pb2.ReleaseRequest, context) -> types_pb2.Reservation:
+        tenant = self._tenant_ending(request, context)
         target = State.CONSUMED if request.consumed else State.RELEASED
         try:
             rec = await self._lifecycle.transition(request.reservation_id, target,
@@ -127,10 +132,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     @unary
     async def Relocate(self, request: scheduler_pb2.RelocateRequest, context) -> types_pb2.Reservation:
-        tenant = self._auth.tenant(context)
-        v.reservation_id(request.reservation_id)
-        v.text(request.reason, "reason", 1024, required=False)
-        structlog.contextvars.bind_contextvars(tenant=tenant.name, reservation_id=request.reservation_id)
+        tenant = self._tenant_ending(request, context)
         try:
             move = await self._relocation(request, tenant)
             rec = move if isinstance(move, ReservationRecord) else await self._reserver.reserve(move)

@@ -8,7 +8,7 @@ import grpc
 
 from client.control_plane import ControlPlaneClient
 from app.simulated import SimulatedEngine
-from kvpush.contract.v1 import admin_pb2, scheduler_pb2
+from kvpush.contract.v1 import admin_pb2, scheduler_pb2, types_pb2
 from tests.controlplane.helpers import expect_code, make_tenant, release, reserve, settle
 
 
@@ -129,3 +129,57 @@ async def test_tenant_admin_lifecycle(cp, admin, engine_client, etcd):
     await settle(etcd.endpoint, quiet=True)
     await t.close()
     await engine.stop()
+
+
+async def test_a_tenant_at_its_quota_does_not_hold_back_another(cp, admin, engine_client, etcd):
+    engine = SimulatedEngine(engine_client, "decode-0", num_blocks=64)
+    await engine.register()
+    small = await make_tenant(admin, cp.address, "small", quota_blocks=4)
+    big = await make_tenant(admin, cp.address, "big")
+    held = [await reserve(small, f"s{i}", 32) for i in range(2)]  # 4 blocks: at the quota
+    # Both tenants' asks arrive together (one group commit): the one at its quota is
+    # refused, naming the quota, and the other's are all granted in the same batches.
+    asks = [reserve(small, f"more{i}", 16) for i in range(6)] + [reserve(big, f"b{i}", 16) for i in range(12)]
+    results = await asyncio.gather(*asks, return_exceptions=True)
+    refused, granted = results[:6], results[6:]
+    assert all(isinstance(r, grpc.aio.AioRpcError) and r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+               and "quota" in r.details() for r in refused), refused
+    assert all(not isinstance(r, Exception) and r.tenant == "big" for r in granted), granted
+    report = await settle(etcd.endpoint)
+    assert report.tenant_usage["small"] == 4 and report.tenant_usage["big"] == 12
+    for res in held:
+        await release(small, res.id)
+    for res in granted:
+        await release(big, res.id)
+    await settle(etcd.endpoint, quiet=True)
+    await small.close()
+    await big.close()
+    await engine.stop()
+
+
+async def test_tenant_watchers_are_told_when_an_engine_dies(cp, admin, engine_client, etcd):
+    doomed = SimulatedEngine(engine_client, "decode-0", num_blocks=64, lease_ttl_s=2)
+    other = SimulatedEngine(engine_client, "decode-1", num_blocks=64)
+    await doomed.register()
+    await other.register()
+    alice = await make_tenant(admin, cp.address, "alice")
+    on_doomed = [await reserve(alice, f"a{i}", 16, preferred_engine_id="decode-0") for i in range(2)]
+    elsewhere = await reserve(alice, "b", 16, preferred_engine_id="decode-1")
+    assert {r.engine_id for r in on_doomed} == {"decode-0"} and elsewhere.engine_id == "decode-1"
+    watch = alice.scheduler.WatchReservations(scheduler_pb2.WatchReservationsRequest(), metadata=alice.metadata)
+    await asyncio.sleep(0.2)  # the watch is subscribed
+    await doomed.crash()  # its lease runs out: the control plane ends its reservations
+    told = {}
+    while len(told) < len(on_doomed):
+        event = await asyncio.wait_for(watch.read(), 20)
+        told[event.reservation.id] = event.reservation
+    assert set(told) == {r.id for r in on_doomed}
+    assert all(r.state == types_pb2.FAILED and "decode" in r.reason for r in told.values()), told
+    got = await alice.scheduler.GetReservation(scheduler_pb2.GetReservationRequest(reservation_id=elsewhere.id),
+                                               metadata=alice.metadata)
+    assert got.state == types_pb2.RESERVED  # the other engine's is untouched
+    watch.cancel()
+    await release(alice, elsewhere.id)
+    await settle(etcd.endpoint, quiet=True)
+    await alice.close()
+    await other.stop()
