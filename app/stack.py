@@ -18,7 +18,7 @@ from typing import Callable
 
 from app import engines
 from app.etcd_server import EmbeddedEtcd, free_port
-from app.procs import ManagedProcess, file_exists, http_ok, python
+from app.procs import ManagedProcess, become_subreaper, file_exists, http_ok, python, sweep_semaphores
 
 
 @dataclasses.dataclass
@@ -55,6 +55,7 @@ class Stack:
         self.controlplane = ""
         self.prefill_url = self.decode_url = self.router_url = ""
         self.urls: dict[str, str] = {}  # engine id -> its OpenAI server
+        self._started_at = 0.0
         self.stats_dir = os.path.join(self.run_dir, "stats")
         os.makedirs(self.stats_dir)
         self.ipc_dir = os.path.join(self.run_dir, "ipc")
@@ -71,6 +72,8 @@ class Stack:
         return proc
 
     def start(self) -> "Stack":
+        become_subreaper()
+        self._started_at = time.time()
         try:
             self._start_all()
         except BaseException:
@@ -146,7 +149,8 @@ class Stack:
         proc.wait_until(http_ok(self.urls[engine_id] + "/health"), 300, "serving", self.say)
         return proc
 
-    def add_router(self, name: str, handover: bool = True, token: str = "", discover: bool = False) -> str:
+    def add_router(self, name: str, handover: bool = True, token: str = "", discover: bool = False,
+                   extra: tuple[str, ...] = ()) -> str:
         """Start a router in front of the engines (the tenant's token unless ``token``);
         ``handover=False`` gives it the prefill engine as a bare URL, so it reserves
         before it sends the prefill request; ``discover`` gives it no engines: it finds
@@ -161,7 +165,7 @@ class Stack:
             python(), "-m", "app.cli", "router", "--controlplane", self.controlplane, "--token",
             token or self.tenant_token, "--model", spec.served_model, "--model-dir", spec.model_dir,
             *engines_args, "--port", str(port),
-            "--deadline-ms", str(spec.deadline_ms), "--ready-file", ready])
+            "--deadline-ms", str(spec.deadline_ms), "--ready-file", ready, *extra])
         router.wait_until(file_exists(ready), 60, "serving", self.say)
         return f"http://127.0.0.1:{port}"
 
@@ -203,6 +207,8 @@ class Stack:
         if self.etcd is not None:
             self.etcd.stop()
             self.etcd = None
+        if self._started_at:
+            sweep_semaphores(self._started_at)
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def __enter__(self) -> "Stack":
