@@ -11,7 +11,7 @@ counted by class (``reason_class``), so the label set stays small.
     kvpush_sidecar_push_exposed_seconds           prefill: last piece staged (prefill over) to last write done
     kvpush_sidecar_landings_total{state}          decode: LANDED, CONSUMED, FAILED, CANCELLED
     kvpush_sidecar_failures_total{role,reason}    both: by reason class
-    kvpush_sidecar_pool_units{state}              prefill: staging units free, used, total;
+    kvpush_sidecar_pool_units{state}              prefill: staging units free, used (held included), held, total;
                                                   decode: landing blocks landed (not yet consumed), total
     kvpush_sidecar_transfers_in_flight            NIXL writes not yet done
     kvpush_sidecar_registered                     1 while the control plane has this engine
@@ -111,6 +111,7 @@ class _StateCollector:
         if "staging_units" in s:
             units.add_metric(["free"], s["staging_free_units"])
             units.add_metric(["used"], s["staging_units"] - s["staging_free_units"])
+            units.add_metric(["held"], s.get("staging_held_units", 0))  # of used: given up for any new push
             units.add_metric(["total"], s["staging_units"])
             failover = CounterMetricFamily("kvpush_sidecar_failover", "Decode failovers served from staging, and "
                                            "held staging let go", labels=["event"])

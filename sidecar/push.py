@@ -260,6 +260,10 @@ class PushEngine:
     def held(self) -> int:
         return len(self._held)
 
+    @property
+    def held_units(self) -> int:
+        return self._held.units
+
     def live_reservations(self) -> list[str]:
         """Reservations with a push under way here, or staging held for them."""
         return [ob.target.reservation_id for ob in self._requests.values() if not ob.state.terminal or ob.held]

@@ -57,6 +57,11 @@ class StagingHold:
             ob.held = False
             self._held.pop(ob.target.reservation_id, None)
 
+    @property
+    def units(self) -> int:
+        """Staging units held (each freed at once when a new push needs room)."""
+        return sum(ob.alloc.num_units for ob in self._held.values())
+
     def evictable(self) -> Outbound | None:
         """The oldest held request whose staging can be freed at once (no write reads it)."""
         return next((ob for ob in self._held.values() if not ob.inflight and not ob.stale_inflight), None)
