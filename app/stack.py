@@ -39,6 +39,7 @@ class StackSpec:
     quarantine_ms: int = 5_000
     discover: bool = False           # the router finds the engines in the registry (no --prefill/--decode)
     decode_engines: int = 1          # decode-0, decode-1, ... (each a vLLM engine and its sidecar)
+    controlplanes: int = 1           # control-plane replicas; every client is given all of them
 
 
 class Stack:
@@ -56,20 +57,40 @@ class Stack:
         self.prefill_url = self.decode_url = self.router_url = ""
         self.urls: dict[str, str] = {}  # engine id -> its OpenAI server
         self._started_at = 0.0
+        self.cp_metrics: list[str] = []  # each control-plane replica's Prometheus endpoint
         self.stats_dir = os.path.join(self.run_dir, "stats")
         os.makedirs(self.stats_dir)
         self.ipc_dir = os.path.join(self.run_dir, "ipc")
         os.makedirs(self.ipc_dir)
         self.layout = engines.model_layout(spec.model_dir)
         self._engine_cmds: dict[str, tuple[list[str], dict]] = {}  # role -> (vLLM command, environment)
+        self._cmds: dict[str, tuple[list[str], dict | None, str]] = {}  # name -> (command, environment, ready file)
 
     def _log(self, name: str) -> str:
         return os.path.join(self.spec.log_dir, f"{name}.log")
 
-    def _start(self, name: str, cmd: list[str], env: dict | None = None) -> ManagedProcess:
+    def _start(self, name: str, cmd: list[str], env: dict | None = None, ready: str = "") -> ManagedProcess:
+        """Start ``name``; ``ready``: the file it writes once serving (``restart`` waits for it)."""
         proc = ManagedProcess(name, cmd, self._log(name), env=env, cwd=engines.ROOT)
         self.procs.append(proc)
+        self._cmds[name] = (cmd, env, ready)
         return proc
+
+    def restart(self, name: str) -> ManagedProcess:
+        """Start a sidecar or a control-plane replica again (after a fault test killed it),
+        with the command it had; returns once it is ready again."""
+        cmd, env, ready = self._cmds[name]
+        if ready and os.path.exists(ready):
+            os.unlink(ready)
+        proc = ManagedProcess(name, cmd, self._log(name), env=env, cwd=engines.ROOT)
+        self.procs.append(proc)
+        if ready:
+            proc.wait_until(file_exists(ready), 60, "ready", self.say)
+        return proc
+
+    def live(self, name: str) -> ManagedProcess:
+        """The running process of ``name`` (its latest start)."""
+        return next(p for p in reversed(self.procs) if p.name in (name, f"{name}-restarted") and p.alive())
 
     def start(self) -> "Stack":
         become_subreaper()
@@ -85,15 +106,22 @@ class Stack:
         spec = self.spec
         self.etcd = EmbeddedEtcd(log_path=self._log("etcd")).start()
         self.say(f"etcd up at {self.etcd.endpoint}")
-        port = free_port()
-        ready = os.path.join(self.run_dir, "cp.ready")
-        cp = self._start("controlplane", [python(), "-m", "app.cli", "controlplane", "--listen",
-                                          f"127.0.0.1:{port}", "--etcd", self.etcd.endpoint, "--admin-token",
-                                          self.admin_token, "--engine-token", self.engine_token,
-                                          "--max-batch", "500", "--quarantine-ms", str(spec.quarantine_ms),
-                                          "--ready-file", ready])
-        cp.wait_until(file_exists(ready), 60, "serving", self.say)
-        self.controlplane = f"127.0.0.1:{port}"
+        addresses = []
+        for i in range(spec.controlplanes):
+            port, metrics = free_port(), free_port()
+            self.cp_metrics.append(f"http://127.0.0.1:{metrics}/metrics")
+            name = "controlplane" if i == 0 else f"controlplane-{i}"
+            ready = os.path.join(self.run_dir, f"{name}.ready")
+            cp = self._start(name, [python(), "-m", "app.cli", "controlplane", "--listen",
+                                    f"127.0.0.1:{port}", "--etcd", self.etcd.endpoint, "--admin-token",
+                                    self.admin_token, "--engine-token", self.engine_token,
+                                    "--max-batch", "500", "--quarantine-ms", str(spec.quarantine_ms),
+                                    "--metrics-port", str(metrics), "--ready-file", ready], ready=ready)
+            cp.wait_until(file_exists(ready), 60, "serving", self.say)
+            addresses.append(f"127.0.0.1:{port}")
+        # Several replicas: one gRPC target naming them all (gRPC's own failover: a client
+        # whose replica dies connects to another).
+        self.controlplane = addresses[0] if len(addresses) == 1 else "ipv4:" + ",".join(addresses)
         self.say(f"control plane serving on {self.controlplane}")
         self.tenant_token = self._create_tenant()
 
@@ -115,7 +143,7 @@ class Stack:
                 "--controlplane", self.controlplane, "--token", self.engine_token, "--kv-layout", layout,
                 "--num-blocks", str(blocks), "--model", spec.served_model, "--socket", sockets[engine_id],
                 "--serving-url", urls[engine_id], "--wait-for-engine",
-                "--ready-file", ready], env=spec.sidecar_env or None),
+                "--ready-file", ready], env=spec.sidecar_env or None, ready=ready),
                              ready))
         for proc, ready in sidecars:
             proc.wait_until(file_exists(ready), 60, "registered", self.say)
