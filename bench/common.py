@@ -17,6 +17,20 @@ def pct(values, q: float) -> float:
     return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else float("nan")
 
 
+def cpu_seconds(proc: psutil.Process, children: bool = True) -> float:
+    """User + system CPU seconds of ``proc`` (and its descendants, when ``children``);
+    ``psutil.Error`` if ``proc`` itself is gone."""
+    t = proc.cpu_times()
+    total = t.user + t.system
+    for child in proc.children(recursive=True) if children else ():
+        try:
+            ct = child.cpu_times()
+            total += ct.user + ct.system
+        except psutil.Error:
+            pass
+    return total
+
+
 @dataclasses.dataclass
 class CpuMeter:
     """CPU seconds used by a set of processes over an interval. Names ending in
@@ -27,15 +41,7 @@ class CpuMeter:
     @staticmethod
     def _cpu(proc: psutil.Process, children: bool) -> float:
         try:
-            t = proc.cpu_times()
-            total = t.user + t.system
-            for child in proc.children(recursive=True) if children else ():
-                try:
-                    ct = child.cpu_times()
-                    total += ct.user + ct.system
-                except psutil.Error:
-                    pass
-            return total
+            return cpu_seconds(proc, children)
         except psutil.Error:
             return 0.0
 

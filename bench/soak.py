@@ -43,7 +43,7 @@ import psutil
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.common import update_section  # noqa: E402
+from bench.common import cpu_seconds, update_section  # noqa: E402
 from bench.loadgen import make_prompts  # noqa: E402
 from app.stack import Stack, StackSpec  # noqa: E402
 from app.tiny_model import ensure_model  # noqa: E402
@@ -150,19 +150,10 @@ class CpuLedger:
 
     @staticmethod
     def _cpu(pid: int) -> float:
-        try:
-            p = psutil.Process(pid)
-            procs = [p] + p.children(recursive=True)  # a vLLM engine's EngineCore and workers
+        try:  # with its descendants: a vLLM engine's EngineCore and workers
+            return cpu_seconds(psutil.Process(pid), children=True)
         except psutil.Error:
             return -1.0
-        total = 0.0
-        for q in procs:
-            try:
-                t = q.cpu_times()
-                total += t.user + t.system
-            except psutil.Error:
-                pass
-        return total
 
     def sample(self) -> None:
         lives = [(name, self.stack.live(name).pid) for name in self.PROCS if self._alive(name)]

@@ -167,12 +167,37 @@ class Reserver:
             # Someone else moved a fence: let the watch bring the view up to date.
             if not await self._view.wait_for_revision(result.revision, timeout=2.0):
                 _log.warning("view lagging after conflict", want=result.revision, have=self._view.revision)
+            for ask in pending:
+                if ask.moving is not None and not ask.future.done():
+                    await self._refresh_move(ask)  # the reservation moved may be what changed
             pending = [a for a in pending if not a.future.done()]
             if attempt >= 3:
                 await asyncio.sleep(0.001 * (attempt - 2))
         for ask in pending:
             if not ask.future.done():
                 ask.future.set_exception(errors.unavailable("too much contention between replicas; retry"))
+
+    async def _refresh_move(self, ask: ReserveAsk) -> None:
+        """A move's transaction failed: read the reservation it replaces again (its engine's
+        death may just have ended it FAILED), or end the ask when it cannot move any more."""
+        old = ask.moving
+        current = self._view.reservation_at(old.id)
+        if current is None:
+            try:
+                kv = await self._etcd.get(keys.reservation(old.id))
+            except EtcdUnavailable:
+                return  # the next attempt's transaction says more
+            if kv is None:
+                ask.future.set_exception(errors.not_found(f"reservation_id {old.id!r} not found"))
+                return
+            current = (ReservationRecord.decode(kv.value), kv.mod_revision)
+        rec, revision = current
+        if rec.moved_to or (rec.state.terminal and rec.state != State.FAILED):
+            ask.future.set_exception(errors.failed_precondition(
+                f"reservation_id {old.id!r} became {rec.state.name}" + (f", moved to {rec.moved_to}," if rec.moved_to
+                                                                        else "") + " while it was being moved"))
+            return
+        ask.moving, ask.moving_revision = rec, revision
 
     def _plan(self, asks: list[ReserveAsk]) -> "_Plan":
         view = self._view

@@ -91,8 +91,8 @@ class PrefillSidecar(SidecarBase):
     def stats(self) -> dict:
         out = super().stats()
         out.update(self.handover.stats())
-        out.update(active=self.pusher.active, staging_held=self.pusher.held,
-                   staging_held_units=self.pusher.held_units, staging_free_units=self.pool.free_units,
+        out.update(active=self.pusher.active, staging_held=len(self.pusher.held),
+                   staging_held_units=self.pusher.held.units, staging_free_units=self.pool.free_units,
                    staging_units=self.pool.num_units, staging_allocations=self.pool.live_allocations,
                    peer_loads=self.peers.loads, **dict(self.pusher.counters))
         return out

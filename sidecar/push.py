@@ -74,7 +74,7 @@ class PushEngine:
         self.on_outcome = on_outcome
         self.on_start = on_start  # (reservation_id, request_id) when its first write is posted
         self._requests: dict[str, Outbound] = {}  # by the engine's request id, held ones included
-        self._held = StagingHold(config.hold_s, self._hold_over)
+        self.held = StagingHold(config.hold_s, self._hold_over)  # staging kept for decode failover
         self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()  # ended reservations: why
         self._ended: collections.OrderedDict[str, PushState] = collections.OrderedDict()
         self.counters = collections.Counter()
@@ -160,7 +160,7 @@ class PushEngine:
             ob.engine_done = True
             if aborted or ob.remaining:
                 return self._drop_held(ob, f"the engine ended it with {ob.remaining} layer-tokens not staged")
-            return self._held.arm(ob)  # the hold runs from the end of staging
+            return self.held.arm(ob)  # the hold runs from the end of staging
         if ob is None or ob.state.terminal:
             return
         ob.engine_done = True
@@ -177,7 +177,7 @@ class PushEngine:
         self._gone[reservation_id] = reason  # a BEGIN for it from now on is refused
         while len(self._gone) > self.config.tombstones:
             self._gone.popitem(last=False)
-        held = self._held.get(reservation_id)
+        held = self.held.get(reservation_id)
         if held is not None:
             if not hold:
                 self._drop_held(held, reason)
@@ -190,7 +190,7 @@ class PushEngine:
 
     def release_held(self, reservation_id: str, reason: str = "consumed") -> bool:
         """Its decode engine has the KV (CONSUMED): the staging is not needed any more."""
-        ob = self._held.get(reservation_id)
+        ob = self.held.get(reservation_id)
         if ob is None:
             return False
         self._drop_held(ob, reason)
@@ -200,9 +200,9 @@ class PushEngine:
         """Push a request's staged KV again, into ``target``, the reservation that replaced
         ``old_reservation_id`` (its decode engine failed). "" when under way, else why not
         (the staging is gone, or the new target cannot take it)."""
-        if self._held.get(target.reservation_id) or self._outbound_of(target.reservation_id):
+        if self.held.get(target.reservation_id) or self._outbound_of(target.reservation_id):
             return ""  # heard again (a watch's snapshot after a break): under way already
-        ob = self._held.get(old_reservation_id) or self._outbound_of(old_reservation_id)
+        ob = self.held.get(old_reservation_id) or self._outbound_of(old_reservation_id)
         if ob is None or ob.state.terminal and not ob.held:
             return f"no staged KV for reservation {old_reservation_id} (freed, or never staged here)"
         if not ob.holdable:
@@ -212,7 +212,7 @@ class PushEngine:
             return why
         if not ob.held:  # still pushing to the old one (the move was heard before its end)
             self._fail(ob, f"moved to {target.reservation_id}", state=PushState.CANCELLED, hold=True)
-        self._held.remove(ob)
+        self.held.remove(ob)
         pieces = ob.retarget(target)
         self._ended.pop(ob.request_id, None)
         self.counters["relocated"] += 1
@@ -254,15 +254,7 @@ class PushEngine:
     @property
     def active(self) -> int:
         """Pushes under way (held staging is not one)."""
-        return len(self._requests) - len(self._held)
-
-    @property
-    def held(self) -> int:
-        return len(self._held)
-
-    @property
-    def held_units(self) -> int:
-        return self._held.units
+        return len(self._requests) - len(self.held)
 
     def live_reservations(self) -> list[str]:
         """Reservations with a push under way here, or staging held for them."""
@@ -440,8 +432,8 @@ class PushEngine:
         self._emit(PushOutcome(ob.request_id, ob.target.reservation_id, ob.target.engine_id, ob.state, reason,
                                ob.bytes_pushed, ob.transfers, now - ob.started,
                                now - ob.final_at if ob.final_at else 0.0))
-        if hold and ob.holdable and self._held.enabled:
-            self._held.add(ob)
+        if hold and ob.holdable and self.held.enabled:
+            self.held.add(ob)
             return
         self._forget(ob)
 
@@ -466,7 +458,7 @@ class PushEngine:
         if not ob.held:
             return
         log.debug("staging of %s (reservation %s) freed: %s", ob.request_id, ob.target.reservation_id, reason)
-        self._held.remove(ob)
+        self.held.remove(ob)
         self._forget(ob)
         self._maybe_free(ob)
 
@@ -476,7 +468,7 @@ class PushEngine:
             try:
                 return self.staging.allocate(geom.block_layer_bytes, geom.num_blocks, owner)
             except StagingFull:
-                victim = self._held.evictable()
+                victim = self.held.evictable()
                 if victim is None:
                     raise
                 self.counters["hold_evicted"] += 1

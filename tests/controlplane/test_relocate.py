@@ -116,3 +116,32 @@ async def test_relocate_an_engine_death_and_what_cannot_move(cp, admin, engine_c
         await e.stop()
     await tenant.close()
     await other.close()
+
+
+async def test_a_move_planned_on_a_stale_read_reads_again_instead_of_failing(cp, admin, engine_client, etcd):
+    """The engine's death ends the reservation FAILED between Relocate's read and its
+    transaction (the race a killed decode sidecar makes): the move reads it again and goes
+    through, instead of retrying a compare that can never hold ("too much contention")."""
+    from controlplane.reserver import ReserveAsk
+    from kvpush.contract.states import State
+
+    tenant = await make_tenant(admin, cp.address, "acme")
+    d0, d1 = await engines(engine_client, "decode-0", "decode-1")
+    prefill = SimulatedEngine(engine_client, "prefill-0", num_blocks=64, role=types_pb2.PREFILL)
+    await prefill.register()
+    old = await reserve(tenant, "req-1", 40, prefill_engine_id="prefill-0", preferred_engine_id="decode-0")
+    stale, revision = cp.view.reservation_at(old.id)  # what Relocate read ...
+    await cp.lifecycle.transition(old.id, State.FAILED, "engine died")  # ... before the engine's death wrote
+    record = cp.view.tenant("acme")
+    moved = await cp.reserver.reserve(ReserveAsk(
+        tenant=record, request_id="req-1", num_tokens=40, model="sim-model", deadline_ms=20_000,
+        prefill_engine_id="prefill-0", prefill_incarnation=prefill.incarnation, moving=stale,
+        moving_revision=revision, move_reason="decode engine died"))
+    assert moved.engine_id == "decode-1" and moved.moved_from == old.id
+    ended = await get(tenant, old.id)
+    assert ended.state == types_pb2.FAILED and ended.moved_to == moved.id and "engine died" in ended.reason
+    await release(tenant, moved.id)
+    await settle(etcd.endpoint, quiet=True)
+    for e in (d0, d1, prefill):
+        await e.stop()
+    await tenant.close()

@@ -183,10 +183,10 @@ def test_staging_is_held_after_the_push_until_the_kv_is_consumed():
         pair.begin_and_push_all()
         complete_all(pair)
         assert [o.state for o in pair.outcomes] == [PushState.PUSHED]
-        assert pair.staging.live_allocations == 1 and pair.pusher.held == 1 and pair.pusher.active == 0
+        assert pair.staging.live_allocations == 1 and len(pair.pusher.held) == 1 and pair.pusher.active == 0
         assert pair.pusher.live_reservations() == ["res-1"]  # checked after a watch break, like a push
         assert pair.pusher.release_held("res-1")
-        assert pair.staging.live_allocations == 0 and pair.pusher.held == 0
+        assert pair.staging.live_allocations == 0 and len(pair.pusher.held) == 0
         assert pair.pusher.relocate("res-1", MOVED).startswith("no staged KV")
     finally:
         pair.close()
@@ -248,14 +248,14 @@ def test_held_staging_is_freed_for_new_requests_refused_when_it_does_not_fit_and
     try:
         pair.begin_and_push_all()
         complete_all(pair)
-        assert pair.pusher.held == 1
+        assert len(pair.pusher.held) == 1
         # A target of another size is not the staged request.
         wrong = PushTarget("res-9", "D2", "inc-d2", (1, 2, 4, 5), LAYOUT.block_size, TOKENS + 16)
         assert "does not match" in pair.pusher.relocate("res-1", wrong)
         # New requests take all of staging: the held one makes room rather than refusing them.
         for i in range(pair.staging.num_units // len(BLOCKS)):
             pair.pusher.begin(f"new-{i}", PushTarget(f"n-{i}", "D2", "inc-d2", BLOCKS, LAYOUT.block_size, TOKENS))
-        assert pair.pusher.held == 0 and pair.pusher.counters["hold_evicted"] == 1
+        assert len(pair.pusher.held) == 0 and pair.pusher.counters["hold_evicted"] == 1
         assert pair.pusher.relocate("res-1", MOVED).startswith("no staged KV")
     finally:
         pair.close()
@@ -264,9 +264,9 @@ def test_held_staging_is_freed_for_new_requests_refused_when_it_does_not_fit_and
         pair.begin_and_push_all()
         complete_all(pair)
         assert not pair.pusher.cancel_reservation("res-1", "reservation FAILED: engine gone", hold=True)
-        assert pair.pusher.held == 1  # FAILED: a relocation may come
+        assert len(pair.pusher.held) == 1  # FAILED: a relocation may come
         assert pair.pusher.cancel_reservation("res-1", "reservation RELEASED")
-        assert pair.pusher.held == 0 and pair.staging.live_allocations == 0
+        assert len(pair.pusher.held) == 0 and pair.staging.live_allocations == 0
     finally:
         pair.close()
 
@@ -276,9 +276,9 @@ async def test_held_staging_is_freed_when_its_time_is_over():
     try:
         pair.begin_and_push_all()
         complete_all(pair)
-        assert pair.pusher.held == 1
+        assert len(pair.pusher.held) == 1
         await asyncio.sleep(0.2)
-        assert pair.pusher.held == 0 and pair.staging.live_allocations == 0
+        assert len(pair.pusher.held) == 0 and pair.staging.live_allocations == 0
         assert pair.pusher.counters["hold_expired"] == 1
     finally:
         pair.close()
