@@ -151,7 +151,13 @@ class Lifecycle:
                 else:
                     lease = None
                     ops = [op_put(key, value, keep_lease=True)]
-                succeeded, applied = await self._commits.commit([cmp_mod(key, revision)], ops)
+                # The watch often brings the write back before the commit's answer: with
+                # the record at hand the view need not decode the JSON.
+                self._view.expect_own_writes({key: (value, new)})
+                try:
+                    succeeded, applied = await self._commits.commit([cmp_mod(key, revision)], ops)
+                finally:
+                    self._view.forget_own_writes([key])
                 if succeeded:
                     metrics.TRANSITIONS.labels(to=target.name).inc()
                     self._view.apply(KV(key, value, applied, applied,

