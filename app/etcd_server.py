@@ -215,8 +215,9 @@ class EtcdCluster:
     """``size`` real etcd members on loopback, one process each, forming one cluster."""
 
     def __init__(self, size: int = 3, unsafe_no_fsync: bool = True, tls: EtcdTls | None = None,
-                 max_txn_ops: int = 4096) -> None:
-        self.members = [EmbeddedEtcd(name=f"m{i}", unsafe_no_fsync=unsafe_no_fsync, tls=tls, max_txn_ops=max_txn_ops)
+                 max_txn_ops: int = 4096, log_dir: str | None = None) -> None:
+        self.members = [EmbeddedEtcd(name=f"m{i}", unsafe_no_fsync=unsafe_no_fsync, tls=tls, max_txn_ops=max_txn_ops,
+                                     log_path=os.path.join(log_dir, f"etcd-m{i}.log") if log_dir else None)
                         for i in range(size)]
         initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
         for m in self.members:
@@ -226,6 +227,11 @@ class EtcdCluster:
     def endpoints(self) -> str:
         """Every member's client endpoint, as ``--etcd`` takes them."""
         return ",".join(m.endpoint for m in self.members)
+
+    @property
+    def endpoint(self) -> str:
+        """As ``EmbeddedEtcd.endpoint``: what a client is given (here every member)."""
+        return self.endpoints
 
     def start(self, timeout: float = 30.0) -> "EtcdCluster":
         for m in self.members:
@@ -258,9 +264,20 @@ class EtcdCluster:
         member.spawn()
         member.wait_healthy(timeout)
 
-    def stop(self) -> None:
+    def new_leader(self, timeout: float = 30.0) -> int:
+        """Wait until the live members agree on a live leader (after one was killed); its index."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.leader()
+            except (RuntimeError, OSError, KeyError):
+                if time.monotonic() > deadline:
+                    raise
+            time.sleep(0.05)
+
+    def stop(self, remove_data: bool | None = None) -> None:
         for m in self.members:
-            m.stop()
+            m.stop(remove_data)
 
     def __enter__(self) -> "EtcdCluster":
         return self.start()

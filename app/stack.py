@@ -17,7 +17,7 @@ import urllib.request
 from typing import Callable
 
 from app import engines
-from app.etcd_server import EmbeddedEtcd, free_port
+from app.etcd_server import EmbeddedEtcd, EtcdCluster, free_port
 from app.procs import ManagedProcess, become_subreaper, file_exists, http_ok, python, sweep_semaphores
 
 
@@ -40,6 +40,7 @@ class StackSpec:
     discover: bool = False           # the router finds the engines in the registry (no --prefill/--decode)
     decode_engines: int = 1          # decode-0, decode-1, ... (each a vLLM engine and its sidecar)
     controlplanes: int = 1           # control-plane replicas; every client is given all of them
+    etcd_members: int = 1            # 1: one etcd node; 3 (or more): a real cluster, every replica given all members
 
 
 class Stack:
@@ -52,7 +53,7 @@ class Stack:
         self.engine_token = "kvp_engine_" + secrets.token_hex(16)
         self.tenant_token = ""
         self.procs: list[ManagedProcess] = []
-        self.etcd: EmbeddedEtcd | None = None
+        self.etcd: EmbeddedEtcd | EtcdCluster | None = None
         self.controlplane = ""
         self.prefill_url = self.decode_url = self.router_url = ""
         self.urls: dict[str, str] = {}  # engine id -> its OpenAI server
@@ -104,7 +105,11 @@ class Stack:
 
     def _start_all(self) -> None:
         spec = self.spec
-        self.etcd = EmbeddedEtcd(log_path=self._log("etcd")).start()
+        if spec.etcd_members > 1:
+            # fsync on, as the single node has it: a member's restart replays its own log.
+            self.etcd = EtcdCluster(spec.etcd_members, unsafe_no_fsync=False, log_dir=spec.log_dir).start()
+        else:
+            self.etcd = EmbeddedEtcd(log_path=self._log("etcd")).start()
         self.say(f"etcd up at {self.etcd.endpoint}")
         addresses = []
         for i in range(spec.controlplanes):

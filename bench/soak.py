@@ -1,8 +1,8 @@
 """A bounded soak: steady load through the router against real engines, with clients that
 give up part way and one fault injected at a time, then the registry checked in etcd.
 
-One real stack on loopback: etcd, two control-plane replicas (every client is given
-both), sidecars, one prefill and two decode vLLM engines with our connector, and the
+One real stack on loopback: a 3-member etcd cluster (``--etcd-members``), two
+control-plane replicas (every client is given both, and every etcd member), sidecars, one prefill and two decode vLLM engines with our connector, and the
 router. Requests arrive at a steady rate, streamed or not; some clients go away before
 their first token, some in the middle of the stream. Every ``--fault-every`` seconds one
 fault from the list is injected, in turn:
@@ -11,7 +11,8 @@ fault from the list is injected, in turn:
     decode_sidecar    kill -9 a decode sidecar, start it again
     vllm_engine       kill -9 a vLLM engine (API server and EngineCore), start it again
     controlplane      kill -9 one control-plane replica of the two, start it again
-    etcd              stop etcd (not pause), start it again on the same data
+    etcd              stop etcd (not pause: every member), start it again on the same data
+    etcd_leader       kill -9 the etcd cluster's leader, start it again once another leads
 
 Every answer is compared with what an aggregated engine (a decode vLLM engine asked
 directly, no kvpush) answers for the same prompt, greedy. At the end, once quiet, etcd
@@ -50,7 +51,7 @@ from app.tiny_model import ensure_model  # noqa: E402
 from controlplane.metrics import _LATENCY_BUCKETS  # noqa: E402
 
 LARGEST_BUCKET = max(_LATENCY_BUCKETS)  # the Reserve histogram's last finite bound
-FAULTS = ("prefill_sidecar", "decode_sidecar", "vllm_engine", "controlplane", "etcd")
+FAULTS = ("prefill_sidecar", "decode_sidecar", "vllm_engine", "controlplane", "etcd", "etcd_leader")
 MAX_TOKENS = 8
 CLIENT_TIMEOUT_S = 120  # a request not answered by then is a hang
 
@@ -157,8 +158,10 @@ class CpuLedger:
 
     def sample(self) -> None:
         lives = [(name, self.stack.live(name).pid) for name in self.PROCS if self._alive(name)]
-        if self.stack.etcd is not None and self.stack.etcd.proc is not None:
-            lives.append(("etcd", self.stack.etcd.proc.pid))
+        etcd = self.stack.etcd
+        for member in getattr(etcd, "members", [etcd] if etcd is not None else []):
+            if member.proc is not None:
+                lives.append(("etcd" if member is etcd else f"etcd-{member.name}", member.proc.pid))
         for name, pid in lives:
             now = self._cpu(pid)
             if now < 0:
@@ -205,7 +208,19 @@ def inject(stack: Stack, fault: str, turn: int, ledger: CpuLedger) -> str:
         stack.etcd.stop(remove_data=False)
         time.sleep(3.0)
         stack.etcd.start()
-        return "etcd stopped, started again 3 s later on its data"
+        members = len(getattr(stack.etcd, "members", ()))
+        return f"etcd ({members} members, all) stopped, started again 3 s later on its data" if members else \
+            "etcd stopped, started again 3 s later on its data"
+    if fault == "etcd_leader":
+        cluster = stack.etcd
+        old = cluster.leader()
+        killed = time.monotonic()
+        cluster.members[old].kill()
+        new = cluster.new_leader()
+        elected = time.monotonic() - killed
+        cluster.restart(old)
+        return (f"etcd leader {cluster.members[old].name} of {len(cluster.members)} killed -9 "
+                f"({cluster.members[new].name} leading {elected:.1f} s later), started again")
     raise ValueError(f"unknown fault {fault!r}")
 
 
@@ -262,11 +277,14 @@ def registry_at_the_end(stack: Stack, timeout_s: float = 60.0):
     return asyncio.run(wait())
 
 
-def soak(minutes: float, rate: float, fault_every: float, faults: tuple[str, ...], seed: int = 7) -> dict:
+def soak(minutes: float, rate: float, fault_every: float, faults: tuple[str, ...], seed: int = 7,
+         etcd_members: int = 3) -> dict:
+    if "etcd_leader" in faults and etcd_members < 3:
+        raise ValueError("the etcd_leader fault needs a cluster: etcd_members >= 3")
     model = os.path.abspath(ensure_model(os.path.join(ROOT, ".kvpush", "models", "tiny-llama")))
     logs = tempfile.mkdtemp(prefix="kvpush-soak-")
     stack = Stack(StackSpec(model_dir=model, log_dir=logs, decode_engines=2, controlplanes=2, deadline_ms=20_000,
-                            quarantine_ms=2_000), progress=say)
+                            quarantine_ms=2_000, etcd_members=etcd_members), progress=say)
     try:
         stack.start()
         prompts = make_prompts(model, 200, 6, "soak") + make_prompts(model, 900, 2, "soak-long")
@@ -303,12 +321,12 @@ def soak(minutes: float, rate: float, fault_every: float, faults: tuple[str, ...
         ledger.sample()
         cpu = {k: v / wall for k, v in sorted(ledger.total.items())}
         report = registry_at_the_end(stack)
-        return summarize(load.results, want, injected, windows, report, hung, cpu, minutes, rate)
+        return summarize(load.results, want, injected, windows, report, hung, cpu, minutes, rate, etcd_members)
     finally:
         stack.stop()
 
 
-def summarize(results, want, injected, windows, report, hung, cpu, minutes, rate) -> dict:
+def summarize(results, want, injected, windows, report, hung, cpu, minutes, rate, etcd_members=1) -> dict:
     served = [(p, r) for p, r in results if not r["give_up"]]
     ok = [(p, r) for p, r in served if r["status"] == 200 and not r["error"]]
     wrong = [(p, r) for p, r in ok if r["text"] != want[p]]
@@ -316,7 +334,7 @@ def summarize(results, want, injected, windows, report, hung, cpu, minutes, rate
                                  if r["status"] != 200 or r["error"])
     double = [v for v in report.violations if "in two live reservations" in v or "reused by" in v]
     other = [v for v in report.violations if v not in double and not v.startswith("system is quiet")]
-    return {"minutes": minutes, "rate": rate, "sent": len(results), "served": len(served), "ok": len(ok),
+    return {"minutes": minutes, "rate": rate, "etcd_members": etcd_members, "sent": len(results), "served": len(served), "ok": len(ok),
             "wrong": len(wrong), "errors": dict(errors), "gave_up": sum(1 for _, r in results if r["give_up"]),
             "hung": hung, "faults": injected, "reserve_p99": windows, "leaked": len(report.live),
             "double_booked": len(double), "violations": other[:20], "cpu": cpu}
@@ -326,7 +344,8 @@ def report_text(s: dict) -> str:
     lines = [
         "## Soak: steady load with faults (issue #13)",
         "",
-        f"`bench/soak.py`: {s['minutes']:g} minutes at {s['rate']:g} requests/s through the router (etcd, two "
+        f"`bench/soak.py`: {s['minutes']:g} minutes at {s['rate']:g} requests/s through the router ("
+        f"{'a ' + str(s['etcd_members']) + '-member etcd cluster' if s['etcd_members'] > 1 else 'etcd'}, two "
         "control-plane replicas, sidecars, one prefill and two decode vLLM engines, tiny model), prompts of 200 and "
         f"900 tokens, {MAX_TOKENS} output tokens, greedy; one client in ten goes away before its first token and "
         "one in ten in the middle of the stream. A fault from the list below in turn, each followed by its "
@@ -365,10 +384,12 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=2.0, help="requests per second")
     ap.add_argument("--fault-every", type=float, default=60.0, help="seconds between faults")
     ap.add_argument("--faults", nargs="+", default=list(FAULTS), choices=FAULTS)
+    ap.add_argument("--etcd-members", type=int, default=3, help="1: one etcd node (no etcd_leader fault)")
     ap.add_argument("--json", default="", help="also write the results here")
     ap.add_argument("--no-report", action="store_true")
     args = ap.parse_args()
-    results = soak(args.minutes, args.rate, args.fault_every, tuple(args.faults))
+    faults = tuple(args.faults) if args.etcd_members >= 3 else tuple(f for f in args.faults if f != "etcd_leader")
+    results = soak(args.minutes, args.rate, args.fault_every, faults, etcd_members=args.etcd_members)
     text = report_text(results)
     print(text)
     if args.json:

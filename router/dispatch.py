@@ -40,7 +40,7 @@ from router.model_limits import ModelLimits
 from router.errors import ApiError, json_error
 from router.failover import Failover, with_reservation
 from router.streams import DecodeStreamError, sse_events, sse_response
-from router.upstream import Upstream, nothing_sent
+from router.upstream import Answering, Upstream, nothing_sent
 from router.first_token import (BadHead, Chunks, Tail, decode_body, final_answer, parse_head, prefill_body,
                                 resume_body)
 from router.tokens import TokenCounter
@@ -340,8 +340,8 @@ class Dispatcher:
         so that a client gone away releases the right one."""
         res = held[0] if held else None
         chunks = Chunks(ask, head)
-        self.outstanding[decode_url] = self.outstanding.get(decode_url, 0) + 1
-        call = asyncio.ensure_future(self._continuation(decode_url, d_body, res))
+        answering = self.up.answering(decode_url)
+        call = asyncio.ensure_future(self._continuation(answering, d_body, res))
         out = None
 
         async def failed(message: str, whole: web.Response | None = None) -> web.StreamResponse:
@@ -359,7 +359,7 @@ class Dispatcher:
                 out = await sse_response(request, self.cfg.write_timeout_s)
                 await out.write(chunks.head_events(tail.usage(), tail.head_text()))
             try:
-                resp, res, answering = await call
+                resp, res = await call
                 held[:] = [res] if res is not None else held
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 if out is None:
@@ -400,16 +400,12 @@ class Dispatcher:
                             resp.release()
                             res, new_url = moved
                             held[:] = [res]
-                            self.outstanding[decode_url] -= 1
-                            decode_url = answering = new_url
-                            self.outstanding[decode_url] = self.outstanding.get(decode_url, 0) + 1
-                            resp = await self.session.post(f"{decode_url}/v1/completions",
-                                                           json=with_reservation(d_body, res))
+                            resp = await self.up.continuation(answering, new_url, with_reservation(d_body, res))
                             if resp.status != 200:
                                 payload = await resp.read()
                                 return await failed(f"decode answered {resp.status}: {payload[:200]!r}")
                             continue
-                        other = self._alone_url(answering) if not resumes and tail.finish_reason is None else None
+                        other = self._alone_url(answering.url) if not resumes and tail.finish_reason is None else None
                         body = resume_body(d_body, tail) if other is not None else None
                         if body is None:
                             if other is not None:  # every token came; only the last event was lost
@@ -420,10 +416,7 @@ class Dispatcher:
                         resp.release()
                         await self._decode_failed(res.id if res is not None else None, str(exc), other)
                         res = None
-                        self.outstanding[decode_url] -= 1
-                        decode_url = answering = other
-                        self.outstanding[decode_url] = self.outstanding.get(decode_url, 0) + 1
-                        resp = await self.session.post(f"{decode_url}/v1/completions", json=body)
+                        resp = await self.up.continuation(answering, other, body)
                         if resp.status != 200:
                             payload = await resp.read()
                             return await failed(f"decode answered {resp.status}: {payload[:200]!r}")
@@ -440,19 +433,20 @@ class Dispatcher:
         finally:
             if not call.done():
                 call.cancel()
-            self.outstanding[decode_url] -= 1
+            answering.done()
 
-    async def _continuation(self, decode_url: str, d_body: dict, res):
-        """POST the continuation to ``decode_url``; (response, reservation still in use, the
-        engine that answers). A
-        decode engine that cannot be reached, or answers 5xx, before sending anything is
-        replaced once by another, which computes the prompt itself: the KV landed on the
-        first, so its reservation is released."""
+    async def _continuation(self, answering: Answering, d_body: dict, res):
+        """POST the continuation to ``answering.url``; (response, reservation still in use),
+        ``answering`` left on the engine that answers. A decode engine that cannot be
+        reached, or answers 5xx, before sending anything is replaced once: by another
+        engine the reservation moves to (the KV is pushed again), else by one that
+        computes the prompt itself (the KV landed on the first: its reservation is released)."""
+        decode_url = answering.url
         other = self._alone_url(decode_url)
         try:
-            resp = await self.session.post(f"{decode_url}/v1/completions", json=d_body)
+            resp = await self.up.continuation(answering, decode_url, d_body)
             if resp.status < 500 or other is None:
-                return resp, res, decode_url
+                return resp, res
             why = f"decode answered {resp.status}"
             resp.release()
         except aiohttp.ClientError as exc:  # unreachable, or gone before its answer began
@@ -462,25 +456,18 @@ class Dispatcher:
         moved = await self.failover.relocate(res, why)
         if moved is not None:  # the KV is pushed again into another engine: continue there
             res, url = moved
-            self.outstanding[url] = self.outstanding.get(url, 0) + 1
             try:
-                resp = await self.session.post(f"{url}/v1/completions", json=with_reservation(d_body, res))
+                resp = await self.up.continuation(answering, url, with_reservation(d_body, res))
                 if resp.status < 500:
-                    return resp, res, url
+                    return resp, res
                 why = f"decode answered {resp.status}"
                 resp.release()
             except aiohttp.ClientError as exc:
                 why = f"decode unreachable: {type(exc).__name__}: {exc}"
-            finally:
-                self.outstanding[url] -= 1
             other = self._alone_url(decode_url, url)
             if other is None:
                 await self.release(res.id, why)
                 raise ApiError(f"no engine is available for model {self.cfg.model!r}", 503)
         await self._decode_failed(res.id if res is not None else None, why, other)
         body = {k: v for k, v in d_body.items() if k != "kv_transfer_params"}
-        self.outstanding[other] = self.outstanding.get(other, 0) + 1
-        try:
-            return await self.session.post(f"{other}/v1/completions", json=body), None, other
-        finally:
-            self.outstanding[other] -= 1
+        return await self.up.continuation(answering, other, body), None

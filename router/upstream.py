@@ -32,6 +32,16 @@ class Upstream:
         finally:
             self.outstanding[url] -= 1
 
+    def answering(self, url: str) -> Answering:
+        """Count a continuation on ``url`` until its ``done()``."""
+        return Answering(self.outstanding, url)
+
+    async def continuation(self, answering: Answering, url: str, body: dict) -> aiohttp.ClientResponse:
+        """POST a continuation to ``url``, which answers it from now on (the caller reads
+        and releases the response)."""
+        answering.move(url)
+        return await self.session.post(f"{url}/v1/completions", json=body)
+
     async def proxy(self, url: str, endpoint: str, body: dict, request: web.Request, path: str,
                     timings: dict | None = None) -> web.StreamResponse:
         """A whole answer from one engine, streamed or not, as the client gets it."""
@@ -60,6 +70,26 @@ class Upstream:
                 return out
         finally:
             self.outstanding[url] -= 1
+
+
+class Answering:
+    """Which engine is answering one continuation: it holds that request's count in
+    ``Upstream.outstanding`` (what least-loaded choices read), and the count moves with
+    the request when another engine takes it over (a moved reservation, a resume)."""
+
+    def __init__(self, outstanding: dict[str, int], url: str) -> None:
+        self._outstanding = outstanding
+        self.url = url
+        outstanding[url] = outstanding.get(url, 0) + 1
+
+    def move(self, url: str) -> None:
+        if url != self.url:
+            self._outstanding[self.url] -= 1
+            self._outstanding[url] = self._outstanding.get(url, 0) + 1
+            self.url = url
+
+    def done(self) -> None:
+        self._outstanding[self.url] -= 1
 
 
 def nothing_sent(exc: aiohttp.ClientError, ask_or_body) -> bool:

@@ -13,7 +13,7 @@ from aiohttp.test_utils import TestServer
 from app.simulated import SimulatedEngine
 from kvpush.contract.v1 import registry_pb2, scheduler_pb2, types_pb2
 from router import metrics
-from router.app import build_app
+from router.app import DISPATCHER, build_app
 from router.config import DecodeEngine, RouterConfig
 from tests.controlplane.helpers import settle
 from tests.router.fakes import FakeEngine, WordTokenizer
@@ -62,7 +62,8 @@ async def test_an_unreachable_decode_engine_is_replaced_by_moving_the_reservatio
     cfg = RouterConfig(controlplane=s["cp"].address, token=s["token"], model="tiny", prefill_urls=(s["prefill_url"],),
                        prefill_ids=("prefill-0",),
                        decode=tuple(DecodeEngine(eid, url) for eid, url in urls.items()), max_model_len=1000)
-    router = TestServer(build_app(cfg, WordTokenizer()), handler_cancellation=True)
+    app = build_app(cfg, WordTokenizer())
+    router = TestServer(app, handler_cancellation=True)
     await router.start_server()
     moved_before = relocations("moved")
     try:
@@ -92,6 +93,8 @@ async def test_an_unreachable_decode_engine_is_replaced_by_moving_the_reservatio
             scheduler_pb2.GetReservationRequest(reservation_id=first.id), metadata=s["tenant"].metadata)
         assert old.state == types_pb2.FAILED and old.moved_to == moved.id
         assert relocations("moved") == moved_before + 1
+        # The request was counted on the engine answering it, and is counted nowhere once answered.
+        assert set(app[DISPATCHER].outstanding.values()) <= {0}, app[DISPATCHER].outstanding
         # The new decode engine's sidecar would report it consumed once loaded.
         await engine_client.registry.ReportState(registry_pb2.ReportStateRequest(
             reservation_id=moved.id, state=types_pb2.CONSUMED, landed=True), metadata=engine_client.metadata)
