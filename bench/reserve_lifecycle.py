@@ -159,11 +159,12 @@ async def lifecycle(seconds: float = 4.0, rate: float = 2000.0, write: bool = Tr
     finally:
         etcd.stop()
     headers = ["mode", "what", "load", "per s", "Reserve p50 ms", "p99 ms", "CONSUMED p50 ms", "p99 ms", "errors",
-               "CPU cp", "CPU etcd", "CPU client"]
+               "CPU cp", "CPU etcd", "CPU client", "cp us / op"]
     table = [[r["mode"], r["what"], r["load"], f"{r['rate']:.0f}", f"{r['r50']:.2f}", f"{r['r99']:.2f}",
               "-" if r["what"] == "reserve only" else f"{r['e50']:.2f}", "-" if r["what"] == "reserve only" else
               f"{r['e99']:.2f}", r["errors"], f"{r['cpu']['controlplane']:.2f}", f"{r['cpu']['etcd']:.2f}",
-              f"{r['cpu']['client']:.2f}"] for r in rows]
+              f"{r['cpu']['client']:.2f}", f"{1e6 * r['cpu']['controlplane'] / r['rate']:.0f}" if r["rate"] else "-"]
+             for r in rows]
     print(render(headers, table))
     if not write:
         return
@@ -179,9 +180,9 @@ Command: `.venv/bin/python bench/reserve.py --lifecycle` (one run, same etcd wit
 router's stream client, then the decode sidecar's CONSUMED report (with `landed`: LANDED and CONSUMED in one
 write) over the sidecars' `ReportStates` stream (`client/report_stream.py`), each timed on its own; the
 "unary CONSUMED" row sends it as one `ReportState` call each, as sidecars did before. "ends group-committed" writes concurrent transitions in one
-etcd transaction (one nested compare-and-swap each, `controlplane/lifecycle.py`); "1 txn / transition" is the
-same replica with `--no-group-commit`. CPU columns are cores used by the control plane, etcd and the load
-generator.
+etcd transaction (one nested compare-and-swap each, `controlplane/group_commit.py`); "1 txn / transition" is
+the same replica with `--no-group-commit`. CPU columns are cores used by the control plane, etcd and the load generator; "cp us / op"
+is the control plane's CPU per lifecycle (per Reserve in the "reserve only" row).
 
 {markdown(headers, table)}
 

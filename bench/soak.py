@@ -368,7 +368,7 @@ def report_text(s: dict) -> str:
     ]
     lines += [f"| {t} | {f} | {what} | {rec} |" for t, f, what, rec in s["faults"]]
     lines += ["", "Reserve p99 by window (the control planes' histograms; a bucket's upper bound; a window with "
-              "etcd's restart in it holds the Reserves that waited for etcd):", "",
+              "etcd's restart or its leader's loss in it holds the Reserves that waited for etcd):", "",
               "| window ending at t (s) | Reserves | p99 <= (ms) |", "|---|---|---|"]
     lines += [f"| {t} | {n} | {1000 * p:g} |" if p != float("inf") else f"| {t} | {n} | > {1000 * LARGEST_BUCKET:g} |"
               for t, p, n in s["reserve_p99"]]

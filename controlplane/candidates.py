@@ -27,9 +27,18 @@ class Candidates:
     slots: np.ndarray                   # each one's slot in view.free_count.array
     num_blocks: np.ndarray
     block_size: np.ndarray
+    divisor: np.ndarray                 # num_blocks, at least 1 (free fractions)
+    one_block_size: int                 # the block size every candidate has (the usual case), else 0
 
-    def need(self, num_tokens: int) -> np.ndarray:
+    def need(self, num_tokens: int) -> np.ndarray | int:
+        """Blocks ``num_tokens`` take on each candidate (one number when they all take the same)."""
+        if self.one_block_size:
+            return -(-num_tokens // self.one_block_size)
         return -(-num_tokens // self.block_size)
+
+    @staticmethod
+    def need_on(need: np.ndarray | int, i: int) -> int:
+        return need if isinstance(need, int) else int(need[i])
 
 
 class CandidateCache:
@@ -54,9 +63,11 @@ class CandidateCache:
                  and (layout is None or not layout.compatibility_error(eng.layout))
                  and eng.engine_id in view.allocated and eng.engine_id in view.pool_fences),
                 key=lambda e: e.engine_id))
+            num_blocks = np.array([e.num_blocks for e in engines], dtype=np.int64)
+            sizes = {e.layout.block_size for e in engines}
             found = self._by_shape[shape] = Candidates(
                 engines, {e.engine_id: i for i, e in enumerate(engines)},
                 np.array([view.free_count.slot(e.engine_id) for e in engines], dtype=np.int64),
-                np.array([e.num_blocks for e in engines], dtype=np.int64),
-                np.array([e.layout.block_size for e in engines], dtype=np.int64))
+                num_blocks, np.array([e.layout.block_size for e in engines], dtype=np.int64),
+                np.maximum(num_blocks, 1), sizes.pop() if len(sizes) == 1 else 0)
         return found

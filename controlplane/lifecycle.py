@@ -9,7 +9,6 @@ blocks count as free from that revision on in every replica's view.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 
 import grpc
@@ -17,6 +16,7 @@ import grpc
 from controlplane import errors, keys, metrics
 from controlplane.etcd import KV, EtcdClient, EtcdLeaseNotFound, EtcdUnavailable, chunks, cmp_create, \
     cmp_mod, op_delete, op_put, op_txn
+from controlplane.group_commit import BATCH, GroupCommit
 from controlplane.leases import LeaseBuckets
 from controlplane.lifecycle_states import LEGAL, IllegalTransition, Move, decide
 from kvpush.contract.states import State
@@ -26,7 +26,6 @@ from kvpush import log
 
 _log = log.get("lifecycle")
 MAX_ATTEMPTS = 10
-BATCH = 100  # nested compare-and-swaps per transaction (etcd's default op limit is 128)
 
 
 def ending(rec: ReservationRecord, target: State, reason: str) -> ReservationRecord:
@@ -53,60 +52,12 @@ def move_writes(current: ReservationRecord, revision: int, new_id: str, reason: 
     return [cmp_mod(key, revision)], [op_put(key, value, keep_lease=True)], (key, value, 0, moved)
 
 
-class _GroupCommit:
-    """Transitions of different reservations, many per etcd transaction: each is one
-    nested compare-and-swap, so one that lost its race fails alone. While one
-    transaction is in flight the next ones queue, and the next transaction takes them
-    all (up to BATCH): an idle replica writes each at once, a busy one many per round
-    trip, as Reserve does."""
-
-    def __init__(self, etcd: EtcdClient, batch: int = BATCH) -> None:
-        self._etcd = etcd
-        self._batch = batch  # 1: one transaction per transition (the baseline)
-        self._pending: list[tuple[list, list, asyncio.Future]] = []
-        self._running = False
-        self._task: asyncio.Task | None = None  # held: the loop keeps only weak references
-
-    async def commit(self, compare: list, ops: list) -> tuple[bool, int]:
-        """(whether the compare held and the ops were applied, the revision)."""
-        fut = asyncio.get_running_loop().create_future()
-        self._pending.append((compare, ops, fut))
-        if not self._running:
-            self._running = True
-            self._task = asyncio.ensure_future(self._drain())
-        return await fut
-
-    async def _drain(self) -> None:
-        try:
-            while self._pending:
-                batch, self._pending = self._pending[:self._batch], self._pending[self._batch:]
-                try:
-                    result = await self._etcd.txn([], [op_txn(compare, ops) for compare, ops, _ in batch])
-                except BaseException as exc:
-                    for _, _, fut in batch:
-                        if not fut.done():
-                            fut.set_exception(exc)
-                    if isinstance(exc, asyncio.CancelledError):
-                        raise
-                    continue
-                metrics.END_BATCH_SIZE.observe(len(batch))
-                for (_, _, fut), ok in zip(batch, result.nested):
-                    if not fut.done():
-                        fut.set_result((ok, result.revision))
-        finally:
-            self._running = False
-            for _, _, fut in self._pending:  # cancelled with work queued: nobody is left to send it
-                if not fut.done():
-                    fut.set_exception(EtcdUnavailable("the transition committer stopped"))
-            self._pending = []
-
-
 class Lifecycle:
     def __init__(self, etcd: EtcdClient, view: View, leases: LeaseBuckets, group_commit: bool = True) -> None:
         self._etcd = etcd
         self._view = view
         self._leases = leases
-        self._commits = _GroupCommit(etcd, BATCH if group_commit else 1)
+        self._commits = GroupCommit(etcd, BATCH if group_commit else 1)
 
     async def transition(self, res_id: str, target: State, reason: str = "",
                          tenant: str | None = None, prefill_engine_id: str = "",
@@ -147,15 +98,16 @@ class Lifecycle:
                 value = new.encode()
                 if target.terminal:
                     lease = await self._leases.tombstone()
-                    ops = [op_put(key, value, lease), op_delete(keys.request(rec.tenant, rec.request_id))]
+                    req_key = keys.request(rec.tenant, rec.request_id)
+                    ops, written = [op_put(key, value, lease), op_delete(req_key)], (key, req_key)
                 else:
                     lease = None
-                    ops = [op_put(key, value, keep_lease=True)]
+                    ops, written = [op_put(key, value, keep_lease=True)], (key,)
                 # The watch often brings the write back before the commit's answer: with
                 # the record at hand the view need not decode the JSON.
                 self._view.expect_own_writes({key: (value, new)})
                 try:
-                    succeeded, applied = await self._commits.commit([cmp_mod(key, revision)], ops)
+                    succeeded, applied = await self._commits.commit([cmp_mod(key, revision)], ops, written)
                 finally:
                     self._view.forget_own_writes([key])
                 if succeeded:

@@ -77,6 +77,9 @@ class Reserver:
         self._view = view
         self._leases = leases
         self.max_batch = max_batch
+        # Operations (and compares) in one transaction: etcd's default --max-txn-ops (128), or
+        # what --max-batch asks for (etcd configured to match, as the embedded one is).
+        self.max_ops = max(128, 2 * max_batch + 8)
         self._candidates = CandidateCache(view)
         self._queue: asyncio.Queue[ReserveAsk] = asyncio.Queue()
         self._task: asyncio.Task | None = None
@@ -230,6 +233,9 @@ class Reserver:
                         f"request_id {ask.request_id!r} already has live reservation {existing.id} "
                         "with other parameters"))
                 continue
+            if not plan.has_room(self.max_ops):  # etcd's limit on one transaction: the next one
+                plan.deferred.append(ask)
+                continue
             tenant = view.tenant(ask.tenant.name)
             if tenant is None:
                 ask.future.set_exception(errors.ApiError(grpc.StatusCode.UNAUTHENTICATED,
@@ -251,9 +257,9 @@ class Reserver:
         if not cands.engines:
             raise errors.exhausted(f"no decode engine for model {ask.model!r} is available to tenant "
                                    f"{tenant.name!r}")
-        if batch.taken is None or len(batch.taken) < len(view.free_count.array):
-            batch.taken = np.zeros(len(view.free_count.array), dtype=np.int64)
-        free = view.free_count.array[cands.slots] - batch.taken[cands.slots]
+        if batch.free is None:  # (the view does not change while a batch is planned)
+            batch.free = view.free_count.array.copy()
+        free = batch.free[cands.slots]
         need = cands.need(ask.num_tokens)
         fits = free >= need
         credit = 0
@@ -272,20 +278,20 @@ class Reserver:
                 raise errors.exhausted(f"tenant {tenant.name!r} quota of {tenant.quota_blocks} blocks "
                                        f"reached ({tenant.quota_blocks - quota_left} reserved)")
             fits = within
-        if not fits.any() and ask.moving is not None:
-            raise errors.exhausted(f"no other decode engine of block size {ask.moving.block_size} has room for "
-                                   f"num_tokens={ask.num_tokens}")
         if not fits.any():
+            if ask.moving is not None:
+                raise errors.exhausted(f"no other decode engine of block size {ask.moving.block_size} has room "
+                                       f"for num_tokens={ask.num_tokens}")
             most = int(np.argmax(free))
             raise errors.exhausted(f"no decode engine has room for num_tokens={ask.num_tokens} "
-                                   f"({need[most]} blocks; most free: {free[most]} on "
+                                   f"({cands.need_on(need, most)} blocks; most free: {free[most]} on "
                                    f"{cands.engines[most].engine_id})")
         chosen = cands.index.get(ask.preferred_engine_id) if ask.preferred_engine_id else None
         while True:
             if chosen is None or not fits[chosen]:
                 # Least loaded: the largest free fraction; ties to the largest id, for determinism.
-                fraction = np.where(fits, free / np.maximum(cands.num_blocks, 1), -1.0)
-                chosen = int(np.flatnonzero(fraction == fraction.max())[-1])
+                fraction = np.where(fits, free / cands.divisor, -1.0)
+                chosen = len(fraction) - 1 - int(fraction[::-1].argmax())
             engine = cands.engines[chosen]
             eid = engine.engine_id
             # Its lease is running out this very moment (the view applies a revision's
@@ -298,8 +304,9 @@ class Reserver:
                                        f"{tenant.name!r}")
         if eid not in batch.bitmaps:
             batch.bitmaps[eid] = view.allocated[eid].copy()
-        blocks, view.cursors[eid] = allocate(batch.bitmaps[eid], int(need[chosen]), view.cursors.get(eid, 0))
-        batch.taken[cands.slots[chosen]] += len(blocks)
+        blocks, view.cursors[eid] = allocate(batch.bitmaps[eid], cands.need_on(need, chosen),
+                                             view.cursors.get(eid, 0))
+        batch.free[cands.slots[chosen]] -= len(blocks)
         batch.used[tenant.name] = batch.used.get(tenant.name, 0) + len(blocks)
         return engine, blocks
 
@@ -324,7 +331,7 @@ class Reserver:
 class _BatchState:
     """What a batch has taken so far, before it is committed."""
     bitmaps: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)   # engine -> working copy
-    taken: np.ndarray | None = None                                            # blocks, by free-count slot
+    free: np.ndarray | None = None                      # the view's free counts less what the batch took, by slot
     used: dict[str, int] = dataclasses.field(default_factory=dict)             # tenant -> blocks
 
 
@@ -337,11 +344,19 @@ class _Plan:
     ops: list = dataclasses.field(default_factory=list)
     writes: list = dataclasses.field(default_factory=list)   # (key, value, lease, record) for the view
     moved_live: int = 0                                      # live reservations a move ends FAILED
+    moves: int = 0                                           # asks that move a reservation
     _fenced: set = dataclasses.field(default_factory=set)
+
+    def has_room(self, max_ops: int) -> bool:
+        """Whether one more ask surely fits: at most 5 more operations (two puts, an engine's
+        and a tenant's fence, a move's end) and 6 more compares."""
+        return (len(self.ops) + 2 * len(self.records) + self.moves + 5 <= max_ops
+                and len(self.compares) + self.moves + 6 <= max_ops)
 
     def add(self, ask: ReserveAsk, rec: ReservationRecord, tenant: TenantRecord, view: View) -> None:
         self.asks.append(ask)
         self.records.append(rec)
+        self.moves += ask.moving is not None
         if ask.moving is None or not ask.moving.state.live:
             # (A live reservation being moved holds the request key: the compare on its
             # own mod revision, in attach_records, stands for this one.)
