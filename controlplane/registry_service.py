@@ -109,6 +109,10 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
                 try:
                     remaining = await self._etcd.refresh_lease(lease_id)
                 except EtcdUnavailable as exc:
+                    # The stream ends because etcd failed here (a leader election, a member
+                    # gone), not because the engine did: its lease is left to its TTL and to
+                    # the engine's next stream, and its reservations live on.
+                    engine_id = None
                     raise errors.unavailable(f"etcd unavailable: {exc}") from None
                 if remaining <= 0:
                     engine_id = None  # nothing left to revoke

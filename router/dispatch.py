@@ -143,7 +143,9 @@ class Dispatcher:
                 response = await self._first_token(ask, request_id, prefill_url, request, timings, held,
                                                    reserving=reserving)
             else:
-                res, why = await self.reserve(request_id, ask.num_tokens)
+                # Named on the push path too: its sidecar then holds the staged KV for a
+                # failover (and frees it at CONSUMED), and the layouts are checked now.
+                res, why = await self.reserve(request_id, ask.num_tokens, prefill_id)
                 if res is None:
                     metrics.FALLBACKS.labels(reason=why).inc()
                     _log.info("serving without push", request_id=request_id, reason=why, num_tokens=ask.num_tokens)
@@ -151,8 +153,8 @@ class Dispatcher:
                 held.append(res)
                 timings["reserved"] = time.perf_counter()
                 if ask.path == asks.PUSH:
-                    response = await self._push(ask, PushParams.from_reservation(res, PREFILL),
-                                                self.engines.decode_url(res.engine_id), request, timings)
+                    response = await self._push(ask, prefill_url, self.engines.decode_url(res.engine_id), request,
+                                                timings, held)
                 else:
                     response = await self._first_token(ask, request_id, prefill_url, request, timings, held)
         except BaseException:
@@ -183,35 +185,55 @@ class Dispatcher:
             return await self.up.proxy(other, endpoint, body, request, "retry")
 
     # -- push: prefill pushes, decode computes every output token -------------------------------
-    async def _push(self, ask: asks.Ask, params: PushParams, decode_url: str, request: web.Request,
-                    timings: dict) -> web.StreamResponse:
-        prefill_url = self._least_loaded(self.engines.prefill_urls())
+    async def _push(self, ask: asks.Ask, prefill_url: str, decode_url: str, request: web.Request, timings: dict,
+                    held: list) -> web.StreamResponse:
+        """``held``: [the reservation decode loads], kept current through a move."""
+        params = PushParams.from_reservation(held[0], PREFILL)
         p_body = prefill_body(ask.body, params.as_kv_transfer_params(), first_token=False)
         d_body = dict(ask.body, kv_transfer_params=params.for_role(DECODE).as_kv_transfer_params())
-        prefill = asyncio.create_task(self._prefill_then_release(prefill_url, ask.endpoint, p_body,
-                                                                 params.target.reservation_id, timings))
-        other = self._alone_url(decode_url)
+        prefill = asyncio.create_task(self._prefill_then_release(prefill_url, ask.endpoint, p_body, held, timings))
         try:
-            response = await self.up.proxy(decode_url, ask.endpoint, d_body, request, "push", timings)
-        except aiohttp.ClientError as exc:
-            prefill.cancel()
-            # Unreachable, or broke before the client got a byte (a whole answer is sent
-            # only once complete): safe to serve elsewhere.
-            if other is None or not nothing_sent(exc, ask):
-                await self.release(params.target.reservation_id, f"decode unreachable: {exc}")
-                raise
-            return await self._decode_elsewhere(ask, other, params.target.reservation_id,
-                                                f"decode unreachable: {exc}", request)
+            why, response, exc = await self._push_decode(decode_url, ask, d_body, request, timings)
+            tried = [decode_url]
+            if why:
+                # Failed before the client got a byte: the prefill engine still pushes (or
+                # holds) the KV, so the reservation moves and the KV follows it there.
+                moved = await self.failover.relocate(held[0], why)
+                if moved is not None:
+                    held[:] = [moved[0]]
+                    tried.append(moved[1])
+                    why, response, exc = await self._push_decode(moved[1], ask, with_reservation(d_body, moved[0]),
+                                                                 request, timings)
+            if why:
+                prefill.cancel()
+                other = self._alone_url(*tried)
+                if other is not None:  # the KV is lost to this request: another engine computes it
+                    return await self._decode_elsewhere(ask, other, held[0].id, why, request)
+                await self.release(held[0].id, why)
+                if exc is not None:
+                    raise exc
         except BaseException:
             prefill.cancel()
             raise
         if response.status != 200:
             prefill.cancel()
-            if response.status >= 500 and other is not None and not response.prepared:
-                return await self._decode_elsewhere(ask, other, params.target.reservation_id,
-                                                    f"decode answered {response.status}", request)
-            await self.release(params.target.reservation_id, f"decode answered {response.status}")
+            await self.release(held[0].id, f"decode answered {response.status}")
         return response
+
+    async def _push_decode(self, url: str, ask: asks.Ask, d_body: dict, request: web.Request, timings: dict):
+        """The push path's decode request to ``url``: (why it failed before the client got
+        anything, or "", the response, the error it failed with)."""
+        try:
+            response = await self.up.proxy(url, ask.endpoint, d_body, request, "push", timings)
+        except aiohttp.ClientError as exc:
+            # Unreachable, or broke before the client got a byte (a whole answer is sent
+            # only once complete): safe to serve elsewhere.
+            if not nothing_sent(exc, ask):
+                raise
+            return f"decode unreachable: {exc}", None, exc
+        if response.status >= 500 and not response.prepared:
+            return f"decode answered {response.status}", response, None
+        return "", response, None
 
     async def _decode_elsewhere(self, ask: asks.Ask, url: str, res_id: str, why: str,
                                 request: web.Request) -> web.StreamResponse:
@@ -229,7 +251,8 @@ class Dispatcher:
         _log.warning("decode failed; serving on another decode engine", reservation_id=res_id or "",
                      error=why[:200], decode=other)
 
-    async def _prefill_then_release(self, url: str, endpoint: str, body: dict, res_id: str, timings: dict) -> None:
+    async def _prefill_then_release(self, url: str, endpoint: str, body: dict, held: list, timings: dict) -> None:
+        """``held``: [the reservation decode loads] (a move replaces it)."""
         try:
             status, text = await self.up.post(url, endpoint, body, timings)
             if status != 200:
@@ -238,8 +261,8 @@ class Dispatcher:
             raise
         except Exception as exc:
             # Decode is waiting for KV that will not come: end the wait now.
-            _log.warning("prefill failed; aborting its reservation", reservation_id=res_id, error=str(exc))
-            await self.release(res_id, f"prefill failed: {exc}")
+            _log.warning("prefill failed; aborting its reservation", reservation_id=held[0].id, error=str(exc))
+            await self.release(held[0].id, f"prefill failed: {exc}")
 
     # -- first token: prefill's token goes out at once, decode continues from it -----------------
     async def _first_token(self, ask: asks.Ask, request_id: str, prefill_url: str, request: web.Request,

@@ -53,6 +53,10 @@ class Handover:
         self._waiting.setdefault(request_id, []).append((conn, now + self.ask_ttl_s))
         return None
 
+    def withdraw(self, request_id: str) -> None:
+        """The request began its push with its target in hand: it will not ask."""
+        self._known.pop(request_id, None)
+
     def _room(self, entries: dict, alive) -> dict:
         """``entries`` with room for one more: when full, what ``alive`` keeps (None: an
         expired entry), then the oldest dropped."""

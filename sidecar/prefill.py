@@ -9,6 +9,7 @@ handover). The push itself is ``sidecar/push.py``; decode peers are cached by
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 from typing import Callable
@@ -16,6 +17,7 @@ from typing import Callable
 from engine import frames as F
 from engine.pool import StagingAllocation
 from kvpush.contract.engine import EngineRecord
+from kvpush.contract.states import PushState
 from kvpush.contract.target import PushTarget
 from sidecar.base import SidecarBase, SidecarConfig
 from sidecar.channel_server import Connection
@@ -26,6 +28,9 @@ from sidecar.push import PushEngine, PushOutcome
 from sidecar.transport.base import Transport
 
 log = logging.getLogger(__name__)
+# A move heard before its push began waits this long for the engine's BEGIN, then fails
+# (the decode engine waiting for the KV computes the prompt).
+EARLY_MOVE_WAIT_S = 5.0
 
 
 class PrefillSidecar(SidecarBase):
@@ -42,9 +47,12 @@ class PrefillSidecar(SidecarBase):
         self.pusher: PushEngine | None = None
         self.handover = Handover()
         self._request_owner: dict[str, Connection] = {}
-        # Reservations heard by watch as naming this engine, until their BEGIN: only they
-        # can be moved (Scheduler.Relocate), so only their staging is held after the push.
-        self._named: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # Reservations heard by watch as naming this engine, until their BEGIN (-> the
+        # router's request id): only they can be moved (Scheduler.Relocate), so only their
+        # staging is held after the push.
+        self._named: collections.OrderedDict[str, str] = collections.OrderedDict()
+        # Reservations moved before their push began: old id -> (the successor, its timer).
+        self._moved_early: dict[str, tuple[PushTarget, asyncio.TimerHandle]] = {}
 
     def _make_pool(self, tag: str) -> StagingPool:
         return StagingPool.create(tag, self.config.layout, self.config.num_blocks, self.config.device)
@@ -69,9 +77,24 @@ class PrefillSidecar(SidecarBase):
         return self.pusher.release_held(reservation_id)
 
     def relocate(self, old_reservation_id: str, target: PushTarget) -> str:
-        """The control plane moved a reservation this engine pushed (its decode engine
-        failed): push the staged KV into ``target``. "" or why it cannot."""
+        """The control plane moved a reservation this engine pushes or pushed (its decode
+        engine failed): push the staged KV into ``target``. "" or why it cannot."""
+        if old_reservation_id in self._named:
+            # Heard, its push not begun: the push path, where the router moves it the moment
+            # the decode engine refuses, often before vLLM has scheduled the prefill. The
+            # push begins into the successor instead.
+            timer = asyncio.get_running_loop().call_later(EARLY_MOVE_WAIT_S, self._early_move_expired,
+                                                          old_reservation_id)
+            self._moved_early[old_reservation_id] = (target, timer)
+            return ""
         return self.pusher.relocate(old_reservation_id, target)
+
+    def _early_move_expired(self, old_reservation_id: str) -> None:
+        target, _ = self._moved_early.pop(old_reservation_id)
+        self._named.pop(old_reservation_id, None)
+        self._push_outcome(PushOutcome("", target.reservation_id, target.engine_id, PushState.FAILED,
+                                       f"no staged KV for reservation {old_reservation_id}: its push did not "
+                                       f"begin within {EARLY_MOVE_WAIT_S:g} s"))
 
     def live_reservations(self) -> list[str]:
         return self.pusher.live_reservations() if self.pusher is not None else []
@@ -83,7 +106,7 @@ class PrefillSidecar(SidecarBase):
     def offer_reservation(self, params: dict, request_id: str, reservation_id: str, deadline_unix_ms: int) -> None:
         """The control plane granted a reservation naming this engine (the handover)."""
         self.handover.offer(request_id, params, deadline_unix_ms)
-        self._named[reservation_id] = None
+        self._named[reservation_id] = request_id
         while len(self._named) > self.handover.limit:
             self._named.popitem(last=False)
         self.trace("handover_heard", reservation_id, request_id)
@@ -115,8 +138,19 @@ class PrefillSidecar(SidecarBase):
             raise ValueError(f"sidecar {self.config.engine_id} is shutting down; not accepting pushes")
         self._request_owner[req.request_id] = conn
         try:
-            holdable = self._named.pop(req.target.reservation_id, 0) is None
-            return self.pusher.begin(req.request_id, req.target, owner=conn.owner, holdable=holdable)
+            target = req.target
+            moved = self._moved_early.pop(target.reservation_id, None)
+            if moved is not None:
+                moved[1].cancel()
+                log.info("push of %s begins into reservation %s, which replaced %s before it began",
+                         req.request_id, moved[0].reservation_id, target.reservation_id)
+                target = moved[0]
+            named = self._named.pop(req.target.reservation_id, None)
+            if named is not None:
+                # A push the router gave its target (the push path) asks for no handover:
+                # the offer is not kept until the deadline.
+                self.handover.withdraw(named)
+            return self.pusher.begin(req.request_id, target, owner=conn.owner, holdable=named is not None)
         except Exception:
             self._request_owner.pop(req.request_id, None)
             raise

@@ -74,6 +74,36 @@ async def test_engine_heartbeat_stream_end_fails_its_reservations(cp, admin, eng
     await keep.stop()
 
 
+async def test_a_heartbeat_etcd_fails_ends_its_stream_but_not_the_engine(cp, admin, engine_client, etcd):
+    """etcd failed the keep-alive (a leader election): the stream ends UNAVAILABLE, and the
+    engine, whose lease is still good, keeps its registration and its reservations (the
+    engine's next stream, or its lease's TTL, decides). A leader change once deregistered
+    every engine whose heartbeat came at that moment."""
+    from controlplane.etcd import EtcdUnavailable
+    engine = SimulatedEngine(engine_client, "decode-0", num_blocks=16, lease_ttl_s=30)
+    await engine.register()
+    tenant = await make_tenant(admin, cp.address, "acme")
+    res = await reserve(tenant, "r1", 16)
+
+    async def election(lease_id: int) -> int:
+        raise EtcdUnavailable("etcdserver: leader changed")
+    cp.etcd.refresh_lease = election
+    try:
+        ping = registry_pb2.HeartbeatPing(engine_id="decode-0", lease_id=engine.lease_id)
+        call = engine_client.registry.Heartbeat(iter([ping]), metadata=engine_client.metadata, timeout=10)
+        code = await expect_code(grpc.StatusCode.UNAVAILABLE, call.read())
+        assert "leader changed" in code
+    finally:
+        del cp.etcd.refresh_lease
+    await asyncio.sleep(1.0)  # a revoke, had one been sent, has landed
+    report = await settle(etcd.endpoint, until=lambda r: "decode-0" in r.engines and len(r.live) == 1)
+    assert [r.id for r in report.live] == [res.id]
+    await release(tenant, res.id)
+    await settle(etcd.endpoint, quiet=True)
+    await tenant.close()
+    await engine.stop()
+
+
 ENGINE_SCRIPT = """
 import asyncio, sys
 from client.control_plane import ControlPlaneClient

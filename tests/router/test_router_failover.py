@@ -16,6 +16,7 @@ from router import metrics
 from router.app import DISPATCHER, build_app
 from router.config import DecodeEngine, RouterConfig
 from tests.controlplane.helpers import settle
+from router.tokens import WhitespaceCounter
 from tests.router.fakes import FakeEngine, WordTokenizer
 
 
@@ -107,3 +108,50 @@ async def test_an_unreachable_decode_engine_is_replaced_by_moving_the_reservatio
             await server.close()
         await prefill_sim.stop()
         await other_sim.stop()
+
+
+async def test_on_the_push_path_an_unreachable_decode_engine_is_replaced_by_moving_the_reservation(
+        stack, engine_client):
+    """The push path (decode asked at once, beside the prefill): the reservation named no
+    prefill engine when it was made, so the router names the one it sent the prefill to."""
+    s = stack
+    prefill_sim = SimulatedEngine(engine_client, "prefill-0", num_blocks=8, model="tiny", role=types_pb2.PREFILL)
+    dead_sim = SimulatedEngine(engine_client, "decode-1", num_blocks=8, model="tiny")
+    await prefill_sim.register()
+    await dead_sim.register()  # as free as decode-0: the tie goes to the larger id, decode-1
+    dead = TestServer(FakeEngine("D1").app())
+    await dead.start_server()
+    dead_url = str(dead.make_url("")).rstrip("/")
+    await dead.close()  # its vLLM died: nothing listens there
+    cfg = RouterConfig(controlplane=s["cp"].address, token=s["token"], model="tiny", prefill_urls=(s["prefill_url"],),
+                       prefill_ids=("prefill-0",),
+                       decode=(DecodeEngine("decode-0", s["decode_url"]), DecodeEngine("decode-1", dead_url)),
+                       max_model_len=1000)
+    app = build_app(cfg, WhitespaceCounter())  # no fast detokenizer: every request takes the push path
+    router = TestServer(app, handler_cancellation=True)
+    await router.start_server()
+    moved_before = relocations("moved")
+    try:
+        resp = await s["session"].post(str(router.make_url("")).rstrip("/") + "/v1/completions",
+                                       json={"model": "tiny", "prompt": "a b", "max_tokens": 3})
+        assert resp.status == 200, await resp.text()
+        assert (await resp.json())["engine"] == "D"  # decode-0 answered
+        assert relocations("moved") == moved_before + 1
+        assert len(s["prefill"].bodies) == 1  # one prefill
+        first = s["prefill"].bodies[0]["kv_transfer_params"]["kvpush"]["reservation_id"]
+        kv = s["decode"].bodies[-1]["kv_transfer_params"]["kvpush"]
+        assert kv["engine_id"] == "decode-0" and kv["reservation_id"] != first
+        moved = await s["tenant"].scheduler.GetReservation(
+            scheduler_pb2.GetReservationRequest(reservation_id=kv["reservation_id"]), metadata=s["tenant"].metadata)
+        assert moved.moved_from == first and moved.prefill_engine_id == "prefill-0"
+        old = await s["tenant"].scheduler.GetReservation(
+            scheduler_pb2.GetReservationRequest(reservation_id=first), metadata=s["tenant"].metadata)
+        assert old.state == types_pb2.FAILED and old.moved_to == moved.id
+        assert set(app[DISPATCHER].outstanding.values()) <= {0}, app[DISPATCHER].outstanding
+        await engine_client.registry.ReportState(registry_pb2.ReportStateRequest(
+            reservation_id=moved.id, state=types_pb2.CONSUMED, landed=True), metadata=engine_client.metadata)
+        await settle(s["etcd"].endpoint, quiet=True)
+    finally:
+        await router.close()
+        await prefill_sim.stop()
+        await dead_sim.stop()

@@ -42,6 +42,7 @@ async def test_a_moved_reservation_is_pushed_again_from_staging_and_freed_at_con
     sched, etcd = await Scheduler(stack.cp.address).setup(), Etcd(stack.etcd.endpoint)
     prefill = PrefillEngine(pre.client())
     first, second = DecodeEngine(d1.client()), DecodeEngine(d2.client())
+    third = None
     admin = pre.client()
     try:
         second.fill_sentinel()
@@ -81,15 +82,40 @@ async def test_a_moved_reservation_is_pushed_again_from_staging_and_freed_at_con
         await until(lambda: admin.admin("stats")["staging_allocations"] == 0, what="staging freed")
         assert admin.admin("stats")["staging_held"] == 0
 
-        # A move the prefill sidecar cannot serve (its staging is gone) fails at once, so
-        # the decode engine waiting for it recomputes rather than waiting out its timeout.
-        stack.sidecar("decode", "D3", LAYOUT, 64).ready()
+        # Moved before its push began (the push path: the router moves it the moment the
+        # decode engine refuses, before vLLM has scheduled the prefill): the push the
+        # engine then begins, for the old reservation, goes into the successor.
+        d3 = stack.sidecar("decode", "D3", LAYOUT, 64)
+        d3.ready()
+        third = DecodeEngine(d3.client())
+        third.fill_sentinel()
+        offered = admin.admin("stats")["handover_offered"]
+        early = await sched.reserve("req-2", 48, prefill_engine_id="P1", preferred_engine_id="D2")
+        await until(lambda: admin.admin("stats")["handover_offered"] > offered, what="the handover")
+        moved3 = await relocate(sched, early.id)
+        assert moved3.engine_id == "D3"
+        await etcd.wait_state(early.id, State.FAILED)
+        third.client.subscribe(moved3.id)
+        cache_ids = prefill.cache_blocks_for(48)
+        alloc = prefill.begin("req-2", early.id, record_of(early), early.block_ids, 48)
+        prefill.push_all("req-2", alloc, early.block_size, 48, cache_ids, chunks=2)
+        assert wait_state(third.client, moved3.id).state == "LANDED"
+        for layer in range(prefill.layout.num_layers):
+            assert np.array_equal(third.read_tokens(moved3.block_ids, layer, 48), prefill.tokens(cache_ids, layer, 48))
+        assert admin.admin("stats")["handover_known"] == 0  # the push carried its target: no offer kept
+        assert third.client.consumed(moved3.id).state == "CONSUMED"
+        await etcd.wait_state(moved3.id, State.CONSUMED)
+
+        # A move the prefill sidecar cannot serve (no push of it begins) fails, so the
+        # decode engine waiting for it recomputes rather than waiting out its timeout.
         res2 = await sched.reserve("req-1", 32, prefill_engine_id="P1", preferred_engine_id="D2")
-        moved2 = await relocate(sched, res2.id)  # nothing was ever staged for it
+        moved2 = await relocate(sched, res2.id)  # nothing is ever staged for it
         gone = await etcd.wait_state(moved2.id, State.FAILED)
         assert "no staged KV" in gone.reason
         await settle(stack.etcd.endpoint, quiet=True)
     finally:
         admin.close()
         prefill.close(), second.close()
+        if third is not None:
+            third.close()
         await sched.close(), await etcd.close()
