@@ -2,7 +2,8 @@
 `kvpush sidecar` processes, one prefill and two decode vLLM engines with the connector,
 and a router.
 
-A long prompt is prefilled in small chunks, so its KV is pushed over many engine steps.
+A long prompt is prefilled in small chunks (first on the first-token path, then on the push
+path, a whole answer with an output penalty), so its KV is pushed over many engine steps.
 While the push is under way (the reservation is PUSHING in etcd), the decode engine the
 reservation names is killed with -9, its vLLM and its sidecar together, as a pod dies.
 The prefill sidecar keeps the staged KV; the router, finding that engine gone, moves the
@@ -54,13 +55,16 @@ def system(tmp_path_factory):
         stack.stop()
 
 
-def ask(url: str, prompt: str) -> tuple[int, str, list[tuple[float, dict]]]:
-    """(status, the streamed text, each event with the time it arrived)."""
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "stream": True}
+def ask(url: str, prompt: str, stream: bool = True, **extra) -> tuple[int, str, list[tuple[float, dict]]]:
+    """(status, the text, each streamed event with the time it arrived)."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "stream": stream,
+            **extra}
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
                                  headers={"content-type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=180) as resp:
+            if not stream:
+                return 200, json.load(resp)["choices"][0]["text"], []
             events = [(time.monotonic(), json.loads(line[6:])) for line in (raw.strip() for raw in resp)
                       if line.startswith(b"data: {")]
     except urllib.error.HTTPError as exc:
@@ -87,14 +91,11 @@ def watch_for_reservation(stack: Stack, found: dict, stop: threading.Event) -> N
     asyncio.run(follow())
 
 
-def test_a_decode_engine_killed_mid_push_costs_no_second_prefill(system):
-    stack = system
-    url = stack.router_url
-    want = ask(url, LONG)  # the reference: the whole P/D path, nothing killed
-    assert want[0] == 200, want
-    settled(stack)
+def kill_the_named_engine_mid_push(stack: Stack, request) -> tuple:
+    """Send ``request`` (a callable: the client) and, once its push is under way, kill -9 the
+    decode engine its reservation names (vLLM and sidecar, as a pod dies). (the reservation,
+    its engine's process name, when it was killed, the client's answer, the counters before)."""
     before = {name: dict(counters(stack, name)) for name in ("prefill-0", "decode-0", "decode-1")}
-
     found: dict = {}
     stop = threading.Event()
     watcher = threading.Thread(target=watch_for_reservation, args=(stack, found, stop), daemon=True)
@@ -104,7 +105,7 @@ def test_a_decode_engine_killed_mid_push_costs_no_second_prefill(system):
         assert time.monotonic() < deadline
         time.sleep(0.01)
     answer: dict = {}
-    client = threading.Thread(target=lambda: answer.update(result=ask(url, LONG), sent=time.monotonic()))
+    client = threading.Thread(target=lambda: answer.update(result=request()))
     client.start()
     deadline = time.monotonic() + 60
     while "reservation" not in found:
@@ -124,14 +125,25 @@ def test_a_decode_engine_killed_mid_push_costs_no_second_prefill(system):
     prefill_group = os.getpgid(stack.process("vllm-prefill").proc.pid)
     os.killpg(prefill_group, signal.SIGSTOP)
     now = counters(stack, "prefill-0")
-    stack.process(f"vllm-{proc_name}").kill_group()
-    stack.process(f"sidecar-{proc_name}").kill()
+    stack.live(f"vllm-{proc_name}").kill_group()
+    stack.live(f"sidecar-{proc_name}").kill()
     killed = time.monotonic()
     os.killpg(prefill_group, signal.SIGCONT)
     assert now.get("requests_pushed", 0) == before["prefill-0"].get("requests_pushed", 0), "not mid-push"
     client.join(300)
     stop.set()
-    status, text, events = answer["result"]
+    return res, proc_name, killed, answer["result"], before
+
+
+def test_a_decode_engine_killed_mid_push_costs_no_second_prefill(system):
+    stack = system
+    url = stack.router_url
+    want = ask(url, LONG)  # the reference: the whole P/D path, nothing killed
+    assert want[0] == 200, want
+    settled(stack)
+    res, proc_name, killed, (status, text, events), before = kill_the_named_engine_mid_push(
+        stack, lambda: ask(url, LONG))
+    named = res.engine_id
     assert (status, text) == (200, want[1])
     after = {name: dict(counters(stack, name)) for name in ("prefill-0", "decode-0", "decode-1")}
     delta = {name: {k: after[name].get(k, 0) - before[name].get(k, 0) for k in after[name]} for name in after}
@@ -166,3 +178,65 @@ async def _reservation(stack: Stack, res_id: str):
         return await etcd.reservation(res_id)
     finally:
         await etcd.close()
+
+
+def both_decode_engines(stack: Stack) -> None:
+    """Start again whatever decode engine an earlier test killed, and wait until the control
+    plane has both available."""
+    for engine_id in ("decode-0", "decode-1"):
+        name = "decode" if engine_id == "decode-0" else engine_id
+        try:
+            stack.live(f"sidecar-{name}")
+        except StopIteration:
+            stack.restart(f"sidecar-{name}")
+        try:
+            stack.live(f"vllm-{name}")
+        except StopIteration:
+            stack.restart_engine("decode", engine_id)
+    from client.control_plane import ControlPlaneClient
+    from kvpush.contract.v1 import scheduler_pb2
+
+    async def available() -> list[str]:
+        async with ControlPlaneClient(stack.controlplane, stack.tenant_token) as cp:
+            listed = await cp.scheduler.ListEngines(scheduler_pb2.ListEnginesRequest(), metadata=cp.metadata,
+                                                    timeout=10)
+        return [e.engine_id for e in listed.engines if not e.unavailable]
+    deadline = time.monotonic() + 60
+    while len(ready := asyncio.run(available())) < 2:  # available once vLLM's connector connects
+        assert time.monotonic() < deadline, ready
+        time.sleep(0.5)
+
+
+def test_on_the_push_path_a_decode_engine_killed_mid_push_costs_no_second_prefill(system):
+    """The push path (an output penalty: decode computes every token, asked at once beside
+    the prefill), a whole answer: the reservation names the prefill engine there too, so it
+    is moved the same way when its decode engine dies before anything reached the client."""
+    stack = system
+    both_decode_engines(stack)
+    url = stack.router_url
+    penalty = {"presence_penalty": 0.5}
+    want = ask(url, LONG, stream=False, **penalty)
+    assert want[0] == 200, want
+    settled(stack, timeout=60)
+    from tests.e2e.test_decode_death_e2e import router_metric
+    moved_before = router_metric(url, "kvpush_router_relocations_total", outcome="moved")
+    fallbacks_before = router_metric(url, "kvpush_router_fallbacks_total", reason="decode_failed")
+    res, _, _, (status, text, _), before = kill_the_named_engine_mid_push(
+        stack, lambda: ask(url, LONG, stream=False, **penalty))
+    assert (status, text) == (200, want[1])
+    assert res.prefill_engine_id == "prefill-0"  # named on the push path too
+    after = {name: dict(counters(stack, name)) for name in ("prefill-0", "decode-0", "decode-1")}
+    delta = {name: {k: after[name].get(k, 0) - before[name].get(k, 0) for k in after[name]} for name in after}
+    survivor = "decode-1" if res.engine_id == "decode-0" else "decode-0"
+    assert delta["prefill-0"].get("requests_begun") == 1, delta["prefill-0"]
+    assert delta[survivor].get("loads_landed") == 1, delta[survivor]
+    # All but the prompt's last token, which decode computes for its first output's logits.
+    assert delta[survivor].get("tokens_loaded", 0) >= res.num_tokens - 1, delta[survivor]
+    assert not delta[survivor].get("load_errors"), delta[survivor]
+    assert router_metric(url, "kvpush_router_relocations_total", outcome="moved") == moved_before + 1
+    assert router_metric(url, "kvpush_router_fallbacks_total", reason="decode_failed") == fallbacks_before
+    moved = asyncio.run(_reservation(stack, res.id))
+    assert moved.state == State.FAILED and moved.moved_to
+    successor = asyncio.run(_reservation(stack, moved.moved_to))
+    assert successor.state == State.CONSUMED and successor.engine_id == survivor
+    settled(stack, timeout=60)
