@@ -13,8 +13,9 @@ Tried and measured worse (full lifecycles, 256 callers): one writer for Reserve 
 transitions both, the transitions riding in the Reserve batch's transaction. It cut the
 etcd round trips by 15-45%, but with one transaction in flight instead of two, a
 lifecycle's two steps queued behind each other: 2,700-2,900 lifecycles/s against
-3,700-4,400, and more control-plane CPU per lifecycle (the batch copied into a nested
-transaction); at 2,000/s it saved 8% of the CPU per lifecycle.
+3,300-3,500 for the code without it in runs beside it, and more control-plane CPU per
+lifecycle (the batch copied into a nested transaction); at 2,000/s it saved 7% of the
+CPU per lifecycle.
 """
 
 from __future__ import annotations
