@@ -85,6 +85,7 @@ class ServiceConfig:
     drain_s: float = 2.0  # on shutdown: running pushes may finish this long
     ready_file: str = ""  # written (engine record + lease, JSON) once registered and beating
     serving_url: str = ""  # the engine's OpenAI server, published for routers to find it
+    probe_serving_s: float = 0.0  # ask serving_url's /health this often (0: never; serving_probe.py)
 
 
 class Backoff:

@@ -70,6 +70,7 @@ from sidecar.membership import (ControlPlaneLink, FatalError, Membership, Servic
 from sidecar.availability import AvailabilityReport
 from sidecar.reporter import Reporter
 from sidecar.reservation_watch import ReservationWatch
+from sidecar.serving_probe import ServingProbe
 
 log = logging.getLogger("kvpush.sidecar")
 
@@ -90,6 +91,7 @@ class SidecarService:
         self.reporter: Reporter | None = None
         self.watch: ReservationWatch | None = None
         self.availability: AvailabilityReport | None = None
+        self.probe: ServingProbe | None = None  # with --probe-serving
         self._ended_remotely: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._tasks: list[asyncio.Task] = []
         self._started = False
@@ -198,6 +200,7 @@ class SidecarService:
                    last_break=m.last_break, reconnects=self.link.reconnects, resolves=self.resolves,
                    watch_subscriptions=self.watch.subscriptions, watch_subscribed=self.watch.subscribed.is_set(),
                    watch_events=self.watch.events, availability_reports=self.availability.reports,
+                   serving_probes=self.probe.probes if self.probe is not None else 0,
                    reports={k: v for k, v in self.reporter.counters.items()})
         return out
 
@@ -214,9 +217,15 @@ class SidecarService:
         self.watch = ReservationWatch(self.link, self.config, self.engine_id, self.membership,
                                       self.sidecar.live_reservations, self._ended,
                                       self._reserved if self.sidecar.config.role == PREFILL else None)
-        self.availability = AvailabilityReport(self.link, self.config, self.engine_id, self.sidecar_config.incarnation,
-                                               lambda: self.sidecar.presence.unavailable)
+        probe = None
+        if self.config.probe_serving_s > 0 and self.config.serving_url:
+            probe = self.probe = ServingProbe(self.config.serving_url, self.config.probe_serving_s)
+        self.availability = AvailabilityReport(
+            self.link, self.config, self.engine_id, self.sidecar_config.incarnation,
+            lambda: self.sidecar.presence.unavailable or (probe.unavailable if probe is not None else ""))
         self.sidecar.presence.on_change = self.availability.changed
+        if probe is not None:
+            probe.on_change = self.availability.changed
         original_admin = self.sidecar.on_admin
 
         def on_admin(conn, request):  # the channel's ADMIN "service" op: our own state
@@ -234,6 +243,8 @@ class SidecarService:
             member = loop.create_task(self.membership.run(), name="membership")
             self._tasks = [member, loop.create_task(self.watch.run(), name="watch"),
                            loop.create_task(self.availability.run(), name="availability")]
+            if probe is not None:
+                self._tasks.append(loop.create_task(probe.run(), name="serving-probe"))
             stopper = loop.create_task(stop.wait())
             await asyncio.wait([*self._tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
             stopper.cancel()
@@ -337,6 +348,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-server-name", default="")
     p.add_argument("--serving-url", default="",
                    help="the engine's OpenAI server (http://host:port), published for routers that discover engines")
+    p.add_argument("--probe-serving", type=float, default=0.0, metavar="SECONDS",
+                   help="ask --serving-url's /health this often; unavailable after 3 failures in a row (0: off)")
     p.add_argument("--wait-for-engine", action="store_true",
                    help="register as unavailable until the engine connects (no reservation lands while it loads)")
     p.add_argument("--engine-grace", type=float, default=SidecarConfig.engine_grace_s,
@@ -372,7 +385,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[SidecarConfig, ServiceC
                             report_hold_s=max(0.0, args.report_hold),
                             pushing_report_after_s=max(0.0, args.pushing_report_after),
                             metrics_host=args.metrics_host, metrics_port=args.metrics_port,
-                            serving_url=args.serving_url.rstrip("/"))
+                            serving_url=args.serving_url.rstrip("/"), probe_serving_s=max(0.0, args.probe_serving))
     return sidecar, service
 
 

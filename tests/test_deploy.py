@@ -89,6 +89,7 @@ def test_every_kvpush_command_line_parses_and_the_engines_carry_their_sidecar(ov
         headless = find(docs, "Service", role)["spec"]
         assert headless["clusterIP"] == "None" and "--port=8000" in engine["args"]
         assert service.serving_url == f"http://pod-0.{role}:8000" and side.wait_for_engine
+        assert service.probe_serving_s == 2  # an API server that stops answering is noticed
         assert side.device == (0 if overlay == "gpu" else None)
         if overlay == "cpu":
             assert side.layout.dtype == "float32" and "--dtype=float32" in engine["args"]

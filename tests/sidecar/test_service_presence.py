@@ -75,3 +75,37 @@ async def test_the_engine_going_away_and_coming_back(stack):
                 client.close()
         await sched.close()
         await etcd.close()
+
+
+async def test_an_openai_server_that_stops_answering_makes_the_engine_unavailable(stack):
+    """vLLM's API server is a process of its own: one that fails or dies while the engine's
+    connections stay open is noticed by ``--probe-serving`` (three failed /health probes in
+    a row), and the engine is available again once it answers."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    health = {"status": 200}
+
+    async def answer(request):
+        return web.Response(status=health["status"])
+    app = web.Application()
+    app.router.add_get("/health", answer)
+    server = TestServer(app)
+    await server.start_server()
+    url = str(server.make_url("")).rstrip("/")
+    dec = stack.sidecar("decode", "D1", LAYOUT, 32, "m", "--serving-url", url, "--probe-serving", "0.1")
+    dec.ready()
+    etcd = Etcd(stack.etcd.endpoint)
+    try:
+        await etcd.wait_engine("D1", True, predicate=lambda e: e.unavailable == "")
+        health["status"] = 503  # up, and failing
+        rec = await etcd.wait_engine("D1", True, predicate=lambda e: "not answering" in e.unavailable)
+        assert f"{url}/health" in rec.unavailable and "answered 503" in rec.unavailable
+        health["status"] = 200
+        await etcd.wait_engine("D1", True, predicate=lambda e: e.unavailable == "")
+        await server.close()  # gone: nothing listens there
+        rec = await etcd.wait_engine("D1", True, predicate=lambda e: "not answering" in e.unavailable)
+        assert dec.client().admin("service")["serving_probes"] >= 6
+    finally:
+        await etcd.close()
+        await server.close()
