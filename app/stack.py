@@ -147,7 +147,7 @@ class Stack:
                 python(), "-m", "app.cli", "sidecar", "--role", role, "--engine-id", engine_id,
                 "--controlplane", self.controlplane, "--token", self.engine_token, "--kv-layout", layout,
                 "--num-blocks", str(blocks), "--model", spec.served_model, "--socket", sockets[engine_id],
-                "--serving-url", urls[engine_id], "--wait-for-engine",
+                "--serving-url", urls[engine_id], "--wait-for-engine", "--probe-serving", "0.5",
                 "--ready-file", ready], env=spec.sidecar_env or None, ready=ready),
                              ready))
         for proc, ready in sidecars:

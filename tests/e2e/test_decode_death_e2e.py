@@ -166,3 +166,27 @@ def test_a_killed_decode_engine_costs_no_request(system):
     time.sleep(0.5)  # the counters file is written at the end of an engine step
     assert counters(stack, "decode-0").get("loads_landed", 0) >= len(PROMPTS) - 1
     settled(stack)
+
+
+def test_an_api_server_killed_alone_makes_its_engine_unavailable(system):
+    """vLLM's API server killed with -9 by itself: its EngineCore lives on, and with it the
+    connector's channels to the sidecar, so only the sidecar's probe of the serving URL
+    (``--probe-serving``, the stack sets 0.5 s) can tell. The engine is reported unavailable,
+    the router drops it, and requests are answered by the local fallback, correctly."""
+    stack = system
+    url = stack.router_url
+    wait_for(lambda: engine_record(stack, "decode-0").unavailable == "", 60, "decode-0 available")
+    wait_for(lambda: health(url)["decode"], 30, "the router serves decode-0")
+    want = {p: ask(url, p, False)[1] for p in PROMPTS[:2]}
+    server = stack.live("vllm-decode")
+    server.kill()  # the API server alone
+    rec = wait_for(lambda: (r := engine_record(stack, "decode-0")) and "not answering" in r.unavailable and r, 15,
+                   "decode-0 reported unavailable by its probe")
+    assert stack.decode_url in rec.unavailable
+    wait_for(lambda: not health(url)["decode"], 10, "the router drops decode-0")
+    for prompt, text in want.items():
+        assert ask(url, prompt, True)[:2] == (200, text)
+    settled(stack)
+    server.kill_group()  # its EngineCore, orphaned, goes too
+    stack.restart_engine("decode")
+    wait_for(lambda: engine_record(stack, "decode-0").unavailable == "", 60, "decode-0 available again")
