@@ -130,9 +130,7 @@ class Stack:
         self.say(f"control plane serving on {self.controlplane}")
         self.tenant_token = self._create_tenant()
 
-        layout = ",".join(f"{k}={v}" for k, v in (
-            ("layers", self.layout.num_layers), ("block", self.layout.block_size),
-            ("heads", self.layout.num_kv_heads), ("dim", self.layout.head_dim), ("dtype", self.layout.dtype)))
+        layout = self.layout.describe()
         sockets = {}
         sidecars = []
         # Each sidecar publishes its engine's URL (routers discover engines by it) and

@@ -29,6 +29,9 @@ class Candidates:
     block_size: np.ndarray
     divisor: np.ndarray                 # num_blocks, at least 1 (free fractions)
     one_block_size: int                 # the block size every candidate has (the usual case), else 0
+    # No candidate, because every decode engine of the model open to the tenant has a
+    # layout the prefill's cannot feed: why (naming both layouts), else "".
+    unmappable: str = ""
 
     def need(self, num_tokens: int) -> np.ndarray | int:
         """Blocks ``num_tokens`` take on each candidate (one number when they all take the same)."""
@@ -63,11 +66,24 @@ class CandidateCache:
                  and (layout is None or not layout.compatibility_error(eng.layout))
                  and eng.engine_id in view.allocated and eng.engine_id in view.pool_fences),
                 key=lambda e: e.engine_id))
+            unmappable = "" if engines or layout is None else self._unmappable(model, tenant, layout)
             num_blocks = np.array([e.num_blocks for e in engines], dtype=np.int64)
             sizes = {e.layout.block_size for e in engines}
             found = self._by_shape[shape] = Candidates(
                 engines, {e.engine_id: i for i, e in enumerate(engines)},
                 np.array([view.free_count.slot(e.engine_id) for e in engines], dtype=np.int64),
                 num_blocks, np.array([e.layout.block_size for e in engines], dtype=np.int64),
-                np.maximum(num_blocks, 1), sizes.pop() if len(sizes) == 1 else 0)
+                np.maximum(num_blocks, 1), sizes.pop() if len(sizes) == 1 else 0, unmappable)
         return found
+
+    def _unmappable(self, model: str, tenant: TenantRecord, layout: KvLayout) -> str:
+        others = sorted((eng for eng in (entry.record for entry in self._view.engines.values())
+                         if eng.is_decode and eng.model == model and tenant.allows(eng.pool)),
+                        key=lambda e: e.engine_id)
+        if not others:
+            return ""
+        whys = [layout.feed_error(eng.layout) for eng in others]
+        if not all(whys):
+            return ""  # some could take it: they are unavailable or full, not unmappable
+        more = f" (nor can {len(others) - 1} more)" if len(others) > 1 else ""
+        return f"no decode engine of model {model!r} can take this prefill's KV: {others[0].engine_id}: {whys[0]}{more}"

@@ -255,6 +255,8 @@ class Reserver:
         view = self._view
         cands = self._candidates.get(ask.model, tenant, ask.prefill_layout)
         if not cands.engines:
+            if cands.unmappable:  # no room will ever make it fit: not worth a retry
+                raise errors.failed_precondition(cands.unmappable)
             raise errors.exhausted(f"no decode engine for model {ask.model!r} is available to tenant "
                                    f"{tenant.name!r}")
         if batch.free is None:  # (the view does not change while a batch is planned)

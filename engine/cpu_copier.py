@@ -39,9 +39,9 @@ class CpuCopier(CacheCopier):
 
     def bind_caches(self, caches: Sequence, layout: KvLayout) -> None:
         codec = self.codec
-        if (codec.num_kv_heads, codec.head_dim) != (layout.num_kv_heads, layout.head_dim):
+        if (codec.num_kv_heads, codec.head_dim) != (layout.local_kv_heads, layout.head_dim):
             raise CopyError(f"the model has {codec.num_kv_heads} KV heads of {codec.head_dim}, the sidecar's "
-                            f"layout {layout.num_kv_heads} of {layout.head_dim}")
+                            f"layout {layout.local_kv_heads} of {layout.head_dim}")
         if layout.dtype != str(codec.dtype) or layout.kv_parts != 2:
             raise CopyError(f"the sidecar's layout holds {layout.dtype} x{layout.kv_parts}, the cache "
                             f"{codec.dtype} x2")
@@ -55,7 +55,7 @@ class CpuCopier(CacheCopier):
             lo, units = desc.layout, desc.num_units
             stride = units * lo.block_layer_bytes
             self._landing = [self._pool[i * stride:(i + 1) * stride].reshape(
-                units, lo.kv_parts, lo.block_size, lo.num_kv_heads, lo.head_dim * lo.itemsize)
+                units, lo.kv_parts, lo.block_size, lo.local_kv_heads, lo.head_dim * lo.itemsize)
                 for i in range(lo.num_layers)]
 
     def plan(self, cache_block_ids: Sequence[int], start: int, end: int) -> np.ndarray:

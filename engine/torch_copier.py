@@ -145,7 +145,7 @@ class TorchCopier(CacheCopier):
             if name != layout.dtype:
                 raise CopyError(f"{what}: a {name} KV cache (kv-cache-dtype {self._cache_dtype!r}), the sidecar's "
                                 f"layout holds {layout.dtype}")
-            want = (layout.num_kv_heads, self._block_size, 2 * layout.head_dim)
+            want = (layout.local_kv_heads, self._block_size, 2 * layout.head_dim)
             if cache.dim() != 4 or tuple(cache.shape[1:]) != want:
                 raise CopyError(f"{what}: expected the logical view (blocks, {want[0]}, {want[1]}, {want[2]}) = "
                                 "(blocks, kv_heads, block_size, 2 * head_dim)")
@@ -203,7 +203,7 @@ class TorchCopier(CacheCopier):
         ids = torch.as_tensor(list(landing_block_ids), dtype=torch.long)
         if (end - 1) // lo.block_size >= len(ids):
             raise ValueError(f"tokens [{start}, {end}) need more than the {len(ids)} landing blocks")
-        heads, per_block = lo.num_kv_heads, 2 * lo.block_size
+        heads, per_block = lo.local_kv_heads, 2 * lo.block_size
         # K rows in layer 0 (a landing block is [K/V][slot] rows; V is block_size rows further);
         # every layer is the same rows, one layer of the pool further.
         rows0 = _to(ids[t // lo.block_size] * per_block + t % lo.block_size, self._rows.device)

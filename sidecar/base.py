@@ -62,6 +62,12 @@ class SidecarConfig:
             raise ValueError(f"role must be {PREFILL!r} or {DECODE!r}, got {self.role!r}")
         if self.device is not None and self.push.checksums:
             raise ValueError("--checksums reads the pool on the host: not with a VRAM pool (--pool-device cpu)")
+        if self.layout.tp_size != 1:
+            # The layout record and the head plan know ranks; the sidecar's per-rank
+            # channels and pools do not yet (issue #14): refuse rather than push one
+            # rank's bytes as if they were the engine's.
+            raise ValueError(f"kv layout tp={self.layout.tp_size}: a sidecar serves tensor-parallel "
+                             "engines only once per-rank channels exist; run this engine with tp=1")
 
     @property
     def agent_name(self) -> str:

@@ -89,7 +89,7 @@ class LayerMajorPool:
         lo = self.layout
         start = layer * self.layer_stride
         flat = self.memory.host_view()[start:start + self.layer_stride]
-        return flat.reshape(self.num_units, lo.kv_parts, lo.block_size, lo.num_kv_heads, lo.head_dim * lo.itemsize)
+        return flat.reshape(self.num_units, lo.kv_parts, lo.block_size, lo.local_kv_heads, lo.head_dim * lo.itemsize)
 
     def info(self) -> PoolDescription:
         m = self.memory

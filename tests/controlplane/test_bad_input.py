@@ -33,10 +33,19 @@ RESERVE_CASES = [
      "prefill_layout.dtype"),
     # More tokens than any engine has blocks for: capacity, not a bad argument.
     (dict(request_id="r", num_tokens=64 * 16 + 1), grpc.StatusCode.RESOURCE_EXHAUSTED, "num_tokens"),
-    # A prefill layout no decode engine can take.
+    # A prefill layout no decode engine can take: refused before any prefill, naming both
+    # layouts; no amount of free blocks would change it, so not RESOURCE_EXHAUSTED.
     (dict(request_id="r", num_tokens=16, prefill_layout=
         KvLayout(num_layers=8, block_size=16, num_kv_heads=2, head_dim=64).to_proto()),
-     grpc.StatusCode.RESOURCE_EXHAUSTED, "no decode engine"),
+     grpc.StatusCode.FAILED_PRECONDITION,
+     "prefill layout layers=8,block=16,heads=2,dim=64,dtype=float32 cannot feed decode layout "
+     "layers=4,block=16,heads=2,dim=64,dtype=float32: kv_layout.num_layers differs"),
+    (dict(request_id="r", num_tokens=16, prefill_layout=
+        KvLayout(num_layers=4, block_size=16, num_kv_heads=4, head_dim=64, tp_size=2).to_proto()),
+     grpc.StatusCode.FAILED_PRECONDITION, "heads=4,dim=64,dtype=float32,tp=2 cannot feed"),
+    (dict(request_id="r", num_tokens=16, prefill_layout=types_pb2.KvLayout(
+        num_layers=4, block_size=16, num_kv_heads=2, head_dim=64, tp_size=3)), INVALID,
+     "prefill_layout.tp_size=3 cannot split num_kv_heads=2"),
 ]
 
 
@@ -51,6 +60,21 @@ async def test_reserve_bad_input(cp, admin, engine_client, etcd, fields, code, m
     assert mention in details, details
     await settle(etcd.endpoint, quiet=True)
     assert (await reserve(tenant, "still-works", 16)).state == types_pb2.RESERVED
+    await tenant.close()
+    await engine.stop()
+
+
+async def test_a_prefill_of_another_tp_and_block_size_is_granted(cp, admin, engine_client, etcd):
+    # Tensor parallelism and block size may differ between prefill and decode: the head
+    # plan and the re-blocking staging map them; only the heads' bytes must agree.
+    engine = SimulatedEngine(engine_client, "decode-0", num_blocks=64)
+    await engine.register()
+    tenant = await make_tenant(admin, cp.address, "acme")
+    prefill = KvLayout(num_layers=4, block_size=32, num_kv_heads=2, head_dim=64, tp_size=2)
+    res = await tenant.scheduler.Reserve(scheduler_pb2.ReserveRequest(
+        request_id="tp2", num_tokens=40, model="sim-model", prefill_layout=prefill.to_proto()),
+        metadata=tenant.metadata, timeout=5)
+    assert res.state == types_pb2.RESERVED and res.engine_id == "decode-0" and len(res.block_ids) == 3
     await tenant.close()
     await engine.stop()
 

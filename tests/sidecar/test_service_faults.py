@@ -32,9 +32,12 @@ async def test_incompatible_layouts_are_refused_by_the_control_plane_and_the_sid
     prefill, decode = PrefillEngine(pre.client()), DecodeEngine(wide.client())
     try:
         decode.fill_sentinel()
-        # The scheduler names the prefill layout: no decode engine of model m2 can take it.
-        await expect_code(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          sched.reserve("r-bad", 40, model="m2", prefill_layout=layout_pb(LAYOUT)))
+        # The scheduler names the prefill layout: no decode engine of model m2 can take it,
+        # and the refusal says why, naming both layouts, before any prefill runs.
+        details = await expect_code(grpc.StatusCode.FAILED_PRECONDITION,
+                                    sched.reserve("r-bad", 40, model="m2", prefill_layout=layout_pb(LAYOUT)))
+        assert (f"D2: prefill layout {LAYOUT} cannot feed decode layout {WIDE}: "
+                "kv_layout.num_kv_heads differs") in details, details
         # A scheduler that does not say: the reservation is made, but the prefill sidecar
         # refuses to push into it once it has the peer's record, and reports FAILED.
         res = await sched.reserve("r-blind", 40, model="m2")

@@ -244,3 +244,12 @@ def test_handover_keeps_asks_and_grants_bounded():
     expired = Handover(ask_ttl_s=0.0)
     expired.offer("gone", {}, int(time.time() * 1000) - 1)   # past its deadline: not handed out
     assert expired.ask("gone", a) is None
+
+
+def test_a_tensor_parallel_layout_is_refused_until_ranks_have_channels(tmp_path):
+    # The layout describes TP engines (the control plane plans and refuses them), but one
+    # sidecar channel moves one rank's bytes: a TP engine's sidecar must not start and
+    # push a rank's share as if it were the engine's.
+    tp2 = dataclasses.replace(LAYOUT, num_kv_heads=4, tp_size=2)
+    with pytest.raises(ValueError, match="kv layout tp=2: a sidecar serves tensor-parallel engines only once"):
+        SidecarConfig("dec-tp", DECODE, tp2, 32, str(tmp_path / "d.sock"))
