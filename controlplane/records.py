@@ -69,6 +69,7 @@ class ReservationRecord:
     prefill_incarnation: str = ""  # with prefill_engine_id ("" from sidecars that do not say)
     moved_from: str = ""          # decode failover: the reservation this one replaces
     moved_to: str = ""            # on the replaced one: its successor
+    decode_tp: int = 1            # the decode engine's tensor-parallel ranks
 
     @property
     def blocks(self) -> list[int]:
@@ -88,10 +89,12 @@ class ReservationRecord:
             "state": self.state.name, "deadline_ms": self.deadline_ms, "created_ms": self.created_ms,
             "reason": self.reason, "prefill_engine_id": self.prefill_engine_id, "ended_ms": self.ended_ms,
             "prefill_incarnation": self.prefill_incarnation}
-        if self.moved_from:  # rare (failover): left out otherwise, as decode defaults them
+        if self.moved_from:  # rare (failover, TP): left out otherwise, as decode defaults them
             data["moved_from"] = self.moved_from
         if self.moved_to:
             data["moved_to"] = self.moved_to
+        if self.decode_tp != 1:
+            data["decode_tp"] = self.decode_tp
         return _encode(data)
 
     @classmethod
@@ -109,7 +112,7 @@ class ReservationRecord:
             deadline_unix_ms=self.deadline_ms, created_unix_ms=self.created_ms, reason=self.reason,
             engine_incarnation=self.incarnation, prefill_engine_id=self.prefill_engine_id,
             ended_unix_ms=self.ended_ms, prefill_engine_incarnation=self.prefill_incarnation,
-            moved_from=self.moved_from, moved_to=self.moved_to)
+            moved_from=self.moved_from, moved_to=self.moved_to, decode_tp_size=self.decode_tp)
 
 
 @dataclasses.dataclass

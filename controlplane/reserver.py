@@ -270,7 +270,7 @@ class Reserver:
             # that block size (moves are rare: a Python pass over the candidates is fine).
             old = ask.moving
             fits &= np.array([e.engine_id != old.engine_id and e.layout.block_size == old.block_size
-                              for e in cands.engines])
+                              and e.layout.tp_size == old.decode_tp for e in cands.engines])
             credit = old.num_blocks if old.state.live and view.counts(old) else 0  # given back in the same txn
         if tenant.quota_blocks:
             quota_left = (tenant.quota_blocks - view.tenant_used.get(tenant.name, 0) - batch.used.get(tenant.name, 0)
@@ -282,7 +282,8 @@ class Reserver:
             fits = within
         if not fits.any():
             if ask.moving is not None:
-                raise errors.exhausted(f"no other decode engine of block size {ask.moving.block_size} has room "
+                raise errors.exhausted(f"no other decode engine of block size {ask.moving.block_size} and "
+                                       f"tp {ask.moving.decode_tp} has room "
                                        f"for num_tokens={ask.num_tokens}")
             most = int(np.argmax(free))
             raise errors.exhausted(f"no decode engine has room for num_tokens={ask.num_tokens} "
@@ -320,7 +321,7 @@ class Reserver:
             extents=to_extents(blocks), block_size=engine.layout.block_size, num_tokens=ask.num_tokens,
             model=ask.model, state=State.RESERVED, deadline_ms=created + ask.deadline_ms, created_ms=created,
             prefill_engine_id=ask.prefill_engine_id, prefill_incarnation=ask.prefill_incarnation,
-            moved_from=ask.moving.id if ask.moving is not None else "")
+            moved_from=ask.moving.id if ask.moving is not None else "", decode_tp=engine.layout.tp_size)
 
     def _apply_own_writes(self, plan: "_Plan", revision: int) -> None:
         # The watch will bring the same writes; applying them now lets the next

@@ -51,12 +51,18 @@ def test_push_params_keep_their_wire_form():
     res = types_pb2.Reservation(id="res-1", engine_id="decode-0", engine_incarnation="inc1", nixl_agent="decode-0.inc1",
                                 block_ids=[4, 5], block_size=16, num_tokens=20, deadline_unix_ms=1234)
     assert PushParams.from_reservation(res, "decode") == params
+    # A decode engine of TP 2: the reservation says so, and so do the params (only then).
+    res.decode_tp_size = 2
+    tp2 = PushParams.from_reservation(res, "decode")
+    assert tp2.target.tp_size == 2 and tp2.to_dict()["tp_size"] == 2
+    assert PushParams.from_dict(tp2.to_dict()) == tp2
 
 
 @pytest.mark.parametrize("change, message", [
     ({"extra": 1}, "unknown fields"),
     ({"num_tokens": None}, "kvpush transfer params"),
     ({"block_ids": [4]}, "cannot hold"),
+    ({"tp_size": 0}, "tp_size must be in"),
     ({"role": "router"}, "kvpush.role"),
 ])
 def test_bad_push_params_are_refused_naming_the_field(change, message):

@@ -24,13 +24,14 @@ class PushTarget:
     num_tokens: int  # tokens reserved (and pushed)
     nixl_agent: str = ""  # the decode sidecar's NIXL agent (informational: peers are resolved by engine)
     deadline_unix_ms: int = 0
+    tp_size: int = 1  # the decode engine's tensor-parallel ranks: the head plan's other half
 
     @classmethod
     def from_proto(cls, reservation) -> "PushTarget":
         """From a ``kvpush.v1.Reservation``."""
         return cls(reservation.id, reservation.engine_id, reservation.engine_incarnation,
                    tuple(reservation.block_ids), reservation.block_size, reservation.num_tokens,
-                   reservation.nixl_agent, reservation.deadline_unix_ms)
+                   reservation.nixl_agent, reservation.deadline_unix_ms, reservation.decode_tp_size or 1)
 
     def problem(self) -> str:
         """What makes this target unusable before any byte moves ("" if nothing)."""
@@ -38,6 +39,8 @@ class PushTarget:
             return "reservation_id and engine_id are required"
         if self.block_size <= 0 or self.num_tokens <= 0:
             return "block_size and num_tokens must be positive"
+        if not 1 <= self.tp_size <= 64:
+            return f"tp_size must be in [1, 64], got {self.tp_size}"
         if len(self.block_ids) * self.block_size < self.num_tokens:
             return f"{len(self.block_ids)} blocks of {self.block_size} cannot hold {self.num_tokens} tokens"
         return ""

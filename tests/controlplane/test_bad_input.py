@@ -75,8 +75,17 @@ async def test_a_prefill_of_another_tp_and_block_size_is_granted(cp, admin, engi
         request_id="tp2", num_tokens=40, model="sim-model", prefill_layout=prefill.to_proto()),
         metadata=tenant.metadata, timeout=5)
     assert res.state == types_pb2.RESERVED and res.engine_id == "decode-0" and len(res.block_ids) == 3
+    assert res.decode_tp_size == 1
+    # A decode engine of TP 2: its reservations say so (the prefill plans its heads by it).
+    tp2 = SimulatedEngine(engine_client, "decode-tp2", num_blocks=64, model="tp2-model",
+                          layout=KvLayout(num_layers=4, block_size=16, num_kv_heads=2, head_dim=64, tp_size=2))
+    await tp2.register()
+    res = await tenant.scheduler.Reserve(scheduler_pb2.ReserveRequest(
+        request_id="to-tp2", num_tokens=40, model="tp2-model", prefill_layout=prefill.to_proto()),
+        metadata=tenant.metadata, timeout=5)
+    assert res.engine_id == "decode-tp2" and res.decode_tp_size == 2
     await tenant.close()
-    await engine.stop()
+    await engine.stop(), await tp2.stop()
 
 
 async def test_unknown_fields_are_refused(cp, admin, engine_client):

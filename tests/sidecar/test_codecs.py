@@ -21,6 +21,8 @@ def test_frames_round_trip():
     timed = F.BeginRequest("req-2", PushTarget("res-2", "decode-0", "inc9", (1, 2), 16, 20,
                                                deadline_unix_ms=1_790_000_000_123))
     assert F.decode_begin(F.encode_begin(timed)) == timed  # the deadline travels (the sidecar checks it)
+    tp = F.BeginRequest("req-3", PushTarget("res-3", "decode-0", "inc9", (1, 2), 16, 20, tp_size=4))
+    assert F.decode_begin(F.encode_begin(tp)) == tp  # the decode TP: the prefill plans heads at BEGIN
     piece = F.PushPiece("req-1", 31, 512, 1000)
     assert F.decode_push(F.encode_push(piece)) == piece
     end = F.EndRequest("req-1", True, "client went away")
