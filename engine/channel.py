@@ -70,7 +70,16 @@ class SidecarClient:
         return F.decode_json(self._call(F.HELLO, F.encode_json(info)))
 
     def begin_push(self, request: F.BeginRequest) -> StagingAllocation:
-        return F.decode_alloc(self._call(F.BEGIN, F.encode_begin(request)))
+        """The staging of an engine without tensor parallelism: one allocation, every head."""
+        allocs = self.begin_shares(request)
+        if len(allocs) != 1:
+            raise ChannelError(f"BEGIN answered {len(allocs)} head shares: a tensor-parallel engine stages "
+                               "with begin_shares")
+        return allocs[0]
+
+    def begin_shares(self, request: F.BeginRequest) -> tuple[StagingAllocation, ...]:
+        """This rank's staging: one allocation per head share it sends (none: it sends nothing)."""
+        return F.decode_allocs(self._call(F.BEGIN, F.encode_begin(request)))
 
     def push(self, request_id: str, layer: int, start: int = 0, end: int = 0) -> None:
         """Fire-and-forget: push tokens [start, end) of ``layer`` (end 0: to the end)."""

@@ -80,8 +80,9 @@ class CacheCopier(abc.ABC):
     def stage(self, layer: int, cache_block_ids: Sequence[int], start: int, end: int, alloc: StagingAllocation,
               geom: DestGeometry, plan: object = None) -> Fence | None:
         """Prefill: tokens ``[start, end)`` of ``layer`` from the cache into the request's staging
-        allocation, in the destination's block geometry ``geom``. Returns a fence for the copy
-        (None: done)."""
+        allocation, in the destination's block geometry ``geom``: the allocation's heads
+        (``alloc.first_head``, ``alloc.num_heads``: one head share of a tensor-parallel push;
+        0 heads: all). Returns a fence for the copy (None: done)."""
 
     @abc.abstractmethod
     def load(self, cache_block_ids: Sequence[int], start: int, end: int, landing_block_ids: Sequence[int],

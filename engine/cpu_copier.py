@@ -63,7 +63,7 @@ class CpuCopier(CacheCopier):
 
     def stage(self, layer: int, cache_block_ids: Sequence[int], start: int, end: int, alloc: StagingAllocation,
               geom: DestGeometry, plan: object = None) -> None:
-        tokens = self.codec.read(self._flat[layer], cache_block_ids, start, end, plan)
+        tokens = reblock.share_heads(self.codec.read(self._flat[layer], cache_block_ids, start, end, plan), alloc)
         reblock.stage_tokens(self._pool, alloc, geom, layer, tokens.view(np.uint8), start, end)
 
     def load(self, cache_block_ids: Sequence[int], start: int, end: int, landing_block_ids: Sequence[int],

@@ -75,6 +75,7 @@ class StateEvent:
     reason: str = ""
     request_id: str = ""
     num_tokens: int = 0
+    src_tp: int = 1  # LANDED: the prefill engine's TP, which says where each head landed
 
 
 def frame(kind: int, seq: int, body: bytes = b"") -> bytes:
@@ -124,6 +125,7 @@ _BEGIN_NUMS = struct.Struct("<II")
 _PUSH_NUMS = struct.Struct("<HII")
 _ALLOC_HEAD = struct.Struct("<IIQQQI")
 _EXTENT = struct.Struct("<IIII")
+_HEADS = struct.Struct("<HH")
 
 
 def encode_begin(b: BeginRequest) -> bytes:
@@ -174,27 +176,38 @@ def decode_id(body: bytes) -> str:
 
 
 def encode_state(e: StateEvent) -> bytes:
-    return _s(e.reservation_id) + _s(e.state) + _s(e.reason) + _s(e.request_id) + _U32.pack(e.num_tokens)
+    return (_s(e.reservation_id) + _s(e.state) + _s(e.reason) + _s(e.request_id) + _U32.pack(e.num_tokens)
+            + _U16.pack(e.src_tp))
 
 
 def decode_state(body: bytes) -> StateEvent:
     r = _Reader(body)
     res, state, reason, rid = r.str(), r.str(), r.str(), r.str()
     (nt,) = r.take(_U32)
-    return StateEvent(res, state, reason, rid, nt)
+    (src_tp,) = r.take(_U16)
+    return StateEvent(res, state, reason, rid, nt, src_tp)
 
 
-def encode_alloc(a: StagingAllocation) -> bytes:
-    head = _ALLOC_HEAD.pack(a.alloc_id, a.num_dest_blocks, a.dest_block_layer_bytes, a.unit_bytes,
-                            a.layer_stride, len(a.extents))
-    return head + b"".join(_EXTENT.pack(*dataclasses.astuple(e)) for e in a.extents)
+def encode_allocs(allocs) -> bytes:
+    """A BEGIN's answer: one allocation per head share the rank stages (none: it stages nothing)."""
+    out = [_U16.pack(len(allocs))]
+    for a in allocs:
+        out.append(_ALLOC_HEAD.pack(a.alloc_id, a.num_dest_blocks, a.dest_block_layer_bytes, a.unit_bytes,
+                                    a.layer_stride, len(a.extents)) + _HEADS.pack(a.first_head, a.num_heads))
+        out.extend(_EXTENT.pack(*dataclasses.astuple(e)) for e in a.extents)
+    return b"".join(out)
 
 
-def decode_alloc(body: bytes) -> StagingAllocation:
+def decode_allocs(body: bytes) -> tuple[StagingAllocation, ...]:
     r = _Reader(body)
-    alloc_id, nblocks, blb, unit, stride, n = r.take(_ALLOC_HEAD)
-    extents = tuple(StagingExtent(*r.take(_EXTENT)) for _ in range(n))
-    return StagingAllocation(alloc_id, "", extents, blb, nblocks, unit, stride)
+    (count,) = r.take(_U16)
+    allocs = []
+    for _ in range(count):
+        alloc_id, nblocks, blb, unit, stride, n = r.take(_ALLOC_HEAD)
+        first_head, num_heads = r.take(_HEADS)
+        extents = tuple(StagingExtent(*r.take(_EXTENT)) for _ in range(n))
+        allocs.append(StagingAllocation(alloc_id, "", extents, blb, nblocks, unit, stride, first_head, num_heads))
+    return tuple(allocs)
 
 
 def encode_json(obj) -> bytes:

@@ -52,6 +52,10 @@ class StagingAllocation:
     num_dest_blocks: int
     unit_bytes: int
     layer_stride: int  # bytes between the same unit in consecutive layers
+    # The heads staged here, of the rank's own (its cache's head axis): a tensor-parallel
+    # push stages one allocation per head share (``engine/head_plan.py``). 0 heads: all.
+    first_head: int = 0
+    num_heads: int = 0
 
     @property
     def num_units(self) -> int:

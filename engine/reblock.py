@@ -19,6 +19,7 @@ import numpy as np
 
 from engine.geometry import DestGeometry
 from engine.pool import StagingAllocation
+from kvpush.contract.layout import KvLayout
 
 
 def gather_tokens(layer_blocks: np.ndarray, block_ids, start: int, end: int) -> np.ndarray:
@@ -78,6 +79,18 @@ def stage_tokens(pool_bytes: np.ndarray, alloc: StagingAllocation, geom: DestGeo
         lo, hi = max(start, first_token), min(end, last_token)
         if lo < hi:
             write_tokens(blocks, first_token, tokens[:, lo - start:hi - start], lo, hi)
+
+
+def share_geometry(layout: KvLayout, alloc: StagingAllocation, dest_block_size: int, num_tokens: int) -> DestGeometry:
+    """The geometry an allocation stages in: the destination's block size, the heads of
+    its share (``alloc.num_heads``; 0: all the rank's)."""
+    heads = alloc.num_heads or layout.local_kv_heads
+    return DestGeometry(dest_block_size, heads * layout.head_dim * layout.itemsize, layout.kv_parts, num_tokens)
+
+
+def share_heads(tokens: np.ndarray, alloc: StagingAllocation) -> np.ndarray:
+    """The heads of ``tokens`` (``(parts, n, heads, width)``, the rank's own) that ``alloc`` stages."""
+    return tokens[:, :, alloc.first_head:alloc.first_head + alloc.num_heads] if alloc.num_heads else tokens
 
 
 def stage_from_cache(pool_bytes: np.ndarray, alloc: StagingAllocation, geom: DestGeometry, layer: int,

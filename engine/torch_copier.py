@@ -185,14 +185,19 @@ class TorchCopier(CacheCopier):
               geom: DestGeometry, plan: _Plan | None = None) -> CudaFence | None:
         plan = plan or self.plan(cache_block_ids, start, end)
         tokens = self._layers[layer][plan.blocks, :, plan.slots, :]  # (T, H, 2 * Db): a gather, on the device
+        rows, part = self._rows, self._token_part
+        if alloc.num_heads:  # one head share: its heads, in rows of their size
+            tokens = tokens[:, alloc.first_head:alloc.first_head + alloc.num_heads]
+            part = geom.token_part_bytes
+            rows = self._rows.view(-1, part)
         rows0 = plan.staging_rows.get(alloc.alloc_id)
         if rows0 is None:
-            rows0 = plan.staging_rows[alloc.alloc_id] = _to(self._staging_rows(alloc, geom, start, end),
-                                                            self._rows.device)
-        k_rows = rows0 + layer * (alloc.layer_stride // self._token_part)
+            rows0 = plan.staging_rows[alloc.alloc_id] = _to(self._staging_rows(alloc, geom, start, end, part),
+                                                            rows.device)
+        k_rows = rows0 + layer * (alloc.layer_stride // part)
         half = tokens.shape[-1] // 2
-        self._rows[k_rows] = tokens[..., :half].reshape(len(k_rows), -1).to(self._rows.device)
-        self._rows[k_rows + geom.block_size] = tokens[..., half:].reshape(len(k_rows), -1).to(self._rows.device)
+        rows[k_rows] = tokens[..., :half].reshape(len(k_rows), -1).to(rows.device)
+        rows[k_rows + geom.block_size] = tokens[..., half:].reshape(len(k_rows), -1).to(rows.device)
         return _fence(self._rows.device)  # PUSH lets the sidecar read these rows: only once written
 
     def load(self, cache_block_ids: Sequence[int], start: int, end: int, landing_block_ids: Sequence[int],
@@ -221,7 +226,8 @@ class TorchCopier(CacheCopier):
         return _fence(self._rows.device) if self._rows is not None else None
 
     # -- pool rows --------------------------------------------------------------------------
-    def _staging_rows(self, alloc: StagingAllocation, geom: DestGeometry, start: int, end: int) -> torch.Tensor:
+    def _staging_rows(self, alloc: StagingAllocation, geom: DestGeometry, start: int, end: int,
+                      part: int) -> torch.Tensor:
         """K rows of tokens ``[start, end)`` in layer 0 of the request's staging allocation,
         which holds them in the destination's block geometry, extent by extent (a
         destination block is [K/V][slot] rows: V is ``geom.block_size`` rows further)."""
@@ -230,7 +236,7 @@ class TorchCopier(CacheCopier):
         dest = t // d
         base = torch.empty(alloc.num_dest_blocks, dtype=torch.long)
         for ext in alloc.extents:  # a handful of extents: each a run of destination blocks
-            first = alloc.extent_offset(ext, 0) // self._token_part
+            first = alloc.extent_offset(ext, 0) // part
             base[ext.first_block:ext.first_block + ext.num_blocks] = (
                 first + torch.arange(ext.num_blocks) * 2 * d)
         return base[dest] + t % d

@@ -62,12 +62,8 @@ class SidecarConfig:
             raise ValueError(f"role must be {PREFILL!r} or {DECODE!r}, got {self.role!r}")
         if self.device is not None and self.push.checksums:
             raise ValueError("--checksums reads the pool on the host: not with a VRAM pool (--pool-device cpu)")
-        if self.layout.tp_size != 1:
-            # The layout record and the head plan know ranks; the sidecar's per-rank
-            # channels and pools do not yet (issue #14): refuse rather than push one
-            # rank's bytes as if they were the engine's.
-            raise ValueError(f"kv layout tp={self.layout.tp_size}: a sidecar serves tensor-parallel "
-                             "engines only once per-rank channels exist; run this engine with tp=1")
+        if self.layout.tp_size > 1 and self.push.checksums:
+            raise ValueError("--checksums covers engines without tensor parallelism only")
 
     @property
     def agent_name(self) -> str:
@@ -90,7 +86,7 @@ class SidecarBase(ChannelHandler):
         self.config = config
         self.transport_factory = transport_factory or nixl_transport
         self.accepting = True  # False while shutting down: new pushes are refused
-        self.pool: LayerMajorPool | None = None
+        self.pools: list[LayerMajorPool] = []  # one per tensor-parallel rank, rank order
         self.transport: Transport | None = None
         self.driver: ProgressDriver | None = None
         self.server: ChannelServer | None = None
@@ -99,8 +95,19 @@ class SidecarBase(ChannelHandler):
 
     # -- what a role provides -------------------------------------------------------------------
     @abc.abstractmethod
-    def _make_pool(self, tag: str) -> LayerMajorPool:
-        """The role's pool (landing or staging), made at start."""
+    def _make_pool(self, tag: str, rank: int) -> LayerMajorPool:
+        """The role's pool (landing or staging) of one rank, made at start: the rank's
+        heads (``layout.rank_layout()``), on the rank's GPU for a VRAM pool."""
+
+    @property
+    def pool(self) -> LayerMajorPool:
+        """Rank 0's pool: the only one without tensor parallelism."""
+        return self.pools[0]
+
+    def rank_device(self, rank: int) -> int | None:
+        """Rank ``rank``'s GPU: ``--pool-device`` is rank 0's, the ranks' are consecutive
+        (vLLM gives local rank r the r-th visible GPU)."""
+        return None if self.config.device is None else self.config.device + rank
 
     def _start_role(self) -> None:
         """Pool, transport and driver are up; the channel is not serving yet."""
@@ -128,10 +135,12 @@ class SidecarBase(ChannelHandler):
         swept = sweep_stale_segments()
         if swept:
             log.info("removed %d stale shared-memory segments of dead sidecars", len(swept))
-        self.pool = self._make_pool(f"{c.engine_id}.{c.role}")
         try:
+            for rank in range(c.layout.tp_size):
+                self.pools.append(self._make_pool(f"{c.engine_id}.{c.role}" + (f".r{rank}" if rank else ""), rank))
             self.transport = self.transport_factory(c)
-            self.transport.register(self.pool.memory)
+            for pool in self.pools:
+                self.transport.register(pool.memory)
             self.driver = ProgressDriver(self.transport, c.poll)
             self.trace = Trace(f"sidecar-{c.role}-{c.engine_id}")
             self._start_role()
@@ -155,8 +164,9 @@ class SidecarBase(ChannelHandler):
         if self.transport is not None:
             self.transport.close()
             self.transport = None
-        if self.pool is not None:
-            self.pool.close()
+        for pool in self.pools:
+            pool.close()
+        self.pools = []
 
     def engine_record(self) -> EngineRecord:
         """This engine as peers must know it (published through the control plane)."""
@@ -166,7 +176,9 @@ class SidecarBase(ChannelHandler):
                             num_blocks=pool.num_units, sidecar_address=f"unix:{c.socket_path}",
                             memory_kind=pool.memory.mem_kind, pool_base_address=pool.base_address,
                             pool_size_bytes=pool.size_bytes, device_id=pool.memory.device_id,
-                            unavailable=self.presence.unavailable)
+                            unavailable=self.presence.unavailable,
+                            rank_pools=tuple((p.base_address, p.memory.device_id) for p in self.pools)
+                            if len(self.pools) > 1 else ())
 
     def stats(self) -> dict:
         return {"role": self.config.role, "engine_id": self.config.engine_id,
@@ -176,15 +188,22 @@ class SidecarBase(ChannelHandler):
 
     # -- ChannelHandler: every role ------------------------------------------------------------
     def on_hello(self, conn: Connection, info: dict) -> dict:
+        rank, tp = info.get("rank", 0), self.config.layout.tp_size
+        if not isinstance(rank, int) or not 0 <= rank < tp:
+            raise ValueError(f"rank {rank!r}: sidecar {self.config.engine_id} serves an engine of tp_size={tp} "
+                             f"(ranks 0..{tp - 1}); the engine's --tensor-parallel-size and the sidecar's "
+                             "--kv-layout tp must agree")
+        conn.rank = rank
+        pool = self.pools[rank]
         # A VRAM pool serves the engine on its GPU only: a worker on another GPU (or none)
         # is refused here, with the fix, rather than failing to map the pool.
-        if "cuda_device" in info and self.pool.memory.mem_kind == "VRAM":
-            check_pool_device(self.pool.info(), info["cuda_device"])
+        if "cuda_device" in info and pool.memory.mem_kind == "VRAM":
+            check_pool_device(pool.info(), info["cuda_device"])
         if info.get("engine"):
             self.presence.connected(conn)
         return {"role": self.config.role, "engine_id": self.config.engine_id,
                 "incarnation": self.config.incarnation, "agent": self.config.agent_name,
-                "pool": self.pool.info().to_dict()}
+                "pool": pool.info().to_dict(), "rank": rank, "layout": self.config.layout.to_dict()}
 
     def on_admin(self, conn: Connection, request: dict):
         op = request.get("op")

@@ -33,6 +33,7 @@ class Connection:
         self.transport = transport
         self.owner = f"conn-{next(self._ids)}"
         self.info: dict = {}
+        self.rank = 0  # the engine's tensor-parallel rank this connection speaks for (HELLO)
         self.closed = False
 
     def send(self, data: bytes) -> None:
@@ -65,9 +66,10 @@ class ChannelHandler(abc.ABC):
         this sidecar's role, engine id, incarnation and pool description."""
 
     @abc.abstractmethod
-    def on_begin(self, conn: Connection, req: F.BeginRequest) -> StagingAllocation:
-        """BEGIN, prefill worker side, before the forward pass of a request's first pushed
-        step: check the target, allocate staging; the reply says where to stage."""
+    def on_begin(self, conn: Connection, req: F.BeginRequest) -> tuple[StagingAllocation, ...]:
+        """BEGIN, prefill worker side (each rank), before the forward pass of a request's
+        first pushed step: check the target, allocate staging; the reply says where the
+        connection's rank stages which of its heads (one allocation per head share)."""
 
     @abc.abstractmethod
     def on_push(self, conn: Connection, piece: F.PushPiece) -> None:
@@ -166,7 +168,7 @@ class _ServerProtocol(asyncio.Protocol):
             if kind == F.PING:
                 answer = b""
             elif kind == F.BEGIN:
-                answer = F.encode_alloc(h.on_begin(conn, F.decode_begin(body)))
+                answer = F.encode_allocs(h.on_begin(conn, F.decode_begin(body)))
             elif kind == F.QUERY:
                 answer = F.encode_state(h.on_query(conn, F.decode_id(body)))
             elif kind == F.SUBSCRIBE:

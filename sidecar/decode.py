@@ -28,12 +28,12 @@ class DecodeSidecar(SidecarBase):
         self._subscriptions: dict[str, list[tuple[str, Callable]]] = {}
         self.recomputes: collections.Counter = collections.Counter()  # reason -> prompts decode computed itself
 
-    def _make_pool(self, tag: str) -> LandingPool:
-        return LandingPool.create(tag, self.config.layout, self.config.num_blocks, self.config.device)
+    def _make_pool(self, tag: str, rank: int) -> LandingPool:
+        return LandingPool.create(tag, self.config.layout, self.config.num_blocks, self.rank_device(rank))
 
     def _start_role(self) -> None:
         c = self.config
-        self.landing = LandingTable(self.pool, c.incarnation, self.driver, c.landing, self._landing_event)
+        self.landing = LandingTable(self.pools, c.incarnation, self.driver, c.landing, self._landing_event)
         self.landing.trace = self.trace
         self.driver.on_notif = self.landing.handle_notif
 
@@ -50,7 +50,7 @@ class DecodeSidecar(SidecarBase):
     def stats(self) -> dict:
         out = super().stats()
         out.update(self.landing.counters)
-        out.update(landing_blocks=self.pool.num_units, landing_blocks_landed=self.landing.landed_blocks(),
+        out.update(landing_blocks=self.pool.num_units, ranks=len(self.pools), landing_blocks_landed=self.landing.landed_blocks(),
                    recomputes=dict(self.recomputes))
         return out
 
@@ -74,7 +74,7 @@ class DecodeSidecar(SidecarBase):
         return _state(self.landing.subscribe(reservation_id, deliver))
 
     def on_consumed(self, conn: Connection, reservation_id: str) -> F.StateEvent:
-        self.landing.consume(reservation_id)
+        self.landing.consume(reservation_id, conn.rank)
         return _state(self.landing.query(reservation_id))
 
     def on_recomputed(self, conn: Connection, reservation_id: str, reason: str) -> None:
@@ -89,4 +89,4 @@ class DecodeSidecar(SidecarBase):
 
 def _state(event: LandingEvent) -> F.StateEvent:
     """The one conversion of a landing event to the channel's frame."""
-    return F.StateEvent(event.reservation_id, event.state.value, event.reason, "", event.num_tokens)
+    return F.StateEvent(event.reservation_id, event.state.value, event.reason, "", event.num_tokens, event.src_tp)

@@ -36,6 +36,20 @@ class SegmentMap:
     def shifted(self, delta: int) -> "SegmentMap":
         return SegmentMap(self.vstart, self.addr + delta, self.vend)
 
+    def window(self, offset: int, length: int) -> "SegmentMap":
+        """The map of virtual bytes ``[offset, offset + length)``, re-based to 0: where one
+        head share lands in a decode rank's landing space (``engine/head_plan.py``)."""
+        if offset == 0 and length == self.vend:
+            return self
+        if offset < 0 or length <= 0 or offset + length > self.vend:
+            raise ValueError(f"window [{offset}, {offset + length}) outside [0, {self.vend})")
+        first = int(np.searchsorted(self.vstart, offset, side="right")) - 1
+        stop = int(np.searchsorted(self.vstart, offset + length, side="left"))
+        vstart, addr = self.vstart[first:stop].copy(), self.addr[first:stop].copy()
+        addr[0] += offset - vstart[0]
+        vstart[0] = offset
+        return SegmentMap(vstart - offset, addr, length)
+
     @property
     def num_segments(self) -> int:
         return len(self.vstart)

@@ -8,6 +8,10 @@ landing pool and notify it. This table turns their notifications into states:
          any live state, or LANDED --cancel (control plane: deadline, release)--> CANCELLED
          EXPECTED/PUSHING for longer than ``landing_timeout_s`` (when set) --> FAILED
 
+Tensor parallelism: every rank has a landing pool (the same block ids on each); one
+LANDED notice covers every rank's share, and the reservation is CONSUMED once every
+rank's connector has copied its share out (``consume`` per rank).
+
 LANDED is set only from the LANDED notification, which the pusher sends with
 its final write after every other write of the reservation is DONE, so
 partial data is never LANDED. Before accepting it the table checks that the
@@ -47,6 +51,7 @@ class LandingEvent:
     block_ids: tuple[int, ...] = ()
     num_tokens: int = 0
     source_agent: str = ""
+    src_tp: int = 1  # the pusher's tensor-parallel ranks: how its heads landed (engine/head_plan.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,16 +73,19 @@ class _Entry:
     source: str = ""
     subscribers: list = dataclasses.field(default_factory=list)
     created: float = 0.0
+    src_tp: int = 1
+    consumed_ranks: set = dataclasses.field(default_factory=set)
 
     def event(self, rid: str) -> LandingEvent:
-        return LandingEvent(rid, self.state, self.reason, self.block_ids, self.num_tokens, self.source)
+        return LandingEvent(rid, self.state, self.reason, self.block_ids, self.num_tokens, self.source, self.src_tp)
 
 
 class LandingTable:
-    def __init__(self, pool: LandingPool, incarnation: str, driver: ProgressDriver,
+    def __init__(self, pools: list[LandingPool], incarnation: str, driver: ProgressDriver,
                  config: LandingConfig = LandingConfig(),
                  on_event: Callable[[LandingEvent], None] | None = None):
-        self.pool = pool
+        self.pools = pools  # one per rank, laid out alike
+        self.pool = pools[0]
         self.incarnation = incarnation
         self.driver = driver
         self.config = config
@@ -123,7 +131,7 @@ class LandingTable:
             if problem:
                 self._set(rid, entry, LandingState.FAILED, problem)
             else:
-                entry.block_ids, entry.num_tokens = notice.block_ids, notice.num_tokens
+                entry.block_ids, entry.num_tokens, entry.src_tp = notice.block_ids, notice.num_tokens, notice.src_tp
                 self._set(rid, entry, LandingState.LANDED)
 
     def _check_landed(self, notice: notify.PushNotice) -> str:
@@ -137,6 +145,8 @@ class LandingTable:
             return f"{len(notice.block_ids)} blocks for {notice.num_tokens} tokens (need {geom.num_blocks})"
         if min(notice.block_ids) < 0 or max(notice.block_ids) >= self.pool.num_blocks:
             return "block ids outside the landing pool"
+        if notice.src_tp != 1 and layout.num_kv_heads % notice.src_tp and notice.src_tp % layout.num_kv_heads:
+            return f"a prefill engine of tp {notice.src_tp} cannot hold our {layout.num_kv_heads} KV heads"
         if notice.checksums is None:
             return ""
         if self.pool.memory.mem_kind != "DRAM":  # debug checksums read host memory; a VRAM pool has none
@@ -194,12 +204,15 @@ class LandingTable:
         self._set(reservation_id, entry, LandingState.CANCELLED, reason)
         return True
 
-    def consume(self, reservation_id: str) -> bool:
-        """The engine copied the KV out; the blocks can go back to the control plane."""
+    def consume(self, reservation_id: str, rank: int = 0) -> bool:
+        """The engine (``rank`` of it) copied its KV out; once every rank has, the blocks
+        can go back to the control plane."""
         entry = self._entries.get(reservation_id)
-        if entry is None or entry.state != LandingState.LANDED:
+        if entry is None or entry.state != LandingState.LANDED or not 0 <= rank < len(self.pools):
             return False
-        self._set(reservation_id, entry, LandingState.CONSUMED)
+        entry.consumed_ranks.add(rank)
+        if len(entry.consumed_ranks) == len(self.pools):
+            self._set(reservation_id, entry, LandingState.CONSUMED)
         return True
 
     def live_reservations(self) -> list[str]:

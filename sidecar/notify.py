@@ -14,8 +14,9 @@ Four kinds, all naming a reservation and the decode engine's incarnation:
 * ``LANDED``: carried by the *final* write, which is posted only after every
   earlier write of the reservation is DONE, so it is delivered after all
   bytes. It restates the block ids, block size and token count (the decode
-  side checks them against its pool) and, in checksum mode, one CRC32 per
-  block.
+  side checks them against its pool), the prefill engine's tensor-parallel
+  ranks (with its own layout, how the decode side knows where each head landed:
+  ``engine/head_plan.py``) and, in checksum mode, one CRC32 per block.
 * ``ABORT``: best effort, when a push fails or is cancelled, so a waiting
   decode connector learns it before the control plane's deadline.
 
@@ -52,6 +53,7 @@ class PushNotice:
     checksums: tuple[int, ...] | None = None
     reason: str = ""
     eta_s: float = 0.0  # FINAL: the pusher's estimate of its final write's duration
+    src_tp: int = 1  # LANDED: the prefill engine's tensor-parallel ranks
 
 
 def _runs(ids) -> list[list[int]]:
@@ -70,6 +72,8 @@ def encode(notice: PushNotice) -> bytes:
         body.update(b=_runs(notice.block_ids), s=notice.block_size, t=notice.num_tokens)
         if notice.checksums is not None:
             body["c"] = list(notice.checksums)
+        if notice.src_tp != 1:
+            body["p"] = notice.src_tp
     elif notice.kind == ABORT:
         body["why"] = notice.reason[:500]
     elif notice.kind == FINAL:
@@ -95,7 +99,10 @@ def decode(message: bytes) -> PushNotice:
         if kind == LANDED:
             ids = tuple(first + k for first, count in body["b"] for k in range(int(count)))
             sums = tuple(int(c) for c in body["c"]) if "c" in body else None
-            return PushNotice(LANDED, rid, inc, ids, int(body["s"]), int(body["t"]), sums)
+            src_tp = int(body.get("p", 1))
+            if not 1 <= src_tp <= 64:
+                raise ValueError(f"src_tp {src_tp} outside [1, 64]")
+            return PushNotice(LANDED, rid, inc, ids, int(body["s"]), int(body["t"]), sums, src_tp=src_tp)
     except (KeyError, TypeError, ValueError) as exc:
         raise NotifError(f"malformed {kind!r} notification: {exc}") from exc
     raise NotifError(f"unknown notification kind {kind!r}")

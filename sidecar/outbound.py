@@ -1,5 +1,10 @@
 """One request's push as the pusher (``sidecar/push.py``) tracks it, its settings and
-its outcome."""
+its outcome.
+
+A request is pushed as *slices*, one per head share of the head plan
+(``engine/head_plan.py``): each is staged by its source rank in the share's own
+geometry and written into its decode rank's landing blocks. Without tensor
+parallelism on either side there is one slice, every head, the whole request."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import time
 import numpy as np
 
 from engine.geometry import DestGeometry
+from engine.head_plan import HeadPlan, HeadShare
 from engine.pool import StagingAllocation
 from kvpush.contract.states import PushState
 from kvpush.contract.target import PushTarget
@@ -49,19 +55,32 @@ class PushOutcome:
 
 
 @dataclasses.dataclass
+class Slice:
+    """One head share of a request: where its source rank stages it, where it lands."""
+
+    share: HeadShare
+    geom: DestGeometry  # the share's own virtual layer space (its heads only)
+    alloc: StagingAllocation  # in the source rank's staging pool
+    landing_offset: int  # where that space starts in the decode rank's landing space
+    local0: SegmentMap | None = None  # layer 0 of the staging
+    remote0: SegmentMap | None = None  # layer 0 of the landing, this slice's window of it
+
+
+@dataclasses.dataclass
 class Outbound:
     request_id: str
     target: PushTarget
-    owner: str
-    geom: DestGeometry
-    alloc: StagingAllocation
-    coverage: list[int]  # tokens pushed so far, per layer (pieces arrive in order)
-    remaining: int  # layer-tokens not yet pushed
+    owner: str  # the connection of the rank that began it (each rank's: ``owners``)
+    geom: DestGeometry  # the request in one decode rank's landing blocks
+    plan: HeadPlan
+    slices: tuple[Slice, ...]
+    coverage: dict[int, list[int]]  # source rank -> tokens pushed so far, per layer (in order)
+    remaining: int  # layer-tokens not yet pushed, over every source rank
     started: float
     state: PushState = PushState.PUSHING
     peer: RemotePeer | None = None
-    local0: SegmentMap | None = None
-    remote0: SegmentMap | None = None
+    owners: dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> connection, once it began
+    ended_ranks: set = dataclasses.field(default_factory=set)  # ranks whose engine sent END
     queued: collections.deque = dataclasses.field(default_factory=collections.deque)
     final: tuple[np.ndarray, np.ndarray] | None = None  # held until the earlier writes are DONE
     inflight: int = 0
@@ -77,6 +96,22 @@ class Outbound:
     generation: int = 0  # bumped by each relocation: writes of an older one are stale
     stale_inflight: int = 0  # writes to an earlier target not yet released (they still read staging)
 
+    def slices_of(self, rank: int) -> tuple[Slice, ...]:
+        return tuple(s for s in self.slices if s.share.src_rank == rank)
+
+    @property
+    def num_units(self) -> int:
+        return sum(s.alloc.num_units for s in self.slices)
+
+    def rank_remaining(self, rank: int) -> int:
+        cov = self.coverage.get(rank)
+        return 0 if cov is None else sum(self.target.num_tokens - c for c in cov)
+
+    @property
+    def all_ended(self) -> bool:
+        """Every rank that stages a share has sent END (every piece is staged)."""
+        return set(self.coverage) <= self.ended_ranks
+
     def misfit(self, target: PushTarget) -> str:
         """Why ``target`` cannot take this request's staging ("" if it can): staging is
         laid out in the decode engine's block geometry."""
@@ -86,9 +121,12 @@ class Outbound:
                     f"{self.target.block_size}")
         if len(target.block_ids) < self.geom.num_blocks:
             return f"reservation {target.reservation_id} has {len(target.block_ids)} blocks, {self.geom.num_blocks} needed"
+        if target.tp_size != self.target.tp_size:
+            return (f"reservation {target.reservation_id} is on a decode engine of tp {target.tp_size}; the "
+                    f"staging is split for tp {self.target.tp_size}")
         return ""
 
-    def retarget(self, target: PushTarget) -> list[tuple[int, int, int, bool]]:
+    def retarget(self, target: PushTarget) -> list[tuple[int, int, int, int, bool]]:
         """Point this request at ``target`` (a relocation): writes still in flight to the
         old one become stale. Returns the pieces to write now: every layer staged so far,
         the last one final if the whole request is staged."""
@@ -98,8 +136,9 @@ class Outbound:
         self.bytes_pushed = self.transfers = 0
         self.started, self.final_at = time.monotonic(), 0.0
         self.queued.clear()
-        pieces = [(layer, 0, covered, False) for layer, covered in enumerate(self.coverage) if covered]
+        pieces = [(rank, layer, 0, covered, False) for rank, cov in sorted(self.coverage.items())
+                  for layer, covered in enumerate(cov) if covered]
         if not self.remaining:
-            pieces[-1] = pieces[-1][:3] + (True,)
+            pieces[-1] = pieces[-1][:4] + (True,)
             self.state, self.final_at = PushState.FINALIZING, time.monotonic()
         return pieces

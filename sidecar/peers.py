@@ -50,8 +50,11 @@ class RemotePeer:
     def layer_stride(self) -> int:
         return self.record.num_blocks * self.layout.block_layer_bytes
 
-    def layer_base(self, layer: int) -> int:
-        return self.record.pool_base_address + layer * self.layer_stride
+    def layer_base(self, layer: int, rank: int = 0) -> int:
+        return self.record.rank_pool(rank)[0] + layer * self.layer_stride
+
+    def device(self, rank: int = 0) -> int:
+        return self.record.rank_pool(rank)[1]
 
     def check_blocks(self, block_ids, block_size: int) -> None:
         """Refuse block ids or a block size this engine's pool does not have."""

@@ -54,13 +54,13 @@ class PrefillSidecar(SidecarBase):
         # Reservations moved before their push began: old id -> (the successor, its timer).
         self._moved_early: dict[str, tuple[PushTarget, asyncio.TimerHandle]] = {}
 
-    def _make_pool(self, tag: str) -> StagingPool:
-        return StagingPool.create(tag, self.config.layout, self.config.num_blocks, self.config.device)
+    def _make_pool(self, tag: str, rank: int) -> StagingPool:
+        return StagingPool.create(tag, self.config.layout, self.config.num_blocks, self.rank_device(rank))
 
     def _start_role(self) -> None:
         c = self.config
         self.peers = PeerRegistry(self.transport, self.resolver)
-        self.pusher = PushEngine(self.transport, self.driver, self.pool, c.layout, self.peers, c.push,
+        self.pusher = PushEngine(self.transport, self.driver, self.pools, c.layout, self.peers, c.push,
                                  self._push_outcome, self.on_push_start)
         self.pusher.trace = self.trace
         self.driver.on_notif = self._notif
@@ -115,8 +115,10 @@ class PrefillSidecar(SidecarBase):
         out = super().stats()
         out.update(self.handover.stats())
         out.update(active=self.pusher.active, staging_held=len(self.pusher.held),
-                   staging_held_units=self.pusher.held.units, staging_free_units=self.pool.free_units,
-                   staging_units=self.pool.num_units, staging_allocations=self.pool.live_allocations,
+                   staging_held_units=self.pusher.held.units,
+                   staging_free_units=sum(p.free_units for p in self.pools),
+                   staging_units=sum(p.num_units for p in self.pools),
+                   staging_allocations=sum(p.live_allocations for p in self.pools),
                    peer_loads=self.peers.loads, **dict(self.pusher.counters))
         return out
 
@@ -133,10 +135,13 @@ class PrefillSidecar(SidecarBase):
         log.debug("prefill sidecar ignores a notification from %s", sender)
 
     # -- ChannelHandler -------------------------------------------------------------------------
-    def on_begin(self, conn: Connection, req: F.BeginRequest) -> StagingAllocation:
+    def on_begin(self, conn: Connection, req: F.BeginRequest) -> tuple[StagingAllocation, ...]:
         if not self.accepting:
             raise ValueError(f"sidecar {self.config.engine_id} is shutting down; not accepting pushes")
-        self._request_owner[req.request_id] = conn
+        # Each rank of a tensor-parallel engine begins the request, in any order: the first
+        # decides its target; rank 0's connection hears its outcome.
+        if conn.rank == 0:
+            self._request_owner[req.request_id] = conn
         try:
             target = req.target
             moved = self._moved_early.pop(target.reservation_id, None)
@@ -150,16 +155,18 @@ class PrefillSidecar(SidecarBase):
                 # A push the router gave its target (the push path) asks for no handover:
                 # the offer is not kept until the deadline.
                 self.handover.withdraw(named)
-            return self.pusher.begin(req.request_id, target, owner=conn.owner, holdable=named is not None)
+            return self.pusher.begin(req.request_id, target, owner=conn.owner, holdable=named is not None,
+                                     rank=conn.rank)
         except Exception:
-            self._request_owner.pop(req.request_id, None)
+            if conn.rank == 0:
+                self._request_owner.pop(req.request_id, None)
             raise
 
     def on_push(self, conn: Connection, piece: F.PushPiece) -> None:
-        self.pusher.push(piece.request_id, piece.layer, piece.start, piece.end or None)
+        self.pusher.push(piece.request_id, piece.layer, piece.start, piece.end or None, conn.rank)
 
     def on_end(self, conn: Connection, end: F.EndRequest) -> None:
-        self.pusher.end(end.request_id, end.aborted, end.reason)
+        self.pusher.end(end.request_id, end.aborted, end.reason, conn.rank)
 
     def on_await(self, conn: Connection, request_id: str) -> dict | None:
         return self.handover.ask(request_id, conn)

@@ -1,18 +1,21 @@
 """The prefill sidecar's push engine: staged KV -> a decode engine's landing blocks.
 
-The engine (through the local channel) calls, per request:
+The engine (through the local channel; each tensor-parallel rank on its own) calls,
+per request:
 
-1. ``begin(request_id, target)`` once: checks the destination (peer known and
-   alive, KV layouts compatible, block ids inside its pool) *before anything
-   is written*, allocates staging in the destination's geometry and returns
-   the allocation so the engine knows where to copy.
-2. ``push(request_id, layer, start, end)`` per staged layer or chunk: one
-   NIXL WRITE of the merged descriptors for that piece, posted at once. The
+1. ``begin(request_id, target, rank=)`` once per rank: the first checks the
+   destination (peer known and alive, KV layouts compatible, block ids inside its
+   pool) *before anything is written*, plans the heads' shares between the ranks
+   (``sidecar/slices.py``) and allocates every share's staging in the destination's
+   geometry; each rank gets the allocations of the shares it sends, so it knows
+   where to copy which heads.
+2. ``push(request_id, layer, start, end, rank=)`` per staged layer or chunk: one
+   NIXL WRITE of the merged descriptors of that rank's shares, posted at once. The
    layer-by-layer writes overlap with the engine computing the next layer.
-3. The piece that completes the request (every layer, every token) is the
-   *final* write; it carries the ``LANDED`` notification and is posted only
+3. The piece that completes the request (every rank, every layer, every token) is
+   the *final* write; it carries the ``LANDED`` notification and is posted only
    when every earlier write of the request is DONE, so the decode side can
-   never see the notification before all the bytes.
+   never see the notification before all the bytes of every rank.
 4. When the final write is DONE the staging is held (below) and a ``PushOutcome``
    (PUSHED) is reported; any failure, timeout or cancellation reports FAILED
    or CANCELLED instead, stops the request's remaining pushes, frees its
@@ -23,13 +26,8 @@ Every wait is bounded: writes by ``transfer_timeout_s``, peer resolution by
 ``resolve_timeout_s``. A peer that disconnected is marked dead, so the next
 request to it is refused at ``begin`` without touching the network.
 
-Decode failover: a request's staging is *held* (``hold_s``) after its final write, and
-after a failure on the decode side (a write failed, its reservation ended FAILED),
-rather than freed, so that if its decode engine dies before loading it the KV is pushed
-again from staging into the reservation that replaces it (``relocate``), without a
-second prefill. Held staging goes at CONSUMED (``release_held``), at a release or the
-deadline, after ``hold_s`` (counted from the engine's END), and first of all whenever a
-new request needs the room: holding never refuses a push.
+Decode failover (staging held after the push, pushed again into the reservation that
+replaced a failed one) is the other half of the class: ``sidecar/push_failover.py``.
 """
 
 from __future__ import annotations
@@ -48,26 +46,27 @@ from kvpush.contract.target import PushTarget
 from kvpush.trace import Trace
 from sidecar import notify
 from sidecar.transport.base import TransferError, Transport
-from engine.geometry import DestGeometry
-from sidecar.descriptors import blocks_segment_map, block_checksums, pair_descriptors, staging_segment_map
+from sidecar import slices
+from sidecar.descriptors import block_checksums
 from sidecar.peers import PeerRegistry, PeerUnavailable, RemotePeer
 from sidecar.pools import StagingFull, StagingPool
 from engine.pool import StagingAllocation
 from sidecar.progress import ProgressDriver
 from sidecar.outbound import Outbound, PushConfig, PushError, PushOutcome
+from sidecar.push_failover import HeldPushes
 from sidecar.staging_hold import StagingHold
 
 log = logging.getLogger(__name__)
 
 
-class PushEngine:
-    def __init__(self, transport: Transport, driver: ProgressDriver, staging: StagingPool, layout: KvLayout,
+class PushEngine(HeldPushes):
+    def __init__(self, transport: Transport, driver: ProgressDriver, staging: list[StagingPool], layout: KvLayout,
                  peers: PeerRegistry, config: PushConfig = PushConfig(),
                  on_outcome: Callable[[PushOutcome], None] | None = None,
                  on_start: Callable[[str, str], None] | None = None):
         self.transport = transport
         self.driver = driver
-        self.staging = staging
+        self.staging = staging  # one pool per rank
         self.layout = layout
         self.peers = peers
         self.config = config
@@ -82,12 +81,18 @@ class PushEngine:
         self.write_rate = 0.0  # bytes/s of recent writes (moving average; 0 = not measured yet)
 
     # -- the engine's calls ------------------------------------------------------------
-    def begin(self, request_id: str, target: PushTarget, owner: str = "", holdable: bool = False) -> StagingAllocation:
+    def begin(self, request_id: str, target: PushTarget, owner: str = "", holdable: bool = False,
+              rank: int = 0) -> tuple[StagingAllocation, ...]:
         """Check the destination, allocate staging; ``PushError`` (and a FAILED outcome) if refused.
-        ``holdable``: the reservation names this prefill engine, so the control plane can
-        move it (only then is its staging held after the push)."""
-        if request_id in self._requests:
-            raise PushError(f"request {request_id} is already being pushed")
+        Returns where ``rank`` stages its shares (none: it sends nothing). ``holdable``: the
+        reservation names this prefill engine, so the control plane can move it (only then
+        is its staging held after the push)."""
+        ob = self._requests.get(request_id)
+        if ob is not None:
+            if rank in ob.owners or ob.state.terminal and not ob.held:
+                raise PushError(f"request {request_id} is already being pushed")
+            ob.owners[rank] = owner  # another rank of a request begun: its shares are staged
+            return tuple(sl.alloc for sl in ob.slices_of(rank))
         try:
             # Its blocks may be free already, even another request's once their quarantine
             # is over: nothing is written into them.
@@ -95,32 +100,37 @@ class PushEngine:
                 raise PushError(f"reservation {target.reservation_id} is past its deadline")
             if target.reservation_id in self._gone:
                 raise PushError(f"reservation {target.reservation_id} has ended ({self._gone[target.reservation_id]})")
-            geom = DestGeometry.for_layout(self.layout, target.block_size, target.num_tokens)
+            plan, geom = slices.plan_request(self.layout, target)
+            if self.config.checksums and len(plan.shares) > 1:
+                raise PushError("--checksums covers pushes of one head share (no tensor parallelism) only")
             if len(target.block_ids) < geom.num_blocks:
                 raise PushError(f"reservation {target.reservation_id} has {len(target.block_ids)} blocks, "
                                 f"{target.num_tokens} tokens need {geom.num_blocks}")
             peer = None
             if self.peers.cached(target.engine_id, target.incarnation) or self.peers.resolver is None:
                 peer = self.peers.get(target.engine_id, target.incarnation)
-                self._check_peer(peer, target, geom)
-            alloc = self._allocate(geom, owner)
+                self._check_peer(peer, target, geom.num_blocks)
+            cut = slices.allocate(plan, target.num_tokens, self.staging, owner, self._make_room)
         except (PushError, PeerUnavailable, StagingFull, ValueError) as exc:
             self.counters["refused"] += 1
             self._emit(PushOutcome(request_id, target.reservation_id, target.engine_id, PushState.FAILED,
                                    f"refused: {exc}"))
             raise PushError(str(exc)) from exc
-        ob = Outbound(request_id, target, owner, geom, alloc, [0] * self.layout.num_layers,
-                       self.layout.num_layers * target.num_tokens, time.monotonic(), holdable=holdable)
+        layers = self.layout.num_layers
+        coverage = {sl.share.src_rank: [0] * layers for sl in cut}
+        ob = Outbound(request_id, target, owner, geom, plan, cut, coverage,
+                       len(coverage) * layers * target.num_tokens, time.monotonic(), owners={rank: owner},
+                       holdable=holdable)
         self._requests[request_id] = ob
         if peer is not None:
             self._attach_peer(ob, peer)
         else:
             ob.state = PushState.RESOLVING
             asyncio.get_running_loop().create_task(self._resolve(ob), name=f"resolve-{target.engine_id}")
-        return alloc
+        return tuple(sl.alloc for sl in ob.slices_of(rank))
 
-    def push(self, request_id: str, layer: int, start: int = 0, end: int | None = None) -> None:
-        """Push tokens ``[start, end)`` of ``layer`` (already staged). Never raises:
+    def push(self, request_id: str, layer: int, start: int = 0, end: int | None = None, rank: int = 0) -> None:
+        """Push tokens ``[start, end)`` of ``layer`` (already staged by ``rank``). Never raises:
         a bad push fails its reservation (reported through ``on_outcome``)."""
         ob = self._requests.get(request_id)
         if ob is None:
@@ -129,19 +139,22 @@ class PushEngine:
             return
         if ob.state.terminal and not ob.held:
             return
+        cov = ob.coverage.get(rank)
+        if cov is None:  # a rank whose heads another rank sends: nothing staged, nothing to write
+            return
         end = ob.target.num_tokens if end is None else end
         if ob.held:  # staged for a relocation: count it, write nothing
-            if 0 <= layer < self.layout.num_layers and start == ob.coverage[layer] < end <= ob.target.num_tokens:
-                ob.coverage[layer] = end
+            if 0 <= layer < self.layout.num_layers and start == cov[layer] < end <= ob.target.num_tokens:
+                cov[layer] = end
                 ob.remaining -= end - start
                 return
             return self._drop_held(ob, f"layer {layer} piece [{start}, {end}) out of order while held")
         if not 0 <= layer < self.layout.num_layers:
             return self._fail(ob, f"layer {layer} outside [0, {self.layout.num_layers})")
-        if start != ob.coverage[layer] or not start < end <= ob.target.num_tokens:
-            return self._fail(ob, f"layer {layer} piece [{start}, {end}) out of order "
-                                  f"(next token is {ob.coverage[layer]} of {ob.target.num_tokens})")
-        ob.coverage[layer] = end
+        if start != cov[layer] or not start < end <= ob.target.num_tokens:
+            return self._fail(ob, f"rank {rank} layer {layer} piece [{start}, {end}) out of order "
+                                  f"(next token is {cov[layer]} of {ob.target.num_tokens})")
+        cov[layer] = end
         ob.remaining -= end - start
         final = ob.remaining == 0
         if final:
@@ -149,26 +162,33 @@ class PushEngine:
             ob.final_at = time.monotonic()
             self.trace("final_piece", ob.target.reservation_id, f"inflight={ob.inflight}")
         if ob.peer is None:  # still resolving the peer: keep the order
-            ob.queued.append((layer, start, end, final))
+            ob.queued.append((rank, layer, start, end, final))
             return
-        self._push_piece(ob, layer, start, end, final)
+        self._push_piece(ob, rank, layer, start, end, final)
 
-    def end(self, request_id: str, aborted: bool = False, reason: str = "") -> None:
-        """The engine is done with the request (finished, or aborted: stop and free)."""
+    def end(self, request_id: str, aborted: bool = False, reason: str = "", rank: int = 0) -> None:
+        """The engine (``rank`` of it) is done with the request (finished, or aborted: stop and free)."""
         ob = self._requests.get(request_id)
-        if ob is not None and ob.held:
-            ob.engine_done = True
-            if aborted or ob.remaining:
-                return self._drop_held(ob, f"the engine ended it with {ob.remaining} layer-tokens not staged")
-            return self.held.arm(ob)  # the hold runs from the end of staging
-        if ob is None or ob.state.terminal:
+        if ob is None:
             return
-        ob.engine_done = True
+        ob.ended_ranks.add(rank)
+        left = ob.rank_remaining(rank)
+        if ob.held:
+            ob.engine_done = ob.all_ended
+            if aborted or left:
+                return self._drop_held(ob, f"the engine ended it with {left} layer-tokens not staged")
+            if ob.engine_done:
+                self.held.arm(ob)  # the hold runs from the end of staging
+            return
+        if ob.state.terminal:
+            return
+        ob.engine_done = ob.all_ended
         if aborted:
             self._fail(ob, f"aborted by the engine: {reason}" if reason else "aborted by the engine",
                        state=PushState.CANCELLED)
-        elif ob.remaining:
-            self._fail(ob, f"engine finished the request with {ob.remaining} layer-tokens not pushed")
+        elif left:
+            self._fail(ob, f"engine finished the request with {left} layer-tokens not pushed"
+                           + (f" (rank {rank})" if len(ob.coverage) > 1 else ""))
 
     def cancel_reservation(self, reservation_id: str, reason: str = "cancelled", hold: bool = False) -> bool:
         """Stop every pending push of a reservation (deadline, abort by the control plane).
@@ -188,63 +208,15 @@ class PushEngine:
             return True
         return False
 
-    def release_held(self, reservation_id: str, reason: str = "consumed") -> bool:
-        """Its decode engine has the KV (CONSUMED): the staging is not needed any more."""
-        ob = self.held.get(reservation_id)
-        if ob is None:
-            return False
-        self._drop_held(ob, reason)
-        return True
-
-    def relocate(self, old_reservation_id: str, target: PushTarget) -> str:
-        """Push a request's staged KV again, into ``target``, the reservation that replaced
-        ``old_reservation_id`` (its decode engine failed). "" when under way, else why not
-        (the staging is gone, or the new target cannot take it)."""
-        if self.held.get(target.reservation_id) or self._outbound_of(target.reservation_id):
-            return ""  # heard again (a watch's snapshot after a break): under way already
-        ob = self.held.get(old_reservation_id) or self._outbound_of(old_reservation_id)
-        if ob is None or ob.state.terminal and not ob.held:
-            return f"no staged KV for reservation {old_reservation_id} (freed, or never staged here)"
-        if not ob.holdable:
-            return f"reservation {old_reservation_id} was not heard as naming this engine: its staging is not held"
-        why = ob.misfit(target)
-        if why:
-            return why
-        if not ob.held:  # still pushing to the old one (the move was heard before its end)
-            self._fail(ob, f"moved to {target.reservation_id}", state=PushState.CANCELLED, hold=True)
-        self.held.remove(ob)
-        pieces = ob.retarget(target)
-        self._ended.pop(ob.request_id, None)
-        self.counters["relocated"] += 1
-        log.info("pushing %s again from staging, into reservation %s on %s (was %s)", ob.request_id,
-                 target.reservation_id, target.engine_id, old_reservation_id)
-        ob.peer = None
-        if self.peers.cached(target.engine_id, target.incarnation) or self.peers.resolver is None:
-            try:
-                peer = self.peers.get(target.engine_id, target.incarnation)
-                self._check_peer(peer, target, ob.geom)
-            except (PushError, PeerUnavailable, ValueError) as exc:
-                self._fail(ob, f"engine {target.engine_id}: {exc}")
-                return str(exc)
-            self._attach_peer(ob, peer)
-            for piece in pieces:
-                if not ob.state.terminal:
-                    self._push_piece(ob, *piece)
-        else:
-            ob.queued.extend(pieces)
-            resolving = ob.state
-            ob.state = PushState.RESOLVING
-            asyncio.get_running_loop().create_task(self._resolve(ob, after=resolving),
-                                                   name=f"resolve-{target.engine_id}")
-        return ""
-
     def drop_owner(self, owner: str) -> None:
         """The engine connection ``owner`` closed: its unfinished requests fail.
         A request whose every piece is already posted is complete in staging and finishes."""
         for ob in list(self._requests.values()):
-            if ob.owner == owner and ob.state in (PushState.RESOLVING, PushState.PUSHING):
+            if owner not in ob.owners.values():
+                continue
+            if ob.state in (PushState.RESOLVING, PushState.PUSHING):
                 self._fail(ob, "engine connection closed before the request was fully staged")
-            elif ob.owner == owner and ob.held and not ob.engine_done:
+            elif ob.held and not ob.engine_done:
                 self._drop_held(ob, "engine connection closed before the request was fully staged")
 
     def state(self, request_id: str) -> PushState | None:
@@ -261,24 +233,25 @@ class PushEngine:
         return [ob.target.reservation_id for ob in self._requests.values() if not ob.state.terminal or ob.held]
 
     # -- internals -------------------------------------------------------------------------
-    def _check_peer(self, peer: RemotePeer, target: PushTarget, geom: DestGeometry) -> None:
+    def _check_peer(self, peer: RemotePeer, target: PushTarget, num_blocks: int) -> None:
         why = self.layout.compatibility_error(peer.layout)
         if why:
             raise PushError(f"engine {target.engine_id} cannot take our KV: {why}")
-        peer.check_blocks(list(target.block_ids[:geom.num_blocks]), target.block_size)
+        if peer.layout.tp_size != target.tp_size:
+            raise PushError(f"reservation {target.reservation_id} says engine {target.engine_id} has tp "
+                            f"{target.tp_size}, its record {peer.layout.tp_size}")
+        peer.check_blocks(list(target.block_ids[:num_blocks]), target.block_size)
 
     def _attach_peer(self, ob: Outbound, peer: RemotePeer) -> None:
         ob.peer = peer
-        ob.local0 = staging_segment_map(ob.alloc, 0, self.staging.base_address)
-        ob.remote0 = blocks_segment_map(ob.target.block_ids[:ob.geom.num_blocks], ob.geom.block_layer_bytes,
-                                        peer.layer_base(0))
+        slices.attach(ob.slices, self.staging, ob.target.block_ids, ob.geom, peer)
 
     async def _resolve(self, ob: Outbound, after: PushState = PushState.PUSHING) -> None:
         t, generation = ob.target, ob.generation
         try:
             peer = await asyncio.wait_for(self.peers.resolve(t.engine_id, t.incarnation),
                                           self.config.resolve_timeout_s)
-            self._check_peer(peer, t, ob.geom)
+            self._check_peer(peer, t, ob.geom.num_blocks)
         except asyncio.TimeoutError:
             if ob.generation == generation:
                 self._fail(ob, f"engine {t.engine_id} not resolved within {self.config.resolve_timeout_s} s",
@@ -296,11 +269,8 @@ class PushEngine:
         while ob.queued and not ob.state.terminal:
             self._push_piece(ob, *ob.queued.popleft())
 
-    def _push_piece(self, ob: Outbound, layer: int, start: int, end: int, final: bool) -> None:
-        ranges = ob.geom.token_ranges(start, end)
-        local = ob.local0.shifted(layer * self.staging.layer_stride)
-        remote = ob.remote0.shifted(layer * ob.peer.layer_stride)
-        loc, rem = pair_descriptors(ranges, local, remote, self.staging.memory.device_id, ob.peer.record.device_id)
+    def _push_piece(self, ob: Outbound, rank: int, layer: int, start: int, end: int, final: bool) -> None:
+        loc, rem = slices.piece(ob.slices_of(rank), self.staging[rank], ob.peer, layer, start, end)
         if not ob.begun:
             ob.begun = True
             try:  # wake the decode side into hot polling: our writes need its progress
@@ -321,10 +291,10 @@ class PushEngine:
         loc, rem = ob.final
         ob.final = None
         sums = None
-        if self.config.checksums:
-            sums = tuple(block_checksums(ob.geom, self.layout.num_layers, self.staging.memory.host_view(),
-                                         self.staging.base_address,
-                                         lambda layer: ob.local0.shifted(layer * self.staging.layer_stride)))
+        if self.config.checksums:  # (one slice: refused at BEGIN otherwise)
+            (sl,), pool = ob.slices, self.staging[0]
+            sums = tuple(block_checksums(sl.geom, self.layout.num_layers, pool.memory.host_view(), pool.base_address,
+                                         lambda layer: sl.local0.shifted(layer * pool.layer_stride)))
         t = ob.target
         # Announced short (x0.8): a write seen DONE only at a later poll measured
         # slower than it was, and a window opened late is a window missed.
@@ -336,7 +306,8 @@ class PushEngine:
             except TransferError as exc:
                 log.info("final-write notice for %s not sent: %s", t.reservation_id, exc)
         notice = notify.PushNotice(notify.LANDED, t.reservation_id, t.incarnation,
-                                   tuple(t.block_ids[:ob.geom.num_blocks]), t.block_size, t.num_tokens, sums)
+                                   tuple(t.block_ids[:ob.geom.num_blocks]), t.block_size, t.num_tokens, sums,
+                                   src_tp=self.layout.tp_size)
         self._post(ob, loc, rem, notify.encode(notice), final=True)
         self.trace("final_posted", t.reservation_id, ob.state.value)
 
@@ -345,7 +316,8 @@ class PushEngine:
         nbytes = int(loc[:, 1].sum())
         posted = time.perf_counter()
         try:
-            handle, done = self.transport.post_write(loc, rem, peer.agent_name, local_kind=self.staging.memory.mem_kind,
+            handle, done = self.transport.post_write(loc, rem, peer.agent_name,
+                                                     local_kind=self.staging[0].memory.mem_kind,
                                                  remote_kind=peer.record.memory_kind, notif=notif)
         except TransferError as exc:
             return self._fail(ob, f"engine {ob.target.engine_id}: {exc}", peer_gone=exc.peer_gone, hold=True)
@@ -443,37 +415,6 @@ class PushEngine:
         while len(self._ended) > self.config.tombstones:
             self._ended.popitem(last=False)
 
-    # -- held staging ----------------------------------------------------------------------------
-    def _outbound_of(self, reservation_id: str) -> Outbound | None:
-        for ob in self._requests.values():
-            if ob.target.reservation_id == reservation_id:
-                return ob
-        return None
-
-    def _hold_over(self, ob: Outbound) -> None:
-        self.counters["hold_expired"] += 1
-        self._drop_held(ob, "hold time over")
-
-    def _drop_held(self, ob: Outbound, reason: str) -> None:
-        if not ob.held:
-            return
-        log.debug("staging of %s (reservation %s) freed: %s", ob.request_id, ob.target.reservation_id, reason)
-        self.held.remove(ob)
-        self._forget(ob)
-        self._maybe_free(ob)
-
-    def _allocate(self, geom: DestGeometry, owner: str) -> StagingAllocation:
-        """Staging for a new request; held staging (oldest first) makes room when it must."""
-        while True:
-            try:
-                return self.staging.allocate(geom.block_layer_bytes, geom.num_blocks, owner)
-            except StagingFull:
-                victim = self.held.evictable()
-                if victim is None:
-                    raise
-                self.counters["hold_evicted"] += 1
-                self._drop_held(victim, "its staging was needed for a new request")
-
     def _maybe_free(self, ob: Outbound) -> None:
         if ob.state.terminal and not ob.held and not ob.inflight and not ob.stale_inflight:
             self._free_staging(ob)
@@ -481,7 +422,7 @@ class PushEngine:
     def _free_staging(self, ob: Outbound) -> None:
         if not ob.staging_freed:
             ob.staging_freed = True
-            self.staging.free(ob.alloc.alloc_id)
+            slices.free(ob.slices, self.staging)
 
     def _emit(self, outcome: PushOutcome) -> None:
         if self.on_outcome is not None:

@@ -60,7 +60,7 @@ class StagingHold:
     @property
     def units(self) -> int:
         """Staging units held (each freed at once when a new push needs room)."""
-        return sum(ob.alloc.num_units for ob in self._held.values())
+        return sum(ob.num_units for ob in self._held.values())
 
     def evictable(self) -> Outbound | None:
         """The oldest held request whose staging can be freed at once (no write reads it)."""

@@ -40,10 +40,21 @@ class EngineRecord:
     device_id: int = 0
     serving_url: str = ""  # its OpenAI server, where routers send its requests
     unavailable: str = ""  # why it cannot serve now ("" = it can); set by its sidecar
+    # Tensor parallelism: (base address, device) of each rank's pool, rank order; () when
+    # layout.tp_size is 1 (pool_base_address and device_id are the only rank's).
+    rank_pools: tuple[tuple[int, int], ...] = ()
 
     @property
     def is_decode(self) -> bool:
         return self.role == types_pb2.DECODE
+
+    def rank_pool(self, rank: int) -> tuple[int, int]:
+        """(base address, device) of rank ``rank``'s pool."""
+        if self.rank_pools:
+            return self.rank_pools[rank]
+        if rank != 0:
+            raise ValueError(f"engine {self.engine_id} has one rank, not {rank + 1}")
+        return self.pool_base_address, self.device_id
 
     def push_problem(self) -> str:
         """Why a prefill sidecar could not write into this engine's pool ("" when it can)."""
@@ -57,6 +68,9 @@ class EngineRecord:
                     f"{self.num_blocks} blocks ({need} bytes)")
         if self.memory_kind not in MEMORY_KINDS:
             return f"engine {self.engine_id}: memory_kind must be one of {MEMORY_KINDS}"
+        tp = self.layout.tp_size
+        if len(self.rank_pools) != (tp if tp > 1 else 0):
+            return f"engine {self.engine_id}: tp_size {tp} needs {tp if tp > 1 else 0} rank pools, has {len(self.rank_pools)}"
         return ""
 
     # -- the proto edge --------------------------------------------------------------------
@@ -67,7 +81,8 @@ class EngineRecord:
             sidecar_address=self.sidecar_address, pool=self.pool, incarnation=self.incarnation,
             registered_unix_ms=self.registered_ms, memory_kind=self.memory_kind,
             pool_base_address=self.pool_base_address, pool_size_bytes=self.pool_size_bytes,
-            device_id=self.device_id, serving_url=self.serving_url, unavailable=self.unavailable)
+            device_id=self.device_id, serving_url=self.serving_url, unavailable=self.unavailable,
+            rank_pools=[types_pb2.RankPool(base_address=b, device_id=d) for b, d in self.rank_pools])
 
     @classmethod
     def from_proto(cls, msg: types_pb2.Engine, field: str = "engine") -> "EngineRecord":
@@ -78,7 +93,8 @@ class EngineRecord:
                    num_blocks=msg.num_blocks, model=msg.model, pool=msg.pool, sidecar_address=msg.sidecar_address,
                    registered_ms=msg.registered_unix_ms, memory_kind=msg.memory_kind or "DRAM",
                    pool_base_address=msg.pool_base_address, pool_size_bytes=msg.pool_size_bytes,
-                   device_id=msg.device_id, serving_url=msg.serving_url, unavailable=msg.unavailable)
+                   device_id=msg.device_id, serving_url=msg.serving_url, unavailable=msg.unavailable,
+                   rank_pools=tuple((r.base_address, r.device_id) for r in msg.rank_pools))
 
     # -- JSON (etcd, ready files, the sidecar's admin ops) ----------------------------------------
     def to_dict(self) -> dict:
@@ -90,7 +106,8 @@ class EngineRecord:
     @classmethod
     def from_dict(cls, data: dict) -> "EngineRecord":
         return cls(**{**data, "layout": KvLayout.from_dict(data["layout"]),
-                      "nixl_metadata": base64.b64decode(data["nixl_metadata"])})
+                      "nixl_metadata": base64.b64decode(data["nixl_metadata"]),
+                      "rank_pools": tuple(tuple(r) for r in data.get("rank_pools", ()))})
 
     def encode(self) -> bytes:
         return json.dumps(self.to_dict(), separators=(",", ":")).encode()

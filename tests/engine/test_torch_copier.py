@@ -4,6 +4,8 @@ request staged, moved and loaded byte for byte, and nothing else touched."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -153,3 +155,43 @@ def test_the_connector_chooses_its_copier_by_backend_and_refuses_what_it_cannot_
     odd = torch.zeros(BLOCKS, HEADS, 32, 2 * DIM, dtype=torch.bfloat16)
     with pytest.raises(CopyError, match=r"FLASH_ATTN .*shape \(12, 2, 32, 16\).*expected the logical view"):
         choose_copier("FLASH_ATTN", odd, P_BS, cpu).bind_caches([odd], layout)
+
+
+@pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda x: x.name)
+def test_one_head_share_is_staged_alone_in_its_own_geometry(layout):
+    # A tensor-parallel push stages each head share apart (engine/head_plan.py): here head
+    # 1 of 2, in rows of one head, chunked; nothing of head 0 and nothing past it is written.
+    lp = KvLayout(num_layers=LAYERS, block_size=P_BS, num_kv_heads=HEADS, head_dim=DIM, dtype="float16")
+    rng = np.random.default_rng(5)
+    src = layer_views(layout, torch.float16, P_BS, lambda n: torch.from_numpy(rng.integers(0, 256, n, dtype=np.uint8)))
+    staging = StagingPool.create_shm("t-torch-share.staging", lp, 8)
+    try:
+        staging.memory.host_view()[:] = SENTINEL
+        share_bytes = DIM * 2  # one head of float16 per token and part
+        blocks = -(-TOKENS // D_BS)
+        alloc = staging.allocate(2 * D_BS * share_bytes, blocks)
+        alloc = dataclasses.replace(alloc, first_head=1, num_heads=1)
+        geom = reblock.share_geometry(lp, alloc, D_BS, TOKENS)
+        assert geom.token_part_bytes == share_bytes
+        copier = TorchCopier(P_BS, cache_dtype="auto")
+        copier.bind_caches(src, lp)
+        copier.bind_pool(staging.memory, staging.info())
+        for start, end in ((0, 40), (40, TOKENS)):
+            plan = copier.plan(P_IDS, start, end)
+            for layer in range(LAYERS):
+                copier.stage(layer, P_IDS, start, end, alloc, geom, plan)
+        host = staging.memory.host_view()
+        for layer in range(LAYERS):
+            base = alloc.extent_offset(alloc.extents[0], layer)
+            image = host[base:base + geom.layer_bytes].reshape(blocks, 2, D_BS, share_bytes)
+            for t in range(TOKENS):
+                want = token_bytes(src, layer, P_IDS, P_BS, t).reshape(HEADS, 2, -1)[1]
+                assert np.array_equal(image[t // D_BS, :, t % D_BS], want), (layer, t)
+            assert bool((image[-1, :, TOKENS % D_BS:] == SENTINEL).all())  # the tail is not written
+        # Nothing beyond the share's own bytes was written.
+        used = {alloc.extent_offset(alloc.extents[0], layer) + i for layer in range(LAYERS)
+                for i in range(geom.layer_bytes)}
+        rest = np.array([b for b in range(0, host.size, 97) if b not in used])
+        assert bool((host[rest] == SENTINEL).all())
+    finally:
+        staging.close()

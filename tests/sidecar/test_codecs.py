@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvpush.contract.layout import KvLayout
@@ -30,7 +32,10 @@ def test_frames_round_trip():
     state = F.StateEvent("res-1", "LANDED", "", "req-1", 1000)
     assert F.decode_state(F.encode_state(state)) == state
     alloc = StagingAllocation(5, "", (StagingExtent(0, 4, 0, 2), StagingExtent(9, 4, 2, 2)), 4096, 4, 2048, 1 << 20)
-    assert F.decode_alloc(F.encode_alloc(alloc)) == alloc
+    assert F.decode_allocs(F.encode_allocs((alloc,))) == (alloc,)
+    shares = (dataclasses.replace(alloc, first_head=0, num_heads=2), dataclasses.replace(alloc, alloc_id=8,
+                                                                                         first_head=2, num_heads=2))
+    assert F.decode_allocs(F.encode_allocs(shares)) == shares and F.decode_allocs(F.encode_allocs(())) == ()
     assert F.decode_id(F.encode_id("res-ü")) == "res-ü"
     assert len(F.encode_push(piece)) < 32  # the per-layer frame stays tiny
 
@@ -45,6 +50,8 @@ def test_truncated_frames_are_refused(decoder, body):
 def test_notifications_round_trip():
     landed = notify.PushNotice(notify.LANDED, "res-1", "inc", (4, 5, 6, 9, 10, 2), 16, 90, (1, 2, 3, 4, 5, 6))
     assert notify.decode(notify.encode(landed)) == landed
+    tp = dataclasses.replace(landed, checksums=None, src_tp=4)  # from a prefill engine of TP 4
+    assert notify.decode(notify.encode(tp)) == tp
     begin = notify.PushNotice(notify.BEGIN, "res-1", "inc")
     assert notify.decode(notify.encode(begin)) == begin
     abort = notify.PushNotice(notify.ABORT, "res-1", "inc", reason="peer died")

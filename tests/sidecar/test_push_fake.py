@@ -43,7 +43,7 @@ class Pair:
         self.tp.register(self.staging.memory)
         self.td.register(self.landing_pool.memory)
         self.pdriver, self.ddriver = ProgressDriver(self.tp), ProgressDriver(self.td)
-        self.landing = LandingTable(self.landing_pool, "inc-d", self.ddriver)
+        self.landing = LandingTable([self.landing_pool], "inc-d", self.ddriver)
         self.ddriver.on_notif = self.landing.handle_notif
         peers = PeerRegistry(self.tp)
         peers.add(EngineRecord(engine_id="D", role=types_pb2.DECODE, layout=LAYOUT, incarnation="inc-d",
@@ -52,14 +52,14 @@ class Pair:
                                pool_size_bytes=self.landing_pool.size_bytes))
         self.outcomes = []
         self.holdable = hold_s > 0
-        self.pusher = PushEngine(self.tp, self.pdriver, self.staging, LAYOUT, peers, PushConfig(hold_s=hold_s),
+        self.pusher = PushEngine(self.tp, self.pdriver, [self.staging], LAYOUT, peers, PushConfig(hold_s=hold_s),
                                  self.outcomes.append)
         # A second decode engine, where a relocation sends the KV when the first one fails.
         self.landing_pool2 = LandingPool.create_shm("fake-test.landing2", LAYOUT, 16)
         self.td2 = self.fabric.transport("D2.1")
         self.td2.register(self.landing_pool2.memory)
         self.ddriver2 = ProgressDriver(self.td2)
-        self.landing2 = LandingTable(self.landing_pool2, "inc-d2", self.ddriver2)
+        self.landing2 = LandingTable([self.landing_pool2], "inc-d2", self.ddriver2)
         self.ddriver2.on_notif = self.landing2.handle_notif
         peers.add(EngineRecord(engine_id="D2", role=types_pb2.DECODE, layout=LAYOUT, incarnation="inc-d2",
                                nixl_agent="D2.1", nixl_metadata=self.td2.metadata(), num_blocks=16,
@@ -72,7 +72,7 @@ class Pair:
                        for _ in range(LAYOUT.num_layers)]
 
     def begin_and_push_all(self):
-        alloc = self.pusher.begin("req-1", PushTarget("res-1", "D", "inc-d", BLOCKS, LAYOUT.block_size, TOKENS),
+        (alloc,) = self.pusher.begin("req-1", PushTarget("res-1", "D", "inc-d", BLOCKS, LAYOUT.block_size, TOKENS),
                                   holdable=self.holdable)
         for layer, tokens in enumerate(self.tokens):
             reblock.stage_tokens(self.staging.memory.host_view(), alloc, self.geom, layer, tokens, 0, TOKENS)
@@ -160,7 +160,7 @@ def test_a_reservation_past_its_deadline_is_never_pushed_into(pair):
 
 def test_a_peer_that_left_the_fabric_fails_the_push_and_is_not_tried_again(pair):
     del pair.fabric.transports["D.1"]
-    alloc = pair.pusher.begin("req-1", PushTarget("res-1", "D", "inc-d", BLOCKS, LAYOUT.block_size, TOKENS))
+    (alloc,) = pair.pusher.begin("req-1", PushTarget("res-1", "D", "inc-d", BLOCKS, LAYOUT.block_size, TOKENS))
     reblock.stage_tokens(pair.staging.memory.host_view(), alloc, pair.geom, 0, pair.tokens[0], 0, TOKENS)
     pair.pusher.push("req-1", 0)
     assert [o.state for o in pair.outcomes] == [PushState.FAILED]
@@ -215,7 +215,7 @@ def test_a_push_whose_decode_engine_died_after_it_landed_is_pushed_again_from_st
 def test_a_push_whose_decode_engine_dies_mid_push_keeps_staging_and_finishes_on_the_new_engine():
     pair = Pair(hold_s=5.0)
     try:
-        alloc = pair.pusher.begin("req-1", PushTarget("res-1", "D", "inc-d", BLOCKS, LAYOUT.block_size, TOKENS),
+        (alloc,) = pair.pusher.begin("req-1", PushTarget("res-1", "D", "inc-d", BLOCKS, LAYOUT.block_size, TOKENS),
                                   holdable=True)
 
         def stage(layer):
@@ -306,7 +306,7 @@ async def test_a_whole_sidecar_pair_runs_on_an_injected_transport(tmp_path):
         assert isinstance(prefill.transport, FakeTransport) and isinstance(decode.transport, FakeTransport)
         prefill.add_peer(decode.engine_record())
         target = PushTarget("res-f", "dec-f", decode.config.incarnation, (2, 3), LAYOUT.block_size, TOKENS - 20)
-        alloc = prefill.pusher.begin("req-f", target)
+        (alloc,) = prefill.pusher.begin("req-f", target)
         geom = DestGeometry.for_layout(LAYOUT, LAYOUT.block_size, target.num_tokens)
         width = LAYOUT.head_dim * LAYOUT.itemsize
         data = np.random.default_rng(3).integers(0, 256, (LAYOUT.num_layers, LAYOUT.kv_parts, target.num_tokens,

@@ -94,7 +94,7 @@ async def test_push_through_the_python_api_with_proto_records(pair):
     prefill.add_peer(EngineRecord.from_proto(engine))
     target = PushTarget.from_proto(reservation("res-1", engine, [3, 4, 9], 40))
     data = random_kv(40)
-    alloc = prefill.pusher.begin("req-1", target)
+    (alloc,) = prefill.pusher.begin("req-1", target)
     stage_all(prefill, alloc, target, data)
     for layer in range(LAYOUT.num_layers):
         prefill.pusher.push("req-1", layer)
@@ -122,7 +122,7 @@ async def test_peer_resolved_on_demand_and_replaced_on_new_incarnation(pair, tmp
     engine = engine_proto(decode)
     for n in range(2):  # the second request finds the peer cached: no second lookup, no second load
         target = PushTarget.from_proto(reservation(f"res-{n}", engine, [n * 2, n * 2 + 1], 20))
-        alloc = prefill.pusher.begin(f"req-{n}", target)
+        (alloc,) = prefill.pusher.begin(f"req-{n}", target)
         stage_all(prefill, alloc, target, random_kv(20, n))
         for layer in range(LAYOUT.num_layers):
             prefill.pusher.push(f"req-{n}", layer)  # queued while resolving, in order
@@ -136,7 +136,7 @@ async def test_peer_resolved_on_demand_and_replaced_on_new_incarnation(pair, tmp
         current[0] = new = engine_proto(reborn)
         # The first reservation naming the new life: looked up once, replaces the old peer.
         target = PushTarget.from_proto(reservation("res-new", new, [7, 8], 20))
-        alloc = prefill.pusher.begin("req-new", target)
+        (alloc,) = prefill.pusher.begin("req-new", target)
         stage_all(prefill, alloc, target, random_kv(20, 7))
         for layer in range(LAYOUT.num_layers):
             prefill.pusher.push("req-new", layer)
@@ -164,7 +164,7 @@ async def test_landed_needs_every_write_and_ignores_other_incarnations(pair):
     engine = engine_proto(decode)
     prefill.add_peer(EngineRecord.from_proto(engine))
     target = PushTarget.from_proto(reservation("res-p", engine, [0, 1], 32))
-    alloc = prefill.pusher.begin("req-p", target)
+    (alloc,) = prefill.pusher.begin("req-p", target)
     stage_all(prefill, alloc, target, random_kv(32))
     for layer in range(LAYOUT.num_layers - 1):
         prefill.pusher.push("req-p", layer)
@@ -180,7 +180,7 @@ async def test_landed_needs_every_write_and_ignores_other_incarnations(pair):
     # Cancelled locally (deadline) before the push: a late LANDED does not resurrect it.
     decode.landing.cancel("res-late", "deadline")
     target = PushTarget.from_proto(reservation("res-late", engine, [5], 10))
-    alloc = prefill.pusher.begin("req-late", target)
+    (alloc,) = prefill.pusher.begin("req-late", target)
     stage_all(prefill, alloc, target, random_kv(10))
     for layer in range(LAYOUT.num_layers):
         prefill.pusher.push("req-late", layer)
@@ -246,10 +246,9 @@ def test_handover_keeps_asks_and_grants_bounded():
     assert expired.ask("gone", a) is None
 
 
-def test_a_tensor_parallel_layout_is_refused_until_ranks_have_channels(tmp_path):
-    # The layout describes TP engines (the control plane plans and refuses them), but one
-    # sidecar channel moves one rank's bytes: a TP engine's sidecar must not start and
-    # push a rank's share as if it were the engine's.
+def test_checksums_are_refused_for_a_tensor_parallel_engine(tmp_path):
+    # Debug checksums are computed over one head share's staging: not over a TP engine's.
+    from sidecar.outbound import PushConfig
     tp2 = dataclasses.replace(LAYOUT, num_kv_heads=4, tp_size=2)
-    with pytest.raises(ValueError, match="kv layout tp=2: a sidecar serves tensor-parallel engines only once"):
-        SidecarConfig("dec-tp", DECODE, tp2, 32, str(tmp_path / "d.sock"))
+    with pytest.raises(ValueError, match="--checksums covers engines without tensor parallelism only"):
+        SidecarConfig("pre-tp", PREFILL, tp2, 32, str(tmp_path / "p.sock"), push=PushConfig(checksums=True))
