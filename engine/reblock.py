@@ -18,7 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from engine.geometry import DestGeometry
-from engine.pool import StagingAllocation
+from engine.head_plan import HeadPlan
+from engine.pool import PoolDescription, StagingAllocation
 from kvpush.contract.layout import KvLayout
 
 
@@ -98,3 +99,18 @@ def stage_from_cache(pool_bytes: np.ndarray, alloc: StagingAllocation, geom: Des
     """The connector's per-layer save: paged cache (block size P) -> staging (block size D)."""
     stage_tokens(pool_bytes, alloc, geom, layer, gather_tokens(cache_layer, cache_block_ids, start, end),
                  start, end)
+
+
+def unshare_landing(pool_bytes: np.ndarray, desc: PoolDescription, plan: HeadPlan, rank: int, block_ids,
+                    num_tokens: int) -> None:
+    """Decode, before loading: a reservation's landing blocks on ``rank``, which hold the
+    head shares of several prefill ranks one after another (``engine/head_plan.py``),
+    rewritten in place in the canonical layout, layer by layer. Only this rank reads its
+    pool, and only after LANDED: nothing else sees the blocks in between."""
+    lo, units = desc.layout, desc.num_units
+    stride = units * lo.block_layer_bytes
+    ids = list(block_ids[:lo.blocks_for_tokens(num_tokens)])
+    for layer in range(lo.num_layers):
+        view = pool_bytes[layer * stride:(layer + 1) * stride].reshape(units, lo.block_layer_bytes)
+        landed = view[ids].reshape(-1)  # (a copy: fancy indexing)
+        view[ids] = plan.unshare(rank, landed, num_tokens).reshape(len(ids), -1)

@@ -127,7 +127,11 @@ class KVPushConnector(KVConnectorBase_V1):
                 self._watch.on_landed = lambda res: self._sched.trace("landed", res)
             log.info("KVPushConnector scheduler: sidecar %s (%s)", info.engine_id, info.role)
         else:
-            self._worker = KVPushWorker(self.config, self.block_size)
+            # Each tensor-parallel rank's worker has its own channel and moves its own heads.
+            from vllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
+                                                         get_tensor_model_parallel_world_size)
+            self._worker = KVPushWorker(self.config, self.block_size, rank=get_tensor_model_parallel_rank(),
+                                        tp_size=get_tensor_model_parallel_world_size())
 
     # ==============================================================================================
     # Worker side

@@ -34,6 +34,7 @@ class LandingWatch(SchedulerChannel):
         self.on_landed: Callable[[str], None] | None = None  # (reservation id), on the reader thread: tracing
         self._cv = threading.Condition()
         self._states: dict[str, tuple[LandingState, int]] = {}  # reservation -> (last state heard, tokens)
+        self._src_tp: dict[str, int] = {}  # landed reservations pushed by a TP > 1 prefill: its TP
         self._released: dict[str, float] = {}  # reservation -> give-up time (monotonic)
         self._generation = 0  # bumped on every LANDED or end heard
         self._consumed_releases = 0  # released reservations consumed since the last take
@@ -42,12 +43,17 @@ class LandingWatch(SchedulerChannel):
     def watch(self, reservation_id: str) -> tuple[LandingState, int]:
         """Subscribe to a reservation; its state now. ``ChannelError`` if the sidecar is unreachable."""
         event = self._client_or_reconnect().subscribe(reservation_id)
-        self._record(event.reservation_id, event.state, event.num_tokens)
+        self._record(event.reservation_id, event.state, event.num_tokens, event.src_tp)
         return self.state(reservation_id)
 
     def state(self, reservation_id: str) -> tuple[LandingState, int]:
         with self._cv:
             return self._states.get(reservation_id, (LandingState.UNKNOWN, 0))
+
+    def src_tp(self, reservation_id: str) -> int:
+        """The TP of the prefill engine that pushed a landed reservation."""
+        with self._cv:
+            return self._src_tp.get(reservation_id, 1)
 
     @property
     def generation(self) -> int:
@@ -61,6 +67,7 @@ class LandingWatch(SchedulerChannel):
 
     def forget(self, reservation_id: str) -> None:
         with self._cv:
+            self._src_tp.pop(reservation_id, None)
             if reservation_id not in self._released:
                 self._states.pop(reservation_id, None)
 
@@ -109,9 +116,9 @@ class LandingWatch(SchedulerChannel):
 
     def _on_event(self, event) -> None:
         if not event.request_id:
-            self._record(event.reservation_id, event.state, event.num_tokens)
+            self._record(event.reservation_id, event.state, event.num_tokens, event.src_tp)
 
-    def _record(self, reservation_id: str, state: str, num_tokens: int) -> None:
+    def _record(self, reservation_id: str, state: str, num_tokens: int, src_tp: int = 1) -> None:
         state = LandingState(state)  # the channel carries the value: converted here, once
         arrived = state == LandingState.LANDED or state.ended
         with self._cv:
@@ -119,6 +126,10 @@ class LandingWatch(SchedulerChannel):
             if current is not None and (current[0] == LandingState.LANDED or current[0].ended) and not state.ended:
                 return  # a late subscribe answer never undoes what an event said
             self._states[reservation_id] = (state, num_tokens)
+            if state == LandingState.LANDED and src_tp != 1:
+                self._src_tp[reservation_id] = src_tp
+            elif state.ended:
+                self._src_tp.pop(reservation_id, None)
             released = reservation_id in self._released
             if arrived:
                 self._generation += 1

@@ -35,6 +35,7 @@ class LoadSpec:
     block_ids: tuple[int, ...]
     start: int
     end: int
+    src_tp: int = 1  # the prefill engine's TP (the LANDED event's): where each head landed
 
 
 @dataclasses.dataclass

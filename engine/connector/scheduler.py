@@ -342,6 +342,7 @@ class KVPushScheduler:
             self._count("load_skipped_local_hit")
             self.watch.release(p.target.reservation_id, st.give_up)
             return
+        src_tp = self.watch.src_tp(p.target.reservation_id)
         self.watch.forget(p.target.reservation_id)
         wait_ms = round((time.monotonic() - st.waiting_since) * 1e3)
         self._count("load_wait_ms_total", wait_ms)
@@ -349,7 +350,7 @@ class KVPushScheduler:
         self._fold_idle_waits()
         block_ids = tuple(blocks.get_block_ids()[0])
         self._meta.loads.append(LoadSpec(request.request_id, p.target, block_ids, st.local,
-                                         st.local + num_external_tokens))
+                                         st.local + num_external_tokens, src_tp))
 
     # -- the step's metadata ------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> KVPushConnectorMetadata:

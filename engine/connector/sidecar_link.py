@@ -30,6 +30,7 @@ class SidecarInfo:
     incarnation: str
     agent: str
     pool: PoolDescription
+    rank: int = 0  # the tensor-parallel rank this channel speaks for (its pool is that rank's)
 
     @property
     def layout(self) -> KvLayout:
@@ -38,14 +39,15 @@ class SidecarInfo:
     @classmethod
     def from_hello(cls, hello: dict) -> SidecarInfo:
         return cls(hello["role"], hello["engine_id"], hello["incarnation"], hello.get("agent", ""),
-                   PoolDescription.from_dict(hello["pool"]))
+                   PoolDescription.from_dict(hello["pool"]), hello.get("rank", 0))
 
 
 def connect(path: str, connect_timeout_s: float, channel_timeout_s: float,
-            name: str = "vllm", cuda_device: int | None = -1) -> tuple[SidecarClient, SidecarInfo]:
+            name: str = "vllm", cuda_device: int | None = -1, rank: int = 0) -> tuple[SidecarClient, SidecarInfo]:
     """HELLO the sidecar at ``path``, retrying until it serves. ``cuda_device``: the worker's
     GPU index (None: none), which a sidecar with a VRAM pool checks against its own; -1
-    (the scheduler's processes, which map no pool) says nothing. A refusal of the device is
+    (the scheduler's processes, which map no pool) says nothing. ``rank``: the worker's
+    tensor-parallel rank (its pool is that rank's). A refusal of the device or the rank is
     final: it raises at once instead of retrying."""
     deadline = time.monotonic() + connect_timeout_s
     last_error: Exception | None = None
@@ -57,12 +59,14 @@ def connect(path: str, connect_timeout_s: float, channel_timeout_s: float,
         else:
             try:
                 extra = {} if cuda_device == -1 else {"cuda_device": cuda_device}
+                if rank:
+                    extra["rank"] = rank
                 # engine=True: the sidecar counts this connection as its engine being there.
                 info = SidecarInfo.from_hello(client.hello(name=name, pid=os.getpid(), engine=True, **extra))
                 return client, info
             except (ChannelError, KeyError) as exc:
                 client.close()
-                if "PoolMapError" in str(exc):
+                if "PoolMapError" in str(exc) or "serves an engine of tp_size" in str(exc):
                     raise ChannelError(f"the kvpush sidecar at {path} refused this engine: {exc}") from None
                 last_error = exc
         if time.monotonic() >= deadline:

@@ -45,7 +45,9 @@ from engine.connector.stats import Counters
 from kvpush.trace import Trace
 from engine import frames as F
 from engine.channel import ChannelError, SidecarClient
+from engine import reblock
 from engine.geometry import DestGeometry
+from engine.head_plan import plan_heads
 from engine.device_memory import current_cuda_device
 from engine.memory import attach_pool
 from engine.pool import StagingAllocation
@@ -54,8 +56,8 @@ log = logging.getLogger(f"vllm.{__name__}")  # under "vllm": logged with the eng
 
 @dataclasses.dataclass
 class _Outbound:
-    alloc: StagingAllocation
-    geom: DestGeometry
+    allocs: tuple[StagingAllocation, ...]  # one per head share this rank sends (none: it sends nothing)
+    geoms: tuple[DestGeometry, ...]  # each one's geometry
     reservation_id: str = ""
 
 
@@ -71,13 +73,19 @@ class _StepPush:
 
 class KVPushWorker:
     def __init__(self, config: ConnectorConfig, block_size: int, client: SidecarClient | None = None,
-                 info: SidecarInfo | None = None, counters: Counters | None = None):
+                 info: SidecarInfo | None = None, counters: Counters | None = None, rank: int = 0,
+                 tp_size: int = 1):
         self.config = config
         self.block_size = block_size
+        self.rank = rank  # this worker's tensor-parallel rank: it moves its own heads only
         self.device = current_cuda_device()  # vLLM set the worker's GPU before making its connector
         if client is None:
             client, info = connect(config.sidecar_socket, config.connect_timeout_s, config.channel_timeout_s,
-                                   name=f"vllm-worker-{os.getpid()}", cuda_device=self.device)
+                                   name=f"vllm-worker-{os.getpid()}", cuda_device=self.device, rank=rank)
+        if info.layout.tp_size != tp_size:
+            client.close()
+            raise CopyError(f"the engine runs tensor-parallel size {tp_size}, its kvpush sidecar's --kv-layout "
+                            f"says tp={info.layout.tp_size}: start the sidecar with tp={tp_size}")
         self.client = client
         self.info = info
         client.on_event = self._on_event  # runs on the channel's reader thread
@@ -89,9 +97,10 @@ class KVPushWorker:
             path = ""
             if config.stats_dir:
                 os.makedirs(config.stats_dir, exist_ok=True)
-                path = os.path.join(config.stats_dir, f"{config.engine_name or info.engine_id}.json")
+                name = (config.engine_name or info.engine_id) + (f".rank{rank}" if rank else "")
+                path = os.path.join(config.stats_dir, f"{name}.json")  # rank 0's: the engine's name alone
             counters = Counters(path, {"engine_id": info.engine_id, "incarnation": info.incarnation,
-                                       "role": info.role, "pid": os.getpid()})
+                                       "role": info.role, "pid": os.getpid(), "rank": rank})
         self.counters = counters
         self.trace = Trace(config.engine_name or info.engine_id)
         self.copier: CacheCopier | None = None
@@ -135,7 +144,7 @@ class KVPushWorker:
         self._next_reconnect = now + 1.0
         try:
             client, info = connect(self.config.sidecar_socket, 0.5, self.config.channel_timeout_s,
-                                   name=f"vllm-worker-{os.getpid()}", cuda_device=self.device)
+                                   name=f"vllm-worker-{os.getpid()}", cuda_device=self.device, rank=self.rank)
         except ChannelError as exc:
             log.warning("kvpush sidecar channel down (%s); reconnecting failed: %s", why, exc)
             return False
@@ -192,14 +201,14 @@ class KVPushWorker:
         t = spec.begin
         begin = F.BeginRequest(spec.req_id, t)
         try:
-            alloc = self._call_reconnecting(lambda: self.client.begin_push(begin))
+            allocs = self._call_reconnecting(lambda: self.client.begin_shares(begin))
         except ChannelError as exc:
             log.warning("push of %s to reservation %s refused: %s; the decode engine will recompute",
                         spec.req_id, t.reservation_id, exc)
             self.counters.inc("push_refused")
             return None
-        geom = DestGeometry.for_layout(self.info.layout, t.block_size, t.num_tokens)
-        out = self._outbound[spec.req_id] = _Outbound(alloc, geom, t.reservation_id)
+        geoms = tuple(reblock.share_geometry(self.info.layout, a, t.block_size, t.num_tokens) for a in allocs)
+        out = self._outbound[spec.req_id] = _Outbound(allocs, geoms, t.reservation_id)
         self.trace("push_begin", t.reservation_id, spec.req_id)
         self.counters.inc("requests_begun")
         return out
@@ -219,12 +228,14 @@ class KVPushWorker:
                 unsent = self._send_failed.pop(spec.req_id, None)
                 if unsent is not None:
                     raise ChannelError(unsent)
-                if not sp.prepared:
+                if sp.out.allocs and not sp.prepared:
                     sp.plan, sp.prepared = self.copier.plan(spec.block_ids, spec.start, spec.end), True
-                fence = self.copier.stage(layer, spec.block_ids, spec.start, spec.end, sp.out.alloc, sp.out.geom,
-                                          sp.plan)
-                self._sends.send(fence, functools.partial(self._push_frame, self.client, spec.req_id, layer,
-                                                          spec.start, spec.end))
+                fence = None
+                for alloc, geom in zip(sp.out.allocs, sp.out.geoms):  # (none: another rank sends our heads)
+                    fence = self.copier.stage(layer, spec.block_ids, spec.start, spec.end, alloc, geom, sp.plan)
+                if sp.out.allocs:
+                    self._sends.send(fence, functools.partial(self._push_frame, self.client, spec.req_id, layer,
+                                                              spec.start, spec.end))
             except Exception as exc:  # never let a push break the forward pass
                 log.error("push of %s layer %d failed: %s", spec.req_id, layer, exc)
                 sp.failed = True
@@ -234,7 +245,8 @@ class KVPushWorker:
             sp.layers += 1
             self.counters.inc("layers_pushed")
             self.trace("layer_staged", sp.out.reservation_id, layer)
-            self.counters.inc("bytes_staged", (spec.end - spec.start) * self.copier.token_layer_bytes)
+            self.counters.inc("bytes_staged", (spec.end - spec.start)
+                              * sum(g.token_part_bytes * g.kv_parts for g in sp.out.geoms))
 
     # -- after the forward --------------------------------------------------------------------------
     def wait_for_save(self) -> None:
@@ -298,6 +310,8 @@ class KVPushWorker:
             layout = self.info.layout
             if spec.target.block_size != layout.block_size:
                 raise CopyError(f"landing blocks of {spec.target.block_size} tokens, pool has {layout.block_size}")
+            if spec.src_tp != layout.tp_size:
+                self._unshare(spec)
             fence = self.copier.load(spec.block_ids, spec.start, spec.end, spec.target.block_ids)
         except Exception as exc:
             log.error("kvpush: loading reservation %s into %s failed: %s; vLLM recomputes it",
@@ -316,6 +330,20 @@ class KVPushWorker:
         self.counters.inc("tokens_loaded", n)
         self.counters.inc("bytes_loaded", n * self.copier.token_layer_bytes * self.num_layers)
         self.trace("loaded", spec.target.reservation_id, spec.req_id)
+
+    def _unshare(self, spec: LoadSpec) -> None:
+        """Prefill ranks that each sent part of this rank's heads landed their shares one
+        after another: put the heads in place first (``engine/head_plan.py``)."""
+        layout = self.info.layout
+        plan = plan_heads(dataclasses.replace(layout, tp_size=spec.src_tp), layout)
+        if plan.in_place(self.rank):
+            return
+        if self.pool.mem_kind != "DRAM":
+            raise CopyError(f"reservation {spec.target.reservation_id} merges {spec.src_tp} prefill ranks' heads: "
+                            "putting them in place in a device landing pool is not built yet")
+        reblock.unshare_landing(self.pool.host_view(), self.info.pool, plan, self.rank, spec.target.block_ids,
+                                spec.target.num_tokens)
+        self.counters.inc("loads_unshared")
 
     def load_errors(self) -> set[int]:
         """vLLM block ids whose synchronous load failed in this step (then forgotten)."""
