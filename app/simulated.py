@@ -39,7 +39,9 @@ class SimulatedEngine:
         return EngineRecord(engine_id=self.engine_id, role=self.role, layout=self.layout, incarnation=self.incarnation,
                             nixl_agent=f"sim-{self.engine_id}", nixl_metadata=SIMULATED_METADATA,
                             num_blocks=self.num_blocks, model=self.model, pool=self.pool,
-                            sidecar_address="simulated", serving_url=self.serving_url).to_proto()
+                            sidecar_address="simulated", serving_url=self.serving_url,
+                            # (no pools behind a simulated engine: a rank per TP rank, at address 0)
+                            rank_pools=((0, 0),) * self.layout.tp_size if self.layout.tp_size > 1 else ()).to_proto()
 
     async def register(self) -> registry_pb2.RegisterEngineResponse:
         resp = await self.client.registry.RegisterEngine(

@@ -41,6 +41,8 @@ class StackSpec:
     decode_engines: int = 1          # decode-0, decode-1, ... (each a vLLM engine and its sidecar)
     controlplanes: int = 1           # control-plane replicas; every client is given all of them
     etcd_members: int = 1            # 1: one etcd node; 3 (or more): a real cluster, every replica given all members
+    prefill_tp: int = 1              # tensor-parallel ranks of the prefill engine (its sidecar: a pool per rank)
+    decode_tp: int = 1               # ... of each decode engine
 
 
 class Stack:
@@ -130,7 +132,7 @@ class Stack:
         self.say(f"control plane serving on {self.controlplane}")
         self.tenant_token = self._create_tenant()
 
-        layout = self.layout.describe()
+        tps = {"prefill": spec.prefill_tp, "decode": spec.decode_tp}
         sockets = {}
         sidecars = []
         # Each sidecar publishes its engine's URL (routers discover engines by it) and
@@ -143,7 +145,8 @@ class Stack:
             ready = os.path.join(self.run_dir, f"{engine_id}.sidecar.ready")
             sidecars.append((self._start(f"sidecar-{_name(engine_id)}", [
                 python(), "-m", "app.cli", "sidecar", "--role", role, "--engine-id", engine_id,
-                "--controlplane", self.controlplane, "--token", self.engine_token, "--kv-layout", layout,
+                "--controlplane", self.controlplane, "--token", self.engine_token,
+                "--kv-layout", dataclasses.replace(self.layout, tp_size=tps[role]).describe(),
                 "--num-blocks", str(blocks), "--model", spec.served_model, "--socket", sockets[engine_id],
                 "--serving-url", urls[engine_id], "--wait-for-engine", "--probe-serving", "0.5",
                 "--ready-file", ready], env=spec.sidecar_env or None, ready=ready),
@@ -157,9 +160,10 @@ class Stack:
             port = int(urls[engine_id].rsplit(":", 1)[1])
             kv_role, env = ("kv_producer", spec.prefill_env) if role == "prefill" else ("kv_consumer", spec.decode_env)
             cfg = engines.kvpush_transfer_config(kv_role, sockets[engine_id], self.stats_dir, engine_id)
+            tp = ("--tensor-parallel-size", str(tps[role])) if tps[role] > 1 else ()
             self._engine_cmds[engine_id] = (engines.vllm_command(
                 spec.model_dir, port, spec.served_model, cfg, max_num_seqs=spec.max_num_seqs,
-                extra=spec.prefill_args if role == "prefill" else spec.decode_args),
+                extra=(*(spec.prefill_args if role == "prefill" else spec.decode_args), *tp)),
                 engines.engine_env({**spec.engine_env, **env}, pair=True, ipc_dir=self.ipc_dir))
             engine_procs.append((self._start(f"vllm-{_name(engine_id)}", *self._engine_cmds[engine_id]), engine_id))
         self.say(f"starting {len(engine_procs)} vLLM engines (about a minute each on 2 cores) ...")

@@ -44,6 +44,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import update_section  # noqa: E402
+from bench.push_tp import measure_sidecar_costs, run_tp_rows, tp_lines  # noqa: E402
 from kvpush.contract.layout import KvLayout  # noqa: E402
 from kvpush.contract.target import PushTarget  # noqa: E402
 from engine import frames as F  # noqa: E402
@@ -298,7 +299,7 @@ def run_descriptor_sweep(workdir, quick) -> list[dict]:
     return out
 
 
-def write_report(rows, extra, sweep, path_png: pathlib.Path, wall_s: float) -> None:
+def write_report(rows, extra, sweep, tp_rows, costs, path_png: pathlib.Path, wall_s: float) -> None:
     by = {(r["model"], r["tokens"], r["mode"]): r for r in rows}
     contiguous_gbps = next(x["gbps"] for x in sweep if x["kind"] == "contiguous")
     lines = ["## Push: exposed KV handover after prefill (sidecars, NIXL)", "",
@@ -339,6 +340,7 @@ def write_report(rows, extra, sweep, path_png: pathlib.Path, wall_s: float) -> N
     for s in sweep:
         lines.append(f"| {s['descriptor_kib']:.0f} KiB | {s['kind']} | {s['descriptors']} | {s['mib']:.0f} | "
                      f"{s['ms']:.1f} | {s['gbps']:.2f} |")
+    lines += tp_lines(tp_rows, costs, by[("8B-class", 2048, "push")])
     lines += ["", "### Local channel and idle cost", "",
               f"- Channel round trip (sync client, PING): p50 {rtt.p50_us:.0f} us, p99 {rtt.p99_us:.0f} us "
               f"({rtt.samples} samples); a fire-and-forget push frame costs the caller {rtt.send_only_us:.1f} us.",
@@ -389,6 +391,8 @@ def main() -> None:
     try:
         rows, extra = run_models(workdir, prompts, args.quick)
         sweep = run_descriptor_sweep(workdir, args.quick)
+        tp_rows = run_tp_rows(workdir, args.quick)
+        costs = measure_sidecar_costs(workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         sweep_stale_segments()
@@ -397,7 +401,7 @@ def main() -> None:
     print(f"channel RTT p50 {rtt.p50_us:.0f} us p99 {rtt.p99_us:.0f} us; idle {extra['idle_pct']}; {wall:.0f} s")
     if not args.quick:
         docs = ROOT / "docs"
-        write_report(rows, extra, sweep, docs / "push.png", wall)
+        write_report(rows, extra, sweep, tp_rows, costs, docs / "push.png", wall)
         print(f"wrote docs/BENCHMARKS.md (push section) and {docs / 'push.png'}")
 
 

@@ -213,6 +213,12 @@ class SidecarBase(ChannelHandler):
             return self.engine_record().to_dict()
         if op == "cancel":
             return {"cancelled": self.cancel_reservation(request["reservation_id"], request.get("reason", "cancelled"))}
+        if op == "drop_rank":  # a drill: the channels of one rank's worker break, as when it dies
+            rank = int(request.get("rank", 0))
+            dropped = [c for c in self.server.connections if c.rank == rank and c is not conn and c.info.get("engine")]
+            for c in dropped:
+                c.transport.close()
+            return {"dropped": len(dropped)}
         if op == "expect":  # poll hot for a while: a peer is about to work with us (benchmarks)
             self.driver.expect(("admin", request.get("key", "")), float(request.get("seconds", 1.0)))
             return {}

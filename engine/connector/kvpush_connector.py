@@ -128,10 +128,10 @@ class KVPushConnector(KVConnectorBase_V1):
             log.info("KVPushConnector scheduler: sidecar %s (%s)", info.engine_id, info.role)
         else:
             # Each tensor-parallel rank's worker has its own channel and moves its own heads.
-            from vllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
-                                                         get_tensor_model_parallel_world_size)
-            self._worker = KVPushWorker(self.config, self.block_size, rank=get_tensor_model_parallel_rank(),
-                                        tp_size=get_tensor_model_parallel_world_size())
+            from vllm.distributed import parallel_state as ps
+            rank, tp = ((ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
+                        if ps.model_parallel_is_initialized() else (0, 1))  # (a worker made outside vLLM)
+            self._worker = KVPushWorker(self.config, self.block_size, rank=rank, tp_size=tp)
 
     # ==============================================================================================
     # Worker side

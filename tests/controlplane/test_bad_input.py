@@ -148,6 +148,10 @@ REGISTER_CASES = [
      "engine.kv_layout.head_dim"),
     (dict(memory_kind="HBM"), "engine.memory_kind"),
     (dict(pool="bad pool"), "engine.pool"),
+    (dict(kv_layout=types_pb2.KvLayout(num_layers=4, block_size=16, num_kv_heads=2, head_dim=64, tp_size=2)),
+     "engine.rank_pools: an engine of kv_layout.tp_size=2 lists 2 rank pools, got 0"),
+    (dict(kv_layout=types_pb2.KvLayout(num_layers=4, block_size=16, num_kv_heads=2, head_dim=64, tp_size=3)),
+     "engine.kv_layout.tp_size=3 cannot split num_kv_heads=2"),
 ]
 
 

@@ -44,16 +44,14 @@ def counters(stack: Stack, engine: str) -> dict:
     return stack.stats().get(engine, {}).get("counters", {})
 
 
-@pytest.fixture(scope="module")
-def system(tmp_path_factory):
-    logs = str(tmp_path_factory.mktemp("e2e-logs"))
-    model = os.path.abspath(ensure_model(os.path.join(engines.ROOT, DEFAULT_DIR)))
+def with_aggregated(logs: str, spec: StackSpec):
+    """The stack of ``spec`` and one aggregated engine beside it (the reference answers):
+    yields (stack, the aggregated engine's URL); both stopped after."""
     port = free_port()
-    agg = ManagedProcess("vllm-aggregated", engines.vllm_command(model, port, "tiny"),
+    agg = ManagedProcess("vllm-aggregated", engines.vllm_command(spec.model_dir, port, "tiny"),
                          os.path.join(logs, "vllm-aggregated.log"),
                          env=engines.engine_env(ipc_dir=logs), cwd=engines.ROOT)
-    stack = Stack(StackSpec(model_dir=model, log_dir=logs, prefill_args=("--max-num-batched-tokens", "64"),
-                            deadline_ms=20_000, quarantine_ms=2_000), progress=print)
+    stack = Stack(spec, progress=print)
     try:
         stack.start()
         agg.wait_until(http_ok(f"http://127.0.0.1:{port}/health"), 300, "serving")
@@ -61,6 +59,15 @@ def system(tmp_path_factory):
     finally:
         stack.stop()
         agg.stop()
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory):
+    logs = str(tmp_path_factory.mktemp("e2e-logs"))
+    model = os.path.abspath(ensure_model(os.path.join(engines.ROOT, DEFAULT_DIR)))
+    yield from with_aggregated(logs, StackSpec(model_dir=model, log_dir=logs,
+                                               prefill_args=("--max-num-batched-tokens", "64"),
+                                               deadline_ms=20_000, quarantine_ms=2_000))
 
 
 def post(url: str, path: str, body: dict | bytes, timeout: float = 120) -> tuple[int, dict | list]:

@@ -8,7 +8,9 @@ Processes (started once for the module, all stopped at the end):
               ``python -m sidecar.sidecar``, one per engine with a pool per rank; both
               prefill sidecars told about both decode ones (ADMIN ``add_peer``)
     engines   AGG (TP 1, no connector), P1 and P2 (kv_producer), D1 and D2 (kv_consumer),
-              all on the tiny float32 Llama (2 KV heads: one per rank at TP 2)
+              all on a tiny float32 Llama: once with 2 KV heads (one per rank at TP 2), once
+              with 1 (MQA: fewer KV heads than ranks, the head replicated on both ranks,
+              sent once to each decode rank from one prefill rank)
 
 The pairings: P TP 2 -> D TP 1 (two ranks' heads merged on one), P TP 1 -> D TP 2 (one
 rank's heads split over two) and P TP 2 -> D TP 2 (rank to rank). No control plane: the
@@ -39,13 +41,13 @@ MAX_TOKENS = 10
 PAIRS = [("P2", "D1"), ("P1", "D2"), ("P2", "D2")]
 
 
-def layout(tp: int) -> str:
-    return f"layers=4,block={BS},heads=2,dim=64,dtype=float32" + (f",tp={tp}" if tp > 1 else "")
+def layout(heads: int, tp: int) -> str:
+    return f"layers=4,block={BS},heads={heads},dim=64,dtype=float32" + (f",tp={tp}" if tp > 1 else "")
 
 
 class TpStack:
-    def __init__(self, model: str, workdir: pathlib.Path):
-        self.model, self.workdir = model, workdir
+    def __init__(self, model: str, heads: int, workdir: pathlib.Path):
+        self.model, self.heads, self.workdir = model, heads, workdir
         self.stats = workdir / "stats"
         self.shm = PrivateShm()
         self.sidecars: dict[str, SidecarProc] = {}
@@ -58,7 +60,7 @@ class TpStack:
         prefix = tuple(self.shm.prefix)
         for name, tp in tps.items():
             role = "prefill" if name.startswith("P") else "decode"
-            self.sidecars[name] = SidecarProc(name, role, self.workdir, layout(tp), 256, prefix=prefix)
+            self.sidecars[name] = SidecarProc(name, role, self.workdir, layout(self.heads, tp), 256, prefix=prefix)
         for sc in self.sidecars.values():
             sc.ready()
         for p in ("P1", "P2"):
@@ -96,10 +98,15 @@ class TpStack:
         self.shm.close()
 
 
-@pytest.fixture(scope="module")
-def tp_stack(tiny_model):
+@pytest.fixture(scope="module", params=[2, 1], ids=["gqa-2-heads", "mqa-1-head"])
+def tp_stack(request, tiny_model):
+    heads = request.param
+    model = tiny_model
+    if heads != 2:
+        from app.tiny_model import TinySpec, ensure_model
+        model = ensure_model(str(pathlib.Path(tiny_model).with_name("tiny-llama-mqa")), TinySpec(num_kv_heads=heads))
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="kvpt-", dir="/tmp"))
-    st = TpStack(tiny_model, workdir)
+    st = TpStack(model, heads, workdir)
     try:
         yield st.start()
     except BaseException:
@@ -153,7 +160,7 @@ def test_tp_pd_greedy_output_equals_aggregated_and_every_rank_loaded_by_push(tp_
         assert counters.get("load_errors", 0) == 0, (decode, rank, counters)
     counters = wait_for(lambda: tp_stack.counters(prefill), "requests_pushed", pushed_before + 1)
     assert counters["requests_pushed"] == pushed_before + 1
-    if prefill == "P2" and decode == "D1":
+    if prefill == "P2" and decode == "D1" and tp_stack.heads == 2:
         assert tp_stack.counters("D1").get("loads_unshared", 0) > 0  # two ranks' heads merged on one
 
 
