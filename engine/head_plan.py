@@ -93,19 +93,20 @@ class HeadPlan:
         src = self.geometry(share, num_tokens).token_ranges(start, end)
         return src, src + self.landing_offset(share, num_tokens)
 
-    def unshare(self, dst_rank: int, landed: np.ndarray, num_tokens: int) -> np.ndarray:
+    def unshare(self, dst_rank: int, landed, num_tokens: int):
         """One layer of a reservation's landing bytes (``landed``: its virtual layer space,
-        1-D ``uint8``) as canonical blocks ``(blocks, parts, block_size, heads, head_dim
-        bytes)`` of ``dst_rank``. A view when the rank's landing is in place."""
+        1-D ``uint8``, a numpy array or a torch tensor on any device) as canonical blocks
+        ``(blocks, parts, block_size, heads, head_dim bytes)`` of ``dst_rank``. A view when
+        the rank's landing is in place."""
         dst = self.dst
         width = dst.head_dim * dst.itemsize
         geom = DestGeometry.for_layout(dst.rank_layout(), dst.block_size, num_tokens)
         shape = (geom.num_blocks, dst.kv_parts, dst.block_size, dst.local_kv_heads, width)
-        if landed.size != geom.layer_bytes:
-            raise ValueError(f"landed layer of {landed.size} bytes, expected {geom.layer_bytes}")
+        if len(landed) != geom.layer_bytes:
+            raise ValueError(f"landed layer of {len(landed)} bytes, expected {geom.layer_bytes}")
         if self.in_place(dst_rank):
             return landed.reshape(shape)
-        out = np.empty(shape, dtype=landed.dtype)
+        out = np.empty(shape, dtype=landed.dtype) if isinstance(landed, np.ndarray) else landed.new_empty(shape)
         for share in self.into_rank(dst_rank):
             lo = self.landing_offset(share, num_tokens)
             n = self.geometry(share, num_tokens).layer_bytes

@@ -101,12 +101,14 @@ def stage_from_cache(pool_bytes: np.ndarray, alloc: StagingAllocation, geom: Des
                  start, end)
 
 
-def unshare_landing(pool_bytes: np.ndarray, desc: PoolDescription, plan: HeadPlan, rank: int, block_ids,
+def unshare_landing(pool_bytes, desc: PoolDescription, plan: HeadPlan, rank: int, block_ids,
                     num_tokens: int) -> None:
     """Decode, before loading: a reservation's landing blocks on ``rank``, which hold the
     head shares of several prefill ranks one after another (``engine/head_plan.py``),
     rewritten in place in the canonical layout, layer by layer. Only this rank reads its
-    pool, and only after LANDED: nothing else sees the blocks in between."""
+    pool, and only after LANDED: nothing else sees the blocks in between. ``pool_bytes``:
+    the pool as 1-D uint8, host memory (numpy) or a device pool's torch tensor (the
+    copies then run on its device, ordered before the load's on the same stream)."""
     lo, units = desc.layout, desc.num_units
     stride = units * lo.block_layer_bytes
     ids = list(block_ids[:lo.blocks_for_tokens(num_tokens)])

@@ -188,7 +188,9 @@ class SidecarBase(ChannelHandler):
 
     # -- ChannelHandler: every role ------------------------------------------------------------
     def on_hello(self, conn: Connection, info: dict) -> dict:
-        rank, tp = info.get("rank", 0), self.config.layout.tp_size
+        rank, tp = info.get("rank"), self.config.layout.tp_size
+        conn.whole_engine = rank is None
+        rank = rank or 0
         if not isinstance(rank, int) or not 0 <= rank < tp:
             raise ValueError(f"rank {rank!r}: sidecar {self.config.engine_id} serves an engine of tp_size={tp} "
                              f"(ranks 0..{tp - 1}); the engine's --tensor-parallel-size and the sidecar's "

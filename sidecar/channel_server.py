@@ -34,6 +34,7 @@ class Connection:
         self.owner = f"conn-{next(self._ids)}"
         self.info: dict = {}
         self.rank = 0  # the engine's tensor-parallel rank this connection speaks for (HELLO)
+        self.whole_engine = True  # HELLO named no rank: the engine's scheduler, which maps no pool
         self.closed = False
 
     def send(self, data: bytes) -> None:

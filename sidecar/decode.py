@@ -74,7 +74,9 @@ class DecodeSidecar(SidecarBase):
         return _state(self.landing.subscribe(reservation_id, deliver))
 
     def on_consumed(self, conn: Connection, reservation_id: str) -> F.StateEvent:
-        self.landing.consume(reservation_id, conn.rank)
+        # A worker consumes its rank's share; the scheduler (a reservation the engine will not
+        # load) gives back the whole engine's.
+        self.landing.consume(reservation_id, None if conn.whole_engine else conn.rank)
         return _state(self.landing.query(reservation_id))
 
     def on_recomputed(self, conn: Connection, reservation_id: str, reason: str) -> None:

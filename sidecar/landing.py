@@ -204,13 +204,18 @@ class LandingTable:
         self._set(reservation_id, entry, LandingState.CANCELLED, reason)
         return True
 
-    def consume(self, reservation_id: str, rank: int = 0) -> bool:
-        """The engine (``rank`` of it) copied its KV out; once every rank has, the blocks
-        can go back to the control plane."""
+    def consume(self, reservation_id: str, rank: int | None = None) -> bool:
+        """The engine (``rank`` of it; None: all of it) copied its KV out, or will not;
+        once every rank has, the blocks can go back to the control plane."""
         entry = self._entries.get(reservation_id)
-        if entry is None or entry.state != LandingState.LANDED or not 0 <= rank < len(self.pools):
+        if entry is None or entry.state != LandingState.LANDED:
             return False
-        entry.consumed_ranks.add(rank)
+        if rank is None:
+            entry.consumed_ranks.update(range(len(self.pools)))
+        elif 0 <= rank < len(self.pools):
+            entry.consumed_ranks.add(rank)
+        else:
+            return False
         if len(entry.consumed_ranks) == len(self.pools):
             self._set(reservation_id, entry, LandingState.CONSUMED)
         return True

@@ -43,12 +43,14 @@ class SidecarInfo:
 
 
 def connect(path: str, connect_timeout_s: float, channel_timeout_s: float,
-            name: str = "vllm", cuda_device: int | None = -1, rank: int = 0) -> tuple[SidecarClient, SidecarInfo]:
+            name: str = "vllm", cuda_device: int | None = -1, rank: int | None = None
+            ) -> tuple[SidecarClient, SidecarInfo]:
     """HELLO the sidecar at ``path``, retrying until it serves. ``cuda_device``: the worker's
     GPU index (None: none), which a sidecar with a VRAM pool checks against its own; -1
     (the scheduler's processes, which map no pool) says nothing. ``rank``: the worker's
-    tensor-parallel rank (its pool is that rank's). A refusal of the device or the rank is
-    final: it raises at once instead of retrying."""
+    tensor-parallel rank (its pool is that rank's; None, the scheduler's: it speaks for the
+    whole engine). A refusal of the device or the rank is final: it raises at once instead
+    of retrying."""
     deadline = time.monotonic() + connect_timeout_s
     last_error: Exception | None = None
     while True:
@@ -59,7 +61,7 @@ def connect(path: str, connect_timeout_s: float, channel_timeout_s: float,
         else:
             try:
                 extra = {} if cuda_device == -1 else {"cuda_device": cuda_device}
-                if rank:
+                if rank is not None:
                     extra["rank"] = rank
                 # engine=True: the sidecar counts this connection as its engine being there.
                 info = SidecarInfo.from_hello(client.hello(name=name, pid=os.getpid(), engine=True, **extra))

@@ -338,11 +338,8 @@ class KVPushWorker:
         plan = plan_heads(dataclasses.replace(layout, tp_size=spec.src_tp), layout)
         if plan.in_place(self.rank):
             return
-        if self.pool.mem_kind != "DRAM":
-            raise CopyError(f"reservation {spec.target.reservation_id} merges {spec.src_tp} prefill ranks' heads: "
-                            "putting them in place in a device landing pool is not built yet")
-        reblock.unshare_landing(self.pool.host_view(), self.info.pool, plan, self.rank, spec.target.block_ids,
-                                spec.target.num_tokens)
+        pool = self.pool.host_view() if self.pool.mem_kind == "DRAM" else self.pool.tensor()
+        reblock.unshare_landing(pool, self.info.pool, plan, self.rank, spec.target.block_ids, spec.target.num_tokens)
         self.counters.inc("loads_unshared")
 
     def load_errors(self) -> set[int]:

@@ -10,6 +10,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -161,14 +162,15 @@ def test_the_sidecar_refuses_a_worker_on_another_gpu_at_hello():
     from sidecar.base import SidecarConfig
     from sidecar.decode import DecodeSidecar
 
+    conn = types.SimpleNamespace(rank=0)  # the channel's connection, as HELLO sees it
     side = DecodeSidecar(SidecarConfig("d", "decode", LAYOUT, 4, "/nonexistent.sock", device=0))
-    side.pool = LandingPool(LAYOUT, 4, TensorMemory(LAYOUT.pool_bytes(4), device_id=0))
-    assert side.on_hello(None, {"name": "w", "cuda_device": 0})["pool"]["memory_kind"] == "VRAM"
-    assert side.on_hello(None, {"name": "vllm-scheduler"})["role"] == "decode"  # maps no pool: not asked
+    side.pools = [LandingPool(LAYOUT, 4, TensorMemory(LAYOUT.pool_bytes(4), device_id=0))]
+    assert side.on_hello(conn, {"name": "w", "cuda_device": 0})["pool"]["memory_kind"] == "VRAM"
+    assert side.on_hello(conn, {"name": "vllm-scheduler"})["role"] == "decode"  # maps no pool: not asked
     with pytest.raises(PoolMapError, match="on cuda:0, this engine on cuda:1"):
-        side.on_hello(None, {"name": "w", "cuda_device": 1})
+        side.on_hello(conn, {"name": "w", "cuda_device": 1})
     with pytest.raises(PoolMapError, match="has no CUDA device"):
-        side.on_hello(None, {"name": "w", "cuda_device": None})
+        side.on_hello(conn, {"name": "w", "cuda_device": None})
     with pytest.raises(ValueError, match="--checksums reads the pool on the host"):
         from sidecar.push import PushConfig
         SidecarConfig("d", "decode", LAYOUT, 4, "/x.sock", device=0, push=PushConfig(checksums=True))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import os
 import pathlib
 import shutil
 import tempfile
@@ -117,6 +118,11 @@ def tp_stack(request, tiny_model):
         raise
     finally:
         st.stop()
+        keep = os.environ.get("KVPUSH_KEEP_TEST_LOGS")  # a directory to copy the logs and counters to
+        if keep:
+            shutil.copytree(workdir, keep, dirs_exist_ok=True,  # (not the sockets: vLLM's ZMQ ones have no suffix)
+                            ignore=lambda d, names: [n for n in names if not (pathlib.Path(d, n).is_file()
+                                                                              or pathlib.Path(d, n).is_dir())])
         shutil.rmtree(workdir, ignore_errors=True)
 
 

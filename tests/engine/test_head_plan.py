@@ -7,6 +7,7 @@ must arrive exactly once and equal that rank's slice of the model's KV."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -160,3 +161,37 @@ def test_rank_heads_follow_vllm_and_byte_sizes_are_one_ranks():
         lo.rank_heads(4)
     assert KvLayout.parse(lo.describe()) == lo
     assert KvLayout.from_proto(lo.to_proto()) == lo
+
+
+@pytest.mark.parametrize("p_tp, d_tp", [(2, 1), (4, 2), (3, 2)])
+def test_merged_shares_are_put_in_place_in_a_landing_pool_on_the_host_and_as_a_tensor(p_tp, d_tp):
+    # The decode rank's rearrangement before its load (engine/reblock.unshare_landing), on
+    # host memory and on a torch tensor (what a device landing pool is: here on the CPU).
+    import torch
+
+    from engine import reblock
+    from engine.pool import PoolDescription
+    heads, n, units = 12, 37, 16
+    dst = KvLayout(num_layers=2, block_size=8, num_kv_heads=heads, head_dim=WIDTH, dtype="uint8", tp_size=d_tp)
+    plan = plan_heads(dataclasses.replace(dst, tp_size=p_tp, block_size=4), dst)
+    rng = np.random.default_rng(p_tp)
+    model_kv = [rng.integers(0, 256, size=(2, n, heads, WIDTH), dtype=np.uint8) for _ in range(dst.num_layers)]
+    block_ids = [9, 3, 4, 12, 0]  # 37 tokens: 5 blocks of 8, scattered
+    desc = PoolDescription("landing", "DRAM", "", dst.pool_bytes(units), units, dst.block_layer_bytes, dst)
+    for d in range(d_tp):
+        pool = np.zeros(dst.pool_bytes(units), np.uint8)
+        stride = units * dst.block_layer_bytes
+        for layer in range(dst.num_layers):  # what the prefill ranks' writes leave in the blocks
+            landed, _ = push(dataclasses.replace(plan, src=dataclasses.replace(plan.src, num_layers=1),
+                                                 dst=dataclasses.replace(dst, num_layers=1)),
+                             model_kv[layer], [(0, n)])
+            view = pool[layer * stride:(layer + 1) * stride].reshape(units, -1)
+            view[block_ids] = landed[d].reshape(len(block_ids), -1)
+        as_tensor = torch.from_numpy(pool.copy())
+        reblock.unshare_landing(pool, desc, plan, d, block_ids, n)
+        reblock.unshare_landing(as_tensor, desc, plan, d, block_ids, n)
+        assert np.array_equal(as_tensor.numpy(), pool)
+        for layer in range(dst.num_layers):
+            view = pool[layer * stride:(layer + 1) * stride].reshape(units, 2, 8, dst.local_kv_heads, WIDTH)
+            got = reblock.gather_tokens(view, block_ids, 0, n)
+            np.testing.assert_array_equal(got, model_kv[layer][:, :, list(dst.rank_heads(d))])
