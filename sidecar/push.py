@@ -282,6 +282,15 @@ class PushEngine(HeldPushes):
                 self._later(self.on_start, ob.target.reservation_id, ob.request_id)
         if not final:
             return self._post(ob, loc, rem, b"", final=False)
+        if ob.inflight:
+            # Earlier writes are still in flight (another rank's last layer, typically): write
+            # this piece now, and carry LANDED on a rewrite of its last few bytes, the same
+            # bytes, once every write is DONE, rather than hold the whole piece behind them.
+            self._hint_final(ob, loc)
+            self._post(ob, loc, rem, b"", final=False)
+            if ob.state.terminal:
+                return
+            loc, rem = _tail(loc), _tail(rem)
         ob.final = (loc, rem)
         self._maybe_post_final(ob)
 
@@ -296,20 +305,26 @@ class PushEngine(HeldPushes):
             sums = tuple(block_checksums(sl.geom, self.layout.num_layers, pool.memory.host_view(), pool.base_address,
                                          lambda layer: sl.local0.shifted(layer * pool.layer_stride)))
         t = ob.target
-        # Announced short (x0.8): a write seen DONE only at a later poll measured
-        # slower than it was, and a window opened late is a window missed.
-        eta = 0.8 * float(loc[:, 1].sum()) / self.write_rate if self.write_rate else 0.0
-        if eta >= self.config.final_hint_min_s:
-            try:  # best effort: without it the decode side still sees LANDED at its next hot poll
-                self.transport.send_notif(ob.peer.agent_name, notify.encode(notify.PushNotice(
-                    notify.FINAL, t.reservation_id, t.incarnation, eta_s=eta)))
-            except TransferError as exc:
-                log.info("final-write notice for %s not sent: %s", t.reservation_id, exc)
+        self._hint_final(ob, loc)
         notice = notify.PushNotice(notify.LANDED, t.reservation_id, t.incarnation,
                                    tuple(t.block_ids[:ob.geom.num_blocks]), t.block_size, t.num_tokens, sums,
                                    src_tp=self.layout.tp_size)
         self._post(ob, loc, rem, notify.encode(notice), final=True)
         self.trace("final_posted", t.reservation_id, ob.state.value)
+
+    def _hint_final(self, ob: Outbound, loc: np.ndarray) -> None:
+        """FINAL notice before the last data write, with its expected duration, when that is
+        long enough to matter. Announced short (x0.8): a write seen DONE only at a later
+        poll measured slower than it was, and a window opened late is a window missed."""
+        eta = 0.8 * float(loc[:, 1].sum()) / self.write_rate if self.write_rate else 0.0
+        if eta < self.config.final_hint_min_s:
+            return
+        t = ob.target
+        try:  # best effort: without it the decode side still sees LANDED at its next hot poll
+            self.transport.send_notif(ob.peer.agent_name, notify.encode(notify.PushNotice(
+                notify.FINAL, t.reservation_id, t.incarnation, eta_s=eta)))
+        except TransferError as exc:
+            log.info("final-write notice for %s not sent: %s", t.reservation_id, exc)
 
     def _post(self, ob: Outbound, loc: np.ndarray, rem: np.ndarray, notif: bytes, final: bool) -> None:
         peer, generation = ob.peer, ob.generation
@@ -435,3 +450,15 @@ class PushEngine(HeldPushes):
             asyncio.get_running_loop().call_soon(fn, *args)
         except RuntimeError:  # no loop (synchronous use in tests)
             fn(*args)
+
+
+TAIL_BYTES = 64
+
+
+def _tail(desc: np.ndarray) -> np.ndarray:
+    """The last ``TAIL_BYTES`` of the last descriptor, as a descriptor of its own."""
+    tail = desc[-1:].copy()
+    n = min(TAIL_BYTES, int(tail[0, 1]))
+    tail[0, 0] += tail[0, 1] - n
+    tail[0, 1] = n
+    return tail

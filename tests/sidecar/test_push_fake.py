@@ -21,7 +21,7 @@ from sidecar.landing import LandingTable
 from sidecar.peers import PeerRegistry
 from sidecar.pools import LandingPool, StagingPool
 from sidecar.progress import ProgressDriver
-from sidecar.push import PushConfig, PushEngine
+from sidecar.push import TAIL_BYTES, PushConfig, PushEngine
 from sidecar.transport.fake import FakeFabric
 
 LAYOUT = KvLayout(num_layers=4, block_size=16, num_kv_heads=2, head_dim=8, dtype="float32")
@@ -110,29 +110,32 @@ def test_the_landed_notice_never_overtakes_an_earlier_write(pair):
     pair.poll()  # BEGIN hint: the decode side polls hot
     assert pair.state() == LandingState.PUSHING
     earlier = pair.fabric.pending
-    # Every layer is staged and pushed, but the final write (the one that carries LANDED)
-    # is held while earlier writes are in flight.
-    assert len(earlier) == LAYOUT.num_layers - 1 and not any(w.notif for w in earlier)
+    # Every layer is staged and written at once; LANDED is held while any write is in
+    # flight, then carried by a rewrite of the last piece's last bytes.
+    assert len(earlier) == LAYOUT.num_layers and not any(w.notif for w in earlier)
     assert pair.pusher.state("req-1") == PushState.FINALIZING
     for write in reversed(earlier):  # the most adversarial order: the latest write first
+        assert not pair.fabric.pending[-1].notif  # nothing carries LANDED while a write is pending
         pair.fabric.complete(write)
         pair.poll()
         assert pair.state() == LandingState.PUSHING
     final = pair.fabric.pending
     assert len(final) == 1 and final[0].notif and notify.decode(final[0].notif).kind == notify.LANDED
-    assert not pair.landed_bytes_match()  # the last layer is not there yet
+    assert pair.landed_bytes_match()  # every byte is there before the notice can be
     pair.fabric.complete(final[0])
     pair.poll()
     assert pair.state() == LandingState.LANDED and pair.landed_bytes_match()
     assert [o.state for o in pair.outcomes] == [PushState.PUSHED]
-    assert pair.outcomes[0].bytes_pushed == LAYOUT.num_layers * TOKENS * LAYOUT.block_layer_bytes // LAYOUT.block_size
+    kv = LAYOUT.num_layers * TOKENS * LAYOUT.block_layer_bytes // LAYOUT.block_size
+    assert pair.outcomes[0].bytes_pushed == kv + TAIL_BYTES  # (the notice's rewrite: the same bytes again)
     assert pair.staging.live_allocations == 0
 
 
 def test_a_failed_write_fails_the_push_and_the_landing_and_frees_staging_only_when_no_write_reads_it(pair):
     pair.begin_and_push_all()
-    first, second, third = pair.fabric.pending
+    first, second, third, fourth = pair.fabric.pending
     pair.fabric.complete(first)
+    pair.fabric.complete(fourth)
     pair.fabric.fail(second)
     pair.poll()
     assert [o.state for o in pair.outcomes] == [PushState.FAILED]

@@ -150,13 +150,14 @@ def test_one_transfer_per_rank_and_layer_and_the_final_once_every_rank_is_done()
     try:
         pair.run(random.Random(3))
         writes = pair.fabric.pending
-        # Two ranks x three layers: five posted, the final (with LANDED) held for them.
-        assert len(writes) == 5 and not any(w.notif for w in writes)
+        # Two ranks x three layers, each written at once: LANDED waits for all of them.
+        assert len(writes) == 6 and not any(w.notif for w in writes)
         pair.settle()
-        assert pair.pusher.counters["transfers"] == 6
+        # ... carried by a seventh, tiny write (the last piece's last bytes again).
+        assert pair.pusher.counters["transfers"] == 7
         # Equal TP, as without TP: per rank and layer one run of whole blocks (5-6) and the
-        # K and V of the partial last block (2).
-        assert pair.pusher.counters["descriptors"] == 6 * 3
+        # K and V of the partial last block (2); and the notice's one.
+        assert pair.pusher.counters["descriptors"] == 6 * 3 + 1
     finally:
         pair.close()
 

@@ -101,7 +101,9 @@ async def test_push_through_the_python_api_with_proto_records(pair):
     landed = await events.wait_for(lambda e: e.reservation_id == "res-1")
     assert landed.state == LandingState.LANDED and landed.block_ids == (3, 4, 9) and landed.num_tokens == 40
     outcome = await outcomes.wait_for(lambda o: o.reservation_id == "res-1")
-    assert outcome.state == PushState.PUSHED and outcome.transfers == LAYOUT.num_layers
+    # One write per layer, and a tiny one carrying LANDED when earlier writes were still in
+    # flight as the last layer's went out (pushed in a tight loop here: they usually are).
+    assert outcome.state == PushState.PUSHED and outcome.transfers in (LAYOUT.num_layers, LAYOUT.num_layers + 1)
     for layer in range(LAYOUT.num_layers):
         got = reblock.gather_tokens(decode.pool.blocks_view(layer), [3, 4, 9], 0, 40)
         assert np.array_equal(got, data[layer])
