@@ -224,8 +224,18 @@ def tp_lines(rows: list[dict], costs: dict, tp1_push: dict) -> list[str]:
         lines.append(f"| {r['p_tp']} -> {r['d_tp']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
                      f"{r['p50_ms'] / base['p50_ms']:.2f} | {r['descriptors']:.0f} | {r['transfers']:.0f} | "
                      f"{cpu['prefill sidecar']:.1f} / {cpu['decode sidecar']:.1f} |")
-    lines += ["", "One prefill sidecar for a TP 2 engine against one per rank (each a TP 1 sidecar of half the "
-              "heads), idle after start (memory: resident minus shared, i.e. without the pools):", "",
+    merge = next(r for r in rows if (r["p_tp"], r["d_tp"]) == (2, 1))
+    layers = KvLayout.parse(LAYOUT).num_layers
+    in_place = merge["tokens"] * 2 * layers * 2  # a descriptor per token and K/V part, per layer and rank
+    lines += ["", f"Within noise of each other: the same TP 1 -> 1 path measured {base['p50_ms']:.2f} ms here and "
+              f"{tp1_push['p50_ms']:.2f} ms in the table above, in the same run (another sidecar pair). Each "
+              "prefill rank's piece of a layer is one transfer with one descriptor per share and run of landing "
+              "blocks; a merge written into the canonical blocks in place (each rank's heads inside every "
+              f"token) would have taken {in_place:,} descriptors per request instead of "
+              f"{merge['descriptors']:.0f}: hence the share-major landing and the decode rank's rearrangement.",
+              "", "One prefill sidecar for a TP 2 engine against one per rank (each a TP 1 sidecar of half the "
+              "heads), idle after start (memory: resident minus shared, i.e. without the pools; idle CPU over "
+              "3 s, so in steps of 0.33%):", "",
               "| design | processes / NIXL agents | private memory MiB | idle CPU % of a core | metadata a peer "
               "loads KiB |", "|---|---:|---:|---:|---:|"]
     for design, c in costs.items():
