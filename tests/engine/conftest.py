@@ -58,6 +58,16 @@ def _tail(path: str, n: int = 6000) -> str:
         return ""
 
 
+def keep_logs(workdir: pathlib.Path) -> None:
+    """Copy a test's working directory (logs, counters, records) to ``$KVPUSH_KEEP_TEST_LOGS``
+    when set; not its sockets (vLLM's ZMQ ones have no suffix): only files and folders."""
+    keep = os.environ.get("KVPUSH_KEEP_TEST_LOGS")
+    if keep:
+        shutil.copytree(workdir, keep, dirs_exist_ok=True,
+                        ignore=lambda d, names: [n for n in names if not (pathlib.Path(d, n).is_file()
+                                                                          or pathlib.Path(d, n).is_dir())])
+
+
 class PrivateShm:
     """A private /dev/shm (mount namespace + tmpfs) for the processes a test starts.
 

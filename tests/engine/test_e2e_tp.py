@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
-import os
 import pathlib
 import shutil
 import tempfile
@@ -33,7 +32,7 @@ import pytest
 
 from engine.connector.stats import read_counters
 from kvpush.contract.transfer_params import PushParams
-from tests.engine.conftest import PrivateShm, SidecarProc, VllmEngine, kvpush_transfer_config
+from tests.engine.conftest import PrivateShm, SidecarProc, VllmEngine, keep_logs, kvpush_transfer_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -118,11 +117,7 @@ def tp_stack(request, tiny_model):
         raise
     finally:
         st.stop()
-        keep = os.environ.get("KVPUSH_KEEP_TEST_LOGS")  # a directory to copy the logs and counters to
-        if keep:
-            shutil.copytree(workdir, keep, dirs_exist_ok=True,  # (not the sockets: vLLM's ZMQ ones have no suffix)
-                            ignore=lambda d, names: [n for n in names if not (pathlib.Path(d, n).is_file()
-                                                                              or pathlib.Path(d, n).is_dir())])
+        keep_logs(workdir)
         shutil.rmtree(workdir, ignore_errors=True)
 
 

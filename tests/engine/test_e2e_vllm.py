@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
-import os
 import pathlib
 import shutil
 import tempfile
@@ -30,6 +29,7 @@ from kvpush.contract.transfer_params import PushParams
 from tests.engine.conftest import (
     PrivateShm,
     VllmEngine,
+    keep_logs,
     kvpush_transfer_config,
     sidecar_pair,
 )
@@ -107,9 +107,7 @@ def stack(tiny_model):
         raise
     finally:
         st.stop()
-        keep = os.environ.get("KVPUSH_KEEP_TEST_LOGS")  # a directory to copy the logs and counters to
-        if keep:
-            shutil.copytree(workdir, keep, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.sock"))
+        keep_logs(workdir)
         shutil.rmtree(workdir, ignore_errors=True)
 
 
