@@ -65,10 +65,9 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
             record = EngineRecord.from_proto(msg)
         except LayoutError as exc:
             raise errors.invalid(str(exc)) from None
-        tp = record.layout.tp_size
-        if len(record.rank_pools) != (tp if tp > 1 else 0):
-            raise errors.invalid(f"engine.rank_pools: an engine of kv_layout.tp_size={tp} lists "
-                                 f"{tp if tp > 1 else 0} rank pools, got {len(record.rank_pools)}")
+        if len(record.rank_pools) != record.expected_rank_pools:
+            raise errors.invalid(f"engine.rank_pools: an engine of kv_layout.tp_size={record.layout.tp_size} "
+                                 f"lists {record.expected_rank_pools} rank pools, got {len(record.rank_pools)}")
         return dataclasses.replace(record, pool=msg.pool or "default", registered_ms=now_ms())
 
     @unary

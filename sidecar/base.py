@@ -96,8 +96,9 @@ class SidecarBase(ChannelHandler):
     # -- what a role provides -------------------------------------------------------------------
     @abc.abstractmethod
     def _make_pool(self, tag: str, rank: int) -> LayerMajorPool:
-        """The role's pool (landing or staging) of one rank, made at start: the rank's
-        heads (``layout.rank_layout()``), on the rank's GPU for a VRAM pool."""
+        """The role's pool (landing or staging) of one rank, made at start: laid out with
+        the engine's layout, whose byte sizes are one rank's; on the rank's GPU for a VRAM
+        pool."""
 
     @property
     def pool(self) -> LayerMajorPool:

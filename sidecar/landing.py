@@ -32,6 +32,7 @@ import logging
 import time
 from typing import Callable
 
+from kvpush.contract.layout import LayoutError
 from kvpush.contract.states import LandingState
 from kvpush.trace import Trace
 from sidecar import notify
@@ -145,7 +146,9 @@ class LandingTable:
             return f"{len(notice.block_ids)} blocks for {notice.num_tokens} tokens (need {geom.num_blocks})"
         if min(notice.block_ids) < 0 or max(notice.block_ids) >= self.pool.num_blocks:
             return "block ids outside the landing pool"
-        if notice.src_tp != 1 and layout.num_kv_heads % notice.src_tp and notice.src_tp % layout.num_kv_heads:
+        try:
+            dataclasses.replace(layout, tp_size=notice.src_tp)  # (KvLayout holds the rule)
+        except LayoutError:
             return f"a prefill engine of tp {notice.src_tp} cannot hold our {layout.num_kv_heads} KV heads"
         if notice.checksums is None:
             return ""

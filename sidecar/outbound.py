@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from engine.geometry import DestGeometry
-from engine.head_plan import HeadPlan, HeadShare
+from engine.head_plan import HeadShare
 from engine.pool import StagingAllocation
 from kvpush.contract.states import PushState
 from kvpush.contract.target import PushTarget
@@ -70,16 +70,14 @@ class Slice:
 class Outbound:
     request_id: str
     target: PushTarget
-    owner: str  # the connection of the rank that began it (each rank's: ``owners``)
     geom: DestGeometry  # the request in one decode rank's landing blocks
-    plan: HeadPlan
     slices: tuple[Slice, ...]
     coverage: dict[int, list[int]]  # source rank -> tokens pushed so far, per layer (in order)
     remaining: int  # layer-tokens not yet pushed, over every source rank
     started: float
     state: PushState = PushState.PUSHING
     peer: RemotePeer | None = None
-    owners: dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> connection, once it began
+    owners: dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> its connection, once it began
     ended_ranks: set = dataclasses.field(default_factory=set)  # ranks whose engine sent END
     queued: collections.deque = dataclasses.field(default_factory=collections.deque)
     final: tuple[np.ndarray, np.ndarray] | None = None  # held until the earlier writes are DONE

@@ -12,10 +12,11 @@ per request:
 2. ``push(request_id, layer, start, end, rank=)`` per staged layer or chunk: one
    NIXL WRITE of the merged descriptors of that rank's shares, posted at once. The
    layer-by-layer writes overlap with the engine computing the next layer.
-3. The piece that completes the request (every rank, every layer, every token) is
-   the *final* write; it carries the ``LANDED`` notification and is posted only
-   when every earlier write of the request is DONE, so the decode side can
-   never see the notification before all the bytes of every rank.
+3. The ``LANDED`` notification is carried by the *final* write, posted only when
+   every earlier write of the request (every rank's) is DONE, so the decode side can
+   never see it before all the bytes: the piece that completes the request when
+   nothing else is in flight, else a rewrite of that piece's last bytes (the piece
+   itself is written at once).
 4. When the final write is DONE the staging is held (below) and a ``PushOutcome``
    (PUSHED) is reported; any failure, timeout or cancellation reports FAILED
    or CANCELLED instead, stops the request's remaining pushes, frees its
@@ -118,7 +119,7 @@ class PushEngine(HeldPushes):
             raise PushError(str(exc)) from exc
         layers = self.layout.num_layers
         coverage = {sl.share.src_rank: [0] * layers for sl in cut}
-        ob = Outbound(request_id, target, owner, geom, plan, cut, coverage,
+        ob = Outbound(request_id, target, geom, cut, coverage,
                        len(coverage) * layers * target.num_tokens, time.monotonic(), owners={rank: owner},
                        holdable=holdable)
         self._requests[request_id] = ob

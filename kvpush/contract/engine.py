@@ -48,6 +48,11 @@ class EngineRecord:
     def is_decode(self) -> bool:
         return self.role == types_pb2.DECODE
 
+    @property
+    def expected_rank_pools(self) -> int:
+        """How many ``rank_pools`` the record must list: every rank's with TP, none without."""
+        return self.layout.tp_size if self.layout.tp_size > 1 else 0
+
     def rank_pool(self, rank: int) -> tuple[int, int]:
         """(base address, device) of rank ``rank``'s pool."""
         if self.rank_pools:
@@ -68,9 +73,9 @@ class EngineRecord:
                     f"{self.num_blocks} blocks ({need} bytes)")
         if self.memory_kind not in MEMORY_KINDS:
             return f"engine {self.engine_id}: memory_kind must be one of {MEMORY_KINDS}"
-        tp = self.layout.tp_size
-        if len(self.rank_pools) != (tp if tp > 1 else 0):
-            return f"engine {self.engine_id}: tp_size {tp} needs {tp if tp > 1 else 0} rank pools, has {len(self.rank_pools)}"
+        if len(self.rank_pools) != self.expected_rank_pools:
+            return (f"engine {self.engine_id}: tp_size {self.layout.tp_size} needs {self.expected_rank_pools} "
+                    f"rank pools, has {len(self.rank_pools)}")
         return ""
 
     # -- the proto edge --------------------------------------------------------------------

@@ -17,6 +17,7 @@ import time
 import urllib.error
 import urllib.request
 
+import numpy as np
 import pytest
 
 from app.engines import engine_env, kvpush_transfer_config, vllm_command  # noqa: F401 (re-exported)
@@ -66,6 +67,25 @@ def keep_logs(workdir: pathlib.Path) -> None:
         shutil.copytree(workdir, keep, dirs_exist_ok=True,
                         ignore=lambda d, names: [n for n in names if not (pathlib.Path(d, n).is_file()
                                                                           or pathlib.Path(d, n).is_dir())])
+
+
+def serve_module(stack, workdir: pathlib.Path, logs):
+    """A module fixture's body: start ``stack`` and yield it; if it fails to start, print
+    ``logs()`` (its processes' logs); always stop it, keep its logs and remove ``workdir``."""
+    try:
+        yield stack.start()
+    except BaseException:
+        print(logs())
+        raise
+    finally:
+        stack.stop()
+        keep_logs(workdir)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    """``n`` token ids of the tiny model's vocabulary, the same for the same seed."""
+    return [int(x) for x in np.random.default_rng(seed).integers(7, 1000, size=n)]
 
 
 class PrivateShm:

@@ -23,16 +23,14 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import pathlib
-import shutil
 import tempfile
 import time
 
-import numpy as np
 import pytest
 
 from engine.connector.stats import read_counters
 from kvpush.contract.transfer_params import PushParams
-from tests.engine.conftest import PrivateShm, SidecarProc, VllmEngine, keep_logs, kvpush_transfer_config
+from tests.engine.conftest import PrivateShm, SidecarProc, VllmEngine, kvpush_transfer_config, prompt, serve_module
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -107,22 +105,9 @@ def tp_stack(request, tiny_model):
         model = ensure_model(str(pathlib.Path(tiny_model).with_name("tiny-llama-mqa")), TinySpec(num_kv_heads=heads))
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="kvpt-", dir="/tmp"))
     st = TpStack(model, heads, workdir)
-    try:
-        yield st.start()
-    except BaseException:
-        for name, e in st.engines.items():
-            print(f"--- {name}\n{e.log()}")
-        for name, sc in st.sidecars.items():
-            print(f"--- sidecar {name}\n{sc.log()}")
-        raise
-    finally:
-        st.stop()
-        keep_logs(workdir)
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    return [int(x) for x in np.random.default_rng(seed).integers(7, 1000, size=n)]
+    yield from serve_module(st, workdir, lambda: "\n".join(
+        [f"--- {name}\n{e.log()}" for name, e in st.engines.items()]
+        + [f"--- sidecar {name}\n{sc.log()}" for name, sc in st.sidecars.items()]))
 
 
 def wait_for(read, name: str, at_least: int, timeout_s: float = 15.0) -> dict:

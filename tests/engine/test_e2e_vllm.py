@@ -16,7 +16,6 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import pathlib
-import shutil
 import tempfile
 import time
 import urllib.error
@@ -29,8 +28,9 @@ from kvpush.contract.transfer_params import PushParams
 from tests.engine.conftest import (
     PrivateShm,
     VllmEngine,
-    keep_logs,
     kvpush_transfer_config,
+    prompt,
+    serve_module,
     sidecar_pair,
 )
 
@@ -99,20 +99,7 @@ class Stack:
 def stack(tiny_model):
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="kvpe-", dir="/tmp"))
     st = Stack(tiny_model, workdir)
-    try:
-        yield st.start()
-    except BaseException:
-        for e in st.engines:
-            print(f"--- {e.name}\n{e.log()}")
-        raise
-    finally:
-        st.stop()
-        keep_logs(workdir)
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    return [int(x) for x in np.random.default_rng(seed).integers(7, 1000, size=n)]
+    yield from serve_module(st, workdir, lambda: "\n".join(f"--- {e.name}\n{e.log()}" for e in st.engines))
 
 
 def tokens_of(resp: dict) -> list[int]:
