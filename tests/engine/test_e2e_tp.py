@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import os
 import pathlib
 import tempfile
 import time
@@ -30,6 +31,7 @@ import pytest
 
 from engine.connector.stats import read_counters
 from kvpush.contract.transfer_params import PushParams
+from kvpush.trace import ENV as TRACE_ENV, read_traces
 from tests.engine.conftest import PrivateShm, SidecarProc, VllmEngine, kvpush_transfer_config, prompt, serve_module
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -54,6 +56,18 @@ class TpStack:
         self._ids = itertools.count(1)
 
     def start(self) -> "TpStack":
+        # Every process traces its requests (a line per event, cheap): a failure below then
+        # says where its time went (``story``).
+        traced = TRACE_ENV not in os.environ
+        if traced:
+            os.environ[TRACE_ENV] = str(self.workdir / "trace")
+        try:
+            return self._start()
+        finally:
+            if traced:
+                del os.environ[TRACE_ENV]
+
+    def _start(self) -> "TpStack":
         tps = {"P1": 1, "P2": 2, "D1": 1, "D2": 2}
         prefix = tuple(self.shm.prefix)
         for name, tp in tps.items():
@@ -70,6 +84,12 @@ class TpStack:
             self._engine(name, kvpush_transfer_config(role, self.sidecars[name].socket, str(self.stats), name), tp)
         for e in self.engines.values():
             e.wait_ready(timeout_s=420)
+        # One plain request each, one engine at a time, before any test: a TP engine's first
+        # forward pass (vLLM's first collectives) takes 5-7 s on this machine with the rest
+        # idle, and 15-35 s beside a TP decode engine waiting for a landing (its workers
+        # busy-poll between steps): longer than the load timeout on a slower machine.
+        for i, e in enumerate(self.engines.values()):
+            e.complete(prompt(40, seed=10_000 + i), 2)
         return self
 
     def _engine(self, name: str, ktc, tp: int) -> None:
@@ -87,6 +107,14 @@ class TpStack:
 
     def counters(self, name: str, rank: int = 0) -> dict:
         return read_counters(str(self.stats / (f"{name}.rank{rank}.json" if rank else f"{name}.json")))
+
+    def story(self, reservation_id: str) -> str:
+        """What every process traced of one reservation, in time order, and the sidecars' stats."""
+        trace_dir = self.workdir / "trace"
+        lines = [f"{t:.3f} {engine} {event} {detail}" for t, engine, event, res, detail
+                 in (read_traces(str(trace_dir)) if trace_dir.is_dir() else []) if res == reservation_id]
+        stats = {name: sc.admin("stats") for name, sc in self.sidecars.items()}
+        return "\n".join([f"trace of {reservation_id}:", *lines, f"sidecar stats: {stats}"])
 
     def stop(self) -> None:
         for e in self.engines.values():
@@ -119,15 +147,15 @@ def wait_for(read, name: str, at_least: int, timeout_s: float = 15.0) -> dict:
         time.sleep(0.05)
 
 
-def served_by_push(stack: TpStack, prefill: str, decode: str, ids: list[int]) -> dict:
+def served_by_push(stack: TpStack, prefill: str, decode: str, ids: list[int]) -> tuple[dict, str]:
     """What the router does: the prompt to the prefill engine (max_tokens=1) and to the
-    decode engine, at once, with one reservation."""
+    decode engine, at once, with one reservation. The answer, and the reservation's id."""
     params = stack.reservation(decode, len(ids))
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         d = pool.submit(stack.engines[decode].complete, ids, MAX_TOKENS,
                         params.for_role("decode").as_kv_transfer_params())
         pool.submit(stack.engines[prefill].complete, ids, 1, params.as_kv_transfer_params()).result()
-        return d.result()
+        return d.result(), params.target.reservation_id
 
 
 @pytest.mark.parametrize("prefill, decode", PAIRS, ids=[f"{p}-{d}" for p, d in PAIRS])
@@ -136,14 +164,16 @@ def test_tp_pd_greedy_output_equals_aggregated_and_every_rank_loaded_by_push(tp_
     ids = prompt(n, seed=n * 7 + PAIRS.index((prefill, decode)))  # no prompt twice: no prefix-cache hit
     want = tp_stack.engines["AGG"].complete(ids, MAX_TOKENS)["choices"][0]["token_ids"]
     d_tp = 2 if decode == "D2" else 1
-    before = [tp_stack.counters(decode, r).get("tokens_loaded", 0) for r in range(d_tp)]
+    before = [tp_stack.counters(decode, r) for r in range(d_tp)]
     pushed_before = tp_stack.counters(prefill).get("requests_pushed", 0)
-    got = served_by_push(tp_stack, prefill, decode, ids)
+    got, res = served_by_push(tp_stack, prefill, decode, ids)
     assert got["choices"][0]["token_ids"] == want, f"{prefill} -> {decode}, {n} tokens"
     for rank in range(d_tp):  # every decode rank's share of the prompt came by push
-        counters = wait_for(lambda r=rank: tp_stack.counters(decode, r), "tokens_loaded", before[rank] + n - 1)
-        assert counters.get("tokens_loaded", 0) - before[rank] == n - 1, (decode, rank, counters)
-        assert counters.get("load_errors", 0) == 0, (decode, rank, counters)
+        loaded = before[rank].get("tokens_loaded", 0) + n - 1
+        counters = wait_for(lambda r=rank: tp_stack.counters(decode, r), "tokens_loaded", loaded)
+        why = f"{decode} rank {rank}: {counters}\n{tp_stack.story(res)}"
+        assert counters.get("tokens_loaded", 0) == loaded, why
+        assert counters.get("load_errors", 0) == before[rank].get("load_errors", 0), why
     counters = wait_for(lambda: tp_stack.counters(prefill), "requests_pushed", pushed_before + 1)
     assert counters["requests_pushed"] == pushed_before + 1
     if prefill == "P2" and decode == "D1" and tp_stack.heads == 2:
