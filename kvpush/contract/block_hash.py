@@ -1,0 +1,91 @@
+"""Prefix-cache block hashes, computed from token ids as vLLM computes them.
+
+vLLM names each full block of a request by a hash chained over the whole prefix:
+``h_i = H((h_{i-1}, tuple(block_i_token_ids), extra_keys))`` with ``h_{-1}`` a fixed
+``NONE_HASH`` (``vllm/v1/core/kv_cache_utils.py``: ``hash_block_tokens``,
+``init_none_hash``). Its KV events (``BlockStored``) carry those hashes, so a router
+that computes them from a prompt's token ids can ask which engine already holds the
+prompt's leading blocks, without asking the engine.
+
+``H`` is the engine's ``--prefix-caching-hash-algo``: ``sha256`` (vLLM's default:
+SHA-256 of the pickled tuple, so the hashing process must be CPython with the same
+highest pickle protocol as the engines') or ``sha256_cbor`` (SHA-256 of canonical
+CBOR: the same in any language). ``NONE_HASH`` is ``H(seed)``, the seed being the
+engines' ``PYTHONHASHSEED`` when set, else ``"vllm-none-hash"``. The non-cryptographic
+algorithms (``xxhash``) draw a random seed per process unless PYTHONHASHSEED is set;
+they are refused here rather than silently never matching.
+
+Everything kvpush stores or sends is the 64-bit *block key*: the low 64 bits of the
+hash, read big-endian, which is exactly what vLLM publishes when its events use
+integer hashes (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), so events of either form
+map to the same key. Only plain text requests are covered: a request with LoRA,
+multimodal inputs, a ``cache_salt`` or prompt embeddings hashes extra keys this
+module does not know, and simply never matches (no overlap, never a wrong one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import pickle
+from typing import Any, Sequence
+
+DEFAULT_SEED = "vllm-none-hash"
+ALGORITHMS = ("sha256", "sha256_cbor")
+_KEY_MASK = (1 << 64) - 1
+
+
+class BlockHashError(ValueError):
+    """A hashing setting kvpush cannot reproduce."""
+
+
+def _sha256_pickle(obj: Any) -> bytes:
+    return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+def _sha256_cbor(obj: Any) -> bytes:
+    import cbor2  # only engines configured for it need it
+    return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
+
+
+def block_key(block_hash: bytes | int) -> int:
+    """The 64-bit key of a vLLM block hash (bytes, or the int vLLM may publish instead)."""
+    if isinstance(block_hash, int):
+        return block_hash & _KEY_MASK
+    return int.from_bytes(block_hash, "big") & _KEY_MASK
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockHasher:
+    """The block hashes of token sequences, for engines of one block size and algorithm."""
+
+    block_size: int
+    algorithm: str = "sha256"
+    seed: str = DEFAULT_SEED
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise BlockHashError(f"prefix hash algorithm {self.algorithm!r} is not reproducible across processes "
+                                 f"(use one of {', '.join(ALGORITHMS)})")
+        if self.block_size <= 0:
+            raise BlockHashError(f"block_size must be positive, not {self.block_size}")
+        object.__setattr__(self, "_fn", _sha256_pickle if self.algorithm == "sha256" else _sha256_cbor)
+        object.__setattr__(self, "_none", self._fn(self.seed))
+
+    def chain(self, parent: bytes | None, block_tokens: Sequence[int]) -> bytes:
+        """One block's hash, given its parent's (None for the first block)."""
+        return self._fn((parent or self._none, tuple(block_tokens), None))
+
+    def hashes(self, token_ids: Sequence[int]) -> list[bytes]:
+        """The hashes of every full block of ``token_ids``, in order."""
+        out: list[bytes] = []
+        parent = None
+        bs = self.block_size
+        for start in range(0, len(token_ids) - bs + 1, bs):
+            parent = self.chain(parent, token_ids[start:start + bs])
+            out.append(parent)
+        return out
+
+    def keys(self, token_ids: Sequence[int]) -> list[int]:
+        """The 64-bit keys of every full block of ``token_ids``, in order."""
+        return [block_key(h) for h in self.hashes(token_ids)]
