@@ -9,6 +9,7 @@ POOLS = ROOT + b"pools/"              # per-engine fence: bumped by every reserv
 RESERVATIONS = ROOT + b"reservations/"
 REQUESTS = ROOT + b"requests/"        # (tenant, request id) -> reservation id, for idempotency
 USAGE = ROOT + b"usage/"              # per-tenant fence: bumped by every reservation of it
+PREFIXES = ROOT + b"prefixes/"        # per decode engine: its last prefix report (on the engine's lease)
 
 
 def tenant(name: str) -> bytes:
@@ -29,6 +30,10 @@ def reservation(res_id: str) -> bytes:
 
 def request(tenant_name: str, request_id: str) -> bytes:
     return REQUESTS + tenant_name.encode() + b"/" + request_id.encode()
+
+
+def prefixes(engine_id: str) -> bytes:
+    return PREFIXES + engine_id.encode()
 
 
 def usage(tenant_name: str) -> bytes:

@@ -23,6 +23,7 @@ from controlplane.tagged_stream import outcome, serve_tagged
 from controlplane.view import View
 from kvpush import log
 from kvpush.contract.layout import LayoutError
+from kvpush.contract.prefixes import PrefixReport, PrefixReportError
 from kvpush.contract.v1 import registry_pb2, registry_pb2_grpc, types_pb2
 
 _log = log.get("registry")
@@ -275,3 +276,42 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         if rec is None:
             raise errors.not_found(f"reservation_id {request.reservation_id!r} not found")
         return rec.to_proto()
+
+    @unary
+    async def ReportPrefixes(self, request, context) -> registry_pb2.ReportPrefixesResponse:
+        self._auth.engine(context)
+        v.text(request.engine_id, "engine_id", 128, v.ENGINE_ID)
+        v.text(request.incarnation, "incarnation", 128, v.PRINTABLE)
+        report = PrefixReport.from_proto(request)
+        try:
+            report.check()
+        except PrefixReportError as exc:
+            raise errors.invalid(str(exc)) from None
+        key = keys.prefixes(report.engine_id)
+        value = report.encode()
+        for _ in range(4):  # fenced on the engine's record: a report never outlives its engine's life
+            entry = self.view.engines.get(report.engine_id)
+            if entry is None:
+                raise errors.not_found(f"engine_id {report.engine_id!r} is not registered")
+            rec = entry.record
+            if rec.incarnation != report.incarnation:
+                raise errors.failed_precondition(f"incarnation {report.incarnation!r} of engine_id "
+                                                 f"{report.engine_id!r} is not its current one")
+            if not rec.is_decode:
+                raise errors.failed_precondition(f"engine_id {report.engine_id!r} is a prefill engine: prefix "
+                                                 "reports are a decode engine's")
+            if report.block_size != rec.layout.block_size:
+                raise errors.invalid(f"block_size {report.block_size} is not engine {report.engine_id!r}'s "
+                                     f"{rec.layout.block_size}")
+            engine_key = keys.engine(report.engine_id)
+            try:
+                result = await self._etcd.txn([cmp_mod(engine_key, entry.mod_revision)],
+                                              [op_put(key, value, entry.lease)])
+            except EtcdUnavailable as exc:
+                raise errors.unavailable(f"etcd unavailable: {exc}") from None
+            if result.succeeded:
+                self.view.apply(KV(key, value, result.revision, result.revision, entry.lease), False, result.revision)
+                return registry_pb2.ReportPrefixesResponse(
+                    held_blocks=self.view.prefixes.held_blocks(report.engine_id))
+            await self.view.wait_for_revision(result.revision, 2.0)
+        raise errors.unavailable("engine record kept changing; retry")

@@ -23,6 +23,7 @@ from controlplane import keys
 from controlplane.etcd import KV, EtcdClient, EtcdUnavailable, WatchCompacted, watch_event
 from kvpush.contract.states import State
 from kvpush.contract.engine import EngineRecord
+from controlplane.prefixes import PrefixIndex
 from controlplane.records import ReservationRecord, TenantRecord, now_ms
 from kvpush import log
 
@@ -122,6 +123,7 @@ class View:
         self.requests: dict[tuple[str, str], str] = {}
         self.usage_fences: dict[str, int] = {}
         self.tenants: dict[str, Entry] = {}
+        self.prefixes = PrefixIndex()                 # decode engines' prefix caches (controlplane/prefixes.py)
         self.tenant_by_token: dict[str, str] = {}
         self.allocated: dict[str, np.ndarray] = {}   # engine -> bool per block, live reservations
         self.free_count = FreeCounts()               # engine -> blocks not in the bitmap
@@ -266,6 +268,8 @@ class View:
                 self.usage_fences[name] = revision
         elif key.startswith(keys.TENANTS):
             self._apply_tenant(keys.name_of(key, keys.TENANTS), kv, deleted, revision)
+        elif key.startswith(keys.PREFIXES):
+            self.prefixes.apply_value(keys.name_of(key, keys.PREFIXES), None if deleted else kv.value)
 
     def _mark(self, engine_id: str, incarnation: str, extents, taken: bool) -> None:
         engine = self.engine(engine_id)
@@ -354,6 +358,8 @@ class View:
         self.free_count.pop(engine_id, None)
         self.engines_version += 1
         new = None if deleted else EngineRecord.decode(kv.value)
+        if new is None or (old_entry is not None and old_entry.record.incarnation != new.incarnation):
+            self.prefixes.drop(engine_id)  # a new life's cache is empty until it reports
         if new is not None:
             self.engines[engine_id] = Entry(new, revision, kv.lease)
             if new.is_decode:

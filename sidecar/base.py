@@ -29,6 +29,7 @@ from kvpush.contract.states import DECODE, PREFILL, role_to_proto
 from kvpush.trace import Trace
 from sidecar.channel_server import ChannelHandler, ChannelServer, Connection
 from sidecar.engine_presence import EnginePresence
+from sidecar.kv_events import KvEventsSource
 from sidecar.landing import LandingConfig
 from sidecar.pools import LayerMajorPool
 from sidecar.progress import PollPolicy, ProgressDriver
@@ -56,6 +57,8 @@ class SidecarConfig:
     # it the engine counts as there from the start, until its connections go away.
     wait_for_engine: bool = False
     engine_grace_s: float = 1.0  # the engine's last connection closed this long: it is gone
+    # Decode: follow the engine's prefix-cache events (sidecar/kv_events.py); None: not known.
+    kv_events: KvEventsSource | None = None
 
     def __post_init__(self) -> None:
         if self.role not in (PREFILL, DECODE):
@@ -64,6 +67,8 @@ class SidecarConfig:
             raise ValueError("--checksums reads the pool on the host: not with a VRAM pool (--pool-device cpu)")
         if self.layout.tp_size > 1 and self.push.checksums:
             raise ValueError("--checksums covers engines without tensor parallelism only")
+        if self.kv_events is not None and self.role != DECODE:
+            raise ValueError("--kv-events is a decode sidecar's: prefill engines' caches are not routed by")
 
     @property
     def agent_name(self) -> str:

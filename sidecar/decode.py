@@ -3,7 +3,9 @@ engine when a reservation has landed.
 
 It never initiates a transfer. Serves QUERY, SUBSCRIBE (an event when the reservation
 ends: LANDED, FAILED, CANCELLED) and CONSUMED (the engine copied it out). The table of
-incoming reservations is ``sidecar/landing.py``.
+incoming reservations is ``sidecar/landing.py``. With ``kv_events`` set it also follows the
+engine's prefix-cache events (``sidecar/kv_events.py``): ``held`` is what the engine holds,
+``on_prefix_change`` hears each change (the service reports them to the control plane).
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ import collections
 from typing import Callable
 
 from engine import frames as F
+from kvpush.contract.block_hash import BlockHasher
 from sidecar.base import SidecarBase, SidecarConfig
 from sidecar.channel_server import Connection
+from sidecar.kv_events import HeldBlocks, HeldChange, KvEventFollower
 from sidecar.landing import LandingEvent, LandingTable
 from sidecar.pools import LandingPool
 from sidecar.transport.base import Transport
@@ -27,6 +31,9 @@ class DecodeSidecar(SidecarBase):
         self.landing: LandingTable | None = None
         self._subscriptions: dict[str, list[tuple[str, Callable]]] = {}
         self.recomputes: collections.Counter = collections.Counter()  # reason -> prompts decode computed itself
+        self.held: HeldBlocks | None = None  # the engine's prefix cache, when its events are followed
+        self.on_prefix_change: Callable[[HeldChange], None] | None = None
+        self._follower: KvEventFollower | None = None
 
     def _make_pool(self, tag: str, rank: int) -> LandingPool:
         return LandingPool.create(tag, self.config.layout, self.config.num_blocks, self.rank_device(rank))
@@ -36,10 +43,21 @@ class DecodeSidecar(SidecarBase):
         self.landing = LandingTable(self.pools, c.incarnation, self.driver, c.landing, self._landing_event)
         self.landing.trace = self.trace
         self.driver.on_notif = self.landing.handle_notif
+        if c.kv_events is not None:
+            src = c.kv_events
+            self.held = HeldBlocks(BlockHasher(c.layout.block_size, src.algorithm, src.seed))
+            self._follower = KvEventFollower(src.endpoint, self.held, src.topic, self._prefix_change)
+            self._follower.start()
 
     def _stop_role(self) -> None:
+        if self._follower is not None:
+            self._follower.close()
         if self.landing is not None:
             self.landing.close()
+
+    def _prefix_change(self, change: HeldChange) -> None:
+        if self.on_prefix_change is not None:
+            self.on_prefix_change(change)
 
     def cancel_reservation(self, reservation_id: str, reason: str = "cancelled", hold: bool = False) -> bool:
         return self.landing.cancel(reservation_id, reason)
@@ -52,7 +70,19 @@ class DecodeSidecar(SidecarBase):
         out.update(self.landing.counters)
         out.update(landing_blocks=self.pool.num_units, ranks=len(self.pools), landing_blocks_landed=self.landing.landed_blocks(),
                    recomputes=dict(self.recomputes))
+        if self.held is not None:
+            out.update(prefix_blocks_held=len(self.held), prefix_events=dict(self.held.counters),
+                       prefix_unusable=self.held.unusable)
         return out
+
+    def on_admin(self, conn: Connection, request: dict):
+        if request.get("op") == "prefix_overlap":  # tests and tools: how much of a prompt the engine holds
+            if self.held is None:
+                raise ValueError("this sidecar does not follow its engine's KV events (--kv-events)")
+            keys = self.held.hasher.keys([int(t) for t in request["token_ids"]])
+            blocks = self.held.overlap(keys)
+            return {"blocks": blocks, "tokens": blocks * self.held.hasher.block_size, "prompt_blocks": len(keys)}
+        return super().on_admin(conn, request)
 
     def _landing_event(self, event: LandingEvent) -> None:
         if self.on_landing_event is not None:

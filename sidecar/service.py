@@ -53,6 +53,7 @@ from kvpush.contract.layout import KvLayout, LayoutError
 from kvpush.contract.target import PushTarget
 from kvpush.contract.transfer_params import PushParams
 from kvpush.contract.v1 import registry_pb2, types_pb2
+from sidecar import kv_events
 from sidecar.landing import LandingConfig, LandingEvent
 from kvpush.contract.engine import EngineRecord
 from sidecar.peers import PeerUnavailable
@@ -68,6 +69,7 @@ from sidecar.metrics import SidecarMetrics
 from sidecar.membership import (ControlPlaneLink, FatalError, Membership, ServiceConfig, guarded, rpc_error_text,
                             status_code)
 from sidecar.availability import AvailabilityReport
+from sidecar.prefix_report import PrefixReporter
 from sidecar.reporter import Reporter
 from sidecar.reservation_watch import ReservationWatch
 from sidecar.serving_probe import ServingProbe
@@ -92,6 +94,7 @@ class SidecarService:
         self.watch: ReservationWatch | None = None
         self.availability: AvailabilityReport | None = None
         self.probe: ServingProbe | None = None  # with --probe-serving
+        self.prefix_report: PrefixReporter | None = None  # a decode engine followed with --kv-events
         self._ended_remotely: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._tasks: list[asyncio.Task] = []
         self._started = False
@@ -181,6 +184,8 @@ class SidecarService:
 
     def _on_ready(self, resp: registry_pb2.RegisterEngineResponse) -> None:
         self.availability.registered(resp.engine)
+        if self.prefix_report is not None:
+            self.prefix_report.on_registered()
         if self.membership.registrations > 1:
             log.info("registered again (registration %d)", self.membership.registrations)
             return
@@ -201,6 +206,7 @@ class SidecarService:
                    watch_subscriptions=self.watch.subscriptions, watch_subscribed=self.watch.subscribed.is_set(),
                    watch_events=self.watch.events, availability_reports=self.availability.reports,
                    serving_probes=self.probe.probes if self.probe is not None else 0,
+                   prefix_reports=dict(self.prefix_report.counters) if self.prefix_report is not None else {},
                    reports={k: v for k, v in self.reporter.counters.items()})
         return out
 
@@ -240,9 +246,17 @@ class SidecarService:
                 self.metrics_port = self.metrics.serve(self.config.metrics_host, self.config.metrics_port)
                 log.info("metrics on http://%s:%d/metrics", self.config.metrics_host, self.metrics_port)
             self.reporter.start()
+            held = getattr(self.sidecar, "held", None)
+            if held is not None:  # a decode engine whose KV events we follow
+                self.prefix_report = PrefixReporter(self.link, self.config, self.engine_id,
+                                                    self.sidecar_config.incarnation, held,
+                                                    self.sidecar_config.layout.block_size)
+                self.sidecar.on_prefix_change = self.prefix_report.changed
             member = loop.create_task(self.membership.run(), name="membership")
             self._tasks = [member, loop.create_task(self.watch.run(), name="watch"),
                            loop.create_task(self.availability.run(), name="availability")]
+            if self.prefix_report is not None:
+                self._tasks.append(loop.create_task(self.prefix_report.run(), name="prefix-report"))
             if probe is not None:
                 self._tasks.append(loop.create_task(probe.run(), name="serving-probe"))
             stopper = loop.create_task(stop.wait())
@@ -285,6 +299,8 @@ class SidecarService:
             self.membership.stop()
         if self.availability is not None:
             self.availability.stop()
+        if self.prefix_report is not None:
+            self.prefix_report.stop()
         if self.watch is not None:
             await self.watch.close()
         if self._tasks:
@@ -354,6 +370,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="register as unavailable until the engine connects (no reservation lands while it loads)")
     p.add_argument("--engine-grace", type=float, default=SidecarConfig.engine_grace_s,
                    help="the engine's last connection closed this long (s): report it unavailable")
+    kv_events.add_arguments(p)
     p.add_argument("--ready-file", default="", help="write this engine's record (JSON) here once registered")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="the metrics endpoint's bind address")
@@ -377,7 +394,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[SidecarConfig, ServiceC
                             push=PushConfig(transfer_timeout_s=args.transfer_timeout, checksums=args.checksums,
                                             hold_s=max(0.0, args.failover_hold)),
                             landing=LandingConfig(landing_timeout_s=args.landing_timeout),
-                            wait_for_engine=args.wait_for_engine, engine_grace_s=max(0.0, args.engine_grace), **extra)
+                            wait_for_engine=args.wait_for_engine, engine_grace_s=max(0.0, args.engine_grace),
+                            kv_events=kv_events.source_from_args(args), **extra)
     service = ServiceConfig(controlplane=args.controlplane, token=args.token, model=args.model, pool=args.pool,
                             lease_ttl_s=args.lease_ttl, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
                             tls_key=args.tls_key, tls_server_name=args.tls_server_name,

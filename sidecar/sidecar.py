@@ -20,6 +20,7 @@ from engine.memory import PoolMapError
 from kvpush.aio import stop_on_signals, write_ready_file
 from kvpush.contract.layout import KvLayout
 from kvpush.contract.states import DECODE, PREFILL
+from sidecar import kv_events
 from sidecar.base import SidecarBase, SidecarConfig
 from sidecar.decode import DecodeSidecar
 from sidecar.landing import LandingEvent
@@ -61,6 +62,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--idle-interval", type=float, default=PollPolicy.idle_interval_s)
     p.add_argument("--hot-interval", type=float, default=PollPolicy.hot_interval_s)
     p.add_argument("--log-level", default="WARNING")
+    kv_events.add_arguments(p)
     return p.parse_args(argv)
 
 
@@ -70,7 +72,8 @@ async def _serve(args: argparse.Namespace, factory=make_sidecar) -> None:
                            parse_device(args.pool_device),
                            poll=PollPolicy(hot_interval_s=args.hot_interval, idle_interval_s=args.idle_interval),
                            push=PushConfig(transfer_timeout_s=args.transfer_timeout, checksums=args.checksums),
-                           backends=parse_backends(args.backends), **extra)
+                           backends=parse_backends(args.backends), kv_events=kv_events.source_from_args(args),
+                           **extra)
     sidecar = factory(config)
     stop = stop_on_signals()
     await sidecar.start()

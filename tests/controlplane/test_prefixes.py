@@ -1,0 +1,113 @@
+"""Decode engines' prefix reports: the rules of the index (snapshots, deltas in order,
+anything else forgets), the etcd value's form, and ``Registry.ReportPrefixes`` on a real
+control plane over a real etcd: stored on the engine's lease, seen by a second replica's
+view through its watch, gone with the engine; bad reports refused naming the field."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from app.simulated import SimulatedEngine
+from controlplane.prefixes import PrefixIndex
+from controlplane.server import ControlPlane, ControlPlaneConfig
+from kvpush.contract.prefixes import MAX_KEYS, PrefixReport, PrefixReportError
+from kvpush.contract.v1 import registry_pb2, types_pb2
+from tests.conftest import ADMIN_TOKEN, ENGINE_TOKEN
+from tests.controlplane.helpers import expect_code
+
+
+def rep(seq, stored=(), removed=(), epoch=1, incarnation="i1", engine="d0", bs=16):
+    return PrefixReport(engine, incarnation, epoch, seq, tuple(stored), tuple(removed), bs)
+
+
+def test_a_snapshot_then_deltas_in_order_and_the_first_missing_block_ends_the_overlap():
+    idx = PrefixIndex()
+    idx.apply(rep(0, [1, 2, 3]))
+    assert idx.overlap("d0", "i1", [1, 2, 3, 4], 16) == 3
+    idx.apply(rep(1, [4], [2]))
+    assert idx.overlap("d0", "i1", [1, 2, 3, 4], 16) == 1 and idx.held_blocks("d0") == 3
+    assert idx.overlap("d0", "other-life", [1], 16) == 0 and idx.overlap("d0", "i1", [1], 32) == 0
+
+
+@pytest.mark.parametrize("late", [rep(3, [9]), rep(2, [9], epoch=2), rep(2, [9], incarnation="i2")])
+def test_a_gap_another_epoch_or_life_forgets_until_the_next_snapshot(late):
+    idx = PrefixIndex()
+    idx.apply(rep(0, [1, 2]))
+    idx.apply(rep(1, [3]))
+    idx.apply(late)
+    assert idx.overlap("d0", "i1", [1], 16) == 0 and idx.held_blocks("d0") == 0
+    idx.apply(rep(2, [1]))  # a delta on top of nothing known: still nothing
+    assert idx.held_blocks("d0") == 0
+    idx.apply(rep(0, [1], epoch=3))
+    assert idx.overlap("d0", "i1", [1], 16) == 1
+
+
+def test_the_stored_form_round_trips_and_bad_reports_name_the_field():
+    r = rep(4, [1, 2**64 - 1], [7])
+    assert PrefixReport.decode(r.encode()) == r
+    with pytest.raises(PrefixReportError):
+        PrefixReport.decode(r.encode()[:-3])
+    for bad, field in [(rep(0, removed=[1]), "snapshot"), (rep(1, bs=0), "block_size"),
+                       (rep(-1), "negative"), (rep(1, stored=range(MAX_KEYS + 1)), "at most")]:
+        with pytest.raises(PrefixReportError, match=field):
+            bad.check()
+
+
+async def report(client, **fields):
+    return await client.registry.ReportPrefixes(registry_pb2.ReportPrefixesRequest(**fields),
+                                                metadata=client.metadata, timeout=5)
+
+
+async def until(predicate, timeout=10.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.02)
+
+
+async def test_reports_live_in_etcd_with_the_engine_and_reach_every_replica(cp, engine_client, etcd):
+    other = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd.endpoint, admin_token=ADMIN_TOKEN,
+                                            engine_token=ENGINE_TOKEN, sweep_interval_s=0.5))
+    await other.start()
+    decode = SimulatedEngine(engine_client, "decode-0", num_blocks=16)
+    await decode.register()
+    try:
+        base = dict(engine_id="decode-0", incarnation=decode.incarnation, block_size=16)
+        answer = await report(engine_client, epoch=1, seq=0, stored=[11, 12, 13], **base)
+        assert answer.held_blocks == 3
+        await report(engine_client, epoch=1, seq=1, stored=[14], removed=[12], **base)
+        keys = [11, 12, 13, 14]
+        assert cp.view.prefixes.overlap("decode-0", decode.incarnation, keys, 16) == 1
+        await until(lambda: other.view.prefixes.held_blocks("decode-0") == 3)  # by its watch: 11, 13, 14
+        assert other.view.prefixes.overlap("decode-0", decode.incarnation, [11, 13, 14], 16) == 3
+        await decode.stop()  # the stream closed: deregistered, its lease revoked and the report with it
+        await until(lambda: other.view.prefixes.held_blocks("decode-0") == 0 and
+                    cp.view.prefixes.held_blocks("decode-0") == 0)
+    finally:
+        await other.stop(grace=0.1)
+
+
+async def test_bad_reports_are_refused_with_the_field_named(cp, engine_client):
+    decode = SimulatedEngine(engine_client, "decode-1", num_blocks=16)
+    prefill = SimulatedEngine(engine_client, "prefill-1", num_blocks=16, role=types_pb2.PREFILL)
+    await decode.register()
+    await prefill.register()
+    base = dict(engine_id="decode-1", incarnation=decode.incarnation, block_size=16)
+    cases = [
+        (grpc.StatusCode.INVALID_ARGUMENT, dict(base, engine_id=""), "engine_id"),
+        (grpc.StatusCode.INVALID_ARGUMENT, dict(base, block_size=32), "block_size"),
+        (grpc.StatusCode.INVALID_ARGUMENT, dict(base, seq=0, removed=[1]), "snapshot"),
+        (grpc.StatusCode.NOT_FOUND, dict(base, engine_id="ghost"), "ghost"),
+        (grpc.StatusCode.FAILED_PRECONDITION, dict(base, incarnation="old"), "incarnation"),
+        (grpc.StatusCode.FAILED_PRECONDITION, dict(base, engine_id="prefill-1", incarnation=prefill.incarnation),
+         "prefill"),
+    ]
+    for code, fields, needle in cases:
+        details = await expect_code(code, report(engine_client, epoch=1, **fields))
+        assert needle in details, (fields, details)
+    assert cp.view.prefixes.held_blocks("decode-1") == 0
+    await decode.stop()
+    await prefill.stop()
