@@ -70,6 +70,7 @@ class ReservationRecord:
     moved_from: str = ""          # decode failover: the reservation this one replaces
     moved_to: str = ""            # on the replaced one: its successor
     decode_tp: int = 1            # the decode engine's tensor-parallel ranks
+    cached_tokens: int = 0        # leading prompt tokens the engine held in its prefix cache when chosen
 
     @property
     def blocks(self) -> list[int]:
@@ -95,6 +96,8 @@ class ReservationRecord:
             data["moved_to"] = self.moved_to
         if self.decode_tp != 1:
             data["decode_tp"] = self.decode_tp
+        if self.cached_tokens:
+            data["cached_tokens"] = self.cached_tokens
         return _encode(data)
 
     @classmethod
@@ -112,7 +115,8 @@ class ReservationRecord:
             deadline_unix_ms=self.deadline_ms, created_unix_ms=self.created_ms, reason=self.reason,
             engine_incarnation=self.incarnation, prefill_engine_id=self.prefill_engine_id,
             ended_unix_ms=self.ended_ms, prefill_engine_incarnation=self.prefill_incarnation,
-            moved_from=self.moved_from, moved_to=self.moved_to, decode_tp_size=self.decode_tp)
+            moved_from=self.moved_from, moved_to=self.moved_to, decode_tp_size=self.decode_tp,
+            cached_tokens=self.cached_tokens)
 
 
 @dataclasses.dataclass

@@ -36,6 +36,7 @@ from kvpush.contract.layout import KvLayout
 
 _log = log.get("reserver")
 MAX_ATTEMPTS = 20
+OVERLAP_WEIGHT = 1.0  # a candidate's score: free fraction + this x the share of the prompt it holds
 
 
 @dataclasses.dataclass
@@ -55,6 +56,10 @@ class ReserveAsk:
     moving: ReservationRecord | None = None
     moving_revision: int = 0
     move_reason: str = ""                 # why its decode engine failed, kept on the old one
+    # KV-aware routing: the prompt's full blocks' keys (kvpush/contract/block_hash.py), hashed
+    # over blocks of this many tokens; the engine holding the longest prefix is preferred.
+    block_keys: tuple[int, ...] = ()
+    block_keys_block_size: int = 0
     future: asyncio.Future | None = None
 
     def same_params(self, rec: ReservationRecord) -> bool:
@@ -242,16 +247,16 @@ class Reserver:
                                                          "tenant no longer exists"))
                 continue
             try:
-                engine, blocks = self._choose(ask, tenant, batch)
+                engine, blocks, cached = self._choose(ask, tenant, batch)
             except errors.ApiError as exc:
                 ask.future.set_exception(exc)
                 continue
             seen_requests.add(req)
-            plan.add(ask, self._record(ask, engine, blocks), tenant, view)
+            plan.add(ask, self._record(ask, engine, blocks, cached), tenant, view)
         return plan
 
     def _choose(self, ask: ReserveAsk, tenant: TenantRecord, batch: "_BatchState"
-                ) -> tuple[EngineRecord, list[int]]:
+                ) -> tuple[EngineRecord, list[int], int]:
         view = self._view
         cands = self._candidates.get(ask.model, tenant, ask.prefill_layout)
         if not cands.engines:
@@ -289,12 +294,18 @@ class Reserver:
             raise errors.exhausted(f"no decode engine has room for num_tokens={ask.num_tokens} "
                                    f"({cands.need_on(need, most)} blocks; most free: {free[most]} on "
                                    f"{cands.engines[most].engine_id})")
+        cached = self._cached_tokens(ask, cands, fits) if ask.block_keys and ask.moving is None else None
         chosen = cands.index.get(ask.preferred_engine_id) if ask.preferred_engine_id else None
         while True:
             if chosen is None or not fits[chosen]:
-                # Least loaded: the largest free fraction; ties to the largest id, for determinism.
-                fraction = np.where(fits, free / cands.divisor, -1.0)
-                chosen = len(fraction) - 1 - int(fraction[::-1].argmax())
+                # Least loaded: the largest free fraction, plus, with the prompt's block keys,
+                # the share of the prompt it already holds (OVERLAP_WEIGHT: a whole prompt held
+                # outweighs an idle engine); ties to the largest id, for determinism.
+                score = free / cands.divisor
+                if cached is not None:
+                    score = score + OVERLAP_WEIGHT * cached / ask.num_tokens
+                score = np.where(fits, score, -1.0)
+                chosen = len(score) - 1 - int(score[::-1].argmax())
             engine = cands.engines[chosen]
             eid = engine.engine_id
             # Its lease is running out this very moment (the view applies a revision's
@@ -311,9 +322,21 @@ class Reserver:
                                              view.cursors.get(eid, 0))
         batch.free[cands.slots[chosen]] -= len(blocks)
         batch.used[tenant.name] = batch.used.get(tenant.name, 0) + len(blocks)
-        return engine, blocks
+        return engine, blocks, int(cached[chosen]) if cached is not None else 0
 
-    def _record(self, ask: ReserveAsk, engine: EngineRecord, blocks: list[int]) -> ReservationRecord:
+    def _cached_tokens(self, ask: ReserveAsk, cands, fits: np.ndarray) -> np.ndarray:
+        """Leading prompt tokens each fitting candidate holds in its prefix cache (block-aligned,
+        and short of the whole prompt: decode computes at least its last token)."""
+        prefixes, bs = self._view.prefixes, ask.block_keys_block_size
+        cap = (ask.num_tokens - 1) // bs
+        out = np.zeros(len(cands.engines), dtype=np.int64)
+        for i in np.flatnonzero(fits):
+            e = cands.engines[i]
+            if e.layout.block_size == bs:
+                out[i] = min(cap, prefixes.overlap(e.engine_id, e.incarnation, ask.block_keys, bs)) * bs
+        return out
+
+    def _record(self, ask: ReserveAsk, engine: EngineRecord, blocks: list[int], cached: int = 0) -> ReservationRecord:
         created = now_ms()
         return ReservationRecord(
             id=new_reservation_id(), tenant=ask.tenant.name, request_id=ask.request_id,
@@ -321,7 +344,8 @@ class Reserver:
             extents=to_extents(blocks), block_size=engine.layout.block_size, num_tokens=ask.num_tokens,
             model=ask.model, state=State.RESERVED, deadline_ms=created + ask.deadline_ms, created_ms=created,
             prefill_engine_id=ask.prefill_engine_id, prefill_incarnation=ask.prefill_incarnation,
-            moved_from=ask.moving.id if ask.moving is not None else "", decode_tp=engine.layout.tp_size)
+            moved_from=ask.moving.id if ask.moving is not None else "", decode_tp=engine.layout.tp_size,
+            cached_tokens=cached)
 
     def _apply_own_writes(self, plan: "_Plan", revision: int) -> None:
         # The watch will bring the same writes; applying them now lets the next

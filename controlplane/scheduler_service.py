@@ -100,11 +100,19 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 raise errors.failed_precondition(f"prefill_engine_id {request.prefill_engine_id!r} is unavailable: "
                                                  f"{prefill.unavailable}")
             layout = layout or prefill.layout
+        if request.block_keys:
+            v.in_range(request.block_keys_block_size, "block_keys_block_size", 1, v.MAX_TOKENS)
+            most = request.num_tokens // request.block_keys_block_size
+            if len(request.block_keys) > most:
+                raise errors.invalid(f"block_keys has {len(request.block_keys)} keys; num_tokens={request.num_tokens} "
+                                     f"holds at most {most} full blocks of block_keys_block_size="
+                                     f"{request.block_keys_block_size}")
         return ReserveAsk(tenant=tenant, request_id=request.request_id, num_tokens=request.num_tokens,
                           model=request.model, deadline_ms=deadline,
                           preferred_engine_id=request.preferred_engine_id, prefill_layout=layout,
                           prefill_engine_id=prefill.engine_id if prefill else "",
-                          prefill_incarnation=prefill.incarnation if prefill else "")
+                          prefill_incarnation=prefill.incarnation if prefill else "",
+                          block_keys=tuple(request.block_keys), block_keys_block_size=request.block_keys_block_size)
 
     def _tenant_ending(self, request, context):
         """The caller's tenant, with ``request``'s reservation_id and reason checked (Release, Relocate)."""

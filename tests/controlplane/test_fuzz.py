@@ -31,8 +31,10 @@ engines = st.builds(types_pb2.Engine, engine_id=texts, role=st.integers(0, 2), m
 # Rotating or deleting the fuzzing tenant itself would leave every later call UNAUTHENTICATED.
 others = texts.filter(lambda name: name != "acme")
 
+u64s = st.lists(st.integers(0, 2**64 - 1), max_size=40)
 reserves = st.builds(scheduler_pb2.ReserveRequest, request_id=texts, num_tokens=u32, model=texts,
-                     preferred_engine_id=texts, deadline_ms=u32, prefill_layout=st.one_of(st.none(), layouts))
+                     preferred_engine_id=texts, deadline_ms=u32, prefill_layout=st.one_of(st.none(), layouts),
+                     block_keys=u64s, block_keys_block_size=st.one_of(u32, st.just(16)))
 stream_messages = st.lists(st.builds(scheduler_pb2.ReserveStreamRequest, asks=st.lists(st.builds(
     scheduler_pb2.ReserveAsk, tag=st.integers(0, 2**64 - 1), reserve=reserves), max_size=5)), max_size=3)
 reports = st.builds(registry_pb2.ReportStateRequest, reservation_id=texts, state=st.integers(0, 9), reason=texts,
@@ -79,6 +81,9 @@ CALLS = st.one_of(
         engine_id=texts)),
     _call(("registry", "LookupReservation", "engine"),
               st.builds(registry_pb2.LookupReservationRequest, reservation_id=texts)),
+    _call(("registry", "ReportPrefixes", "engine"), st.builds(
+        registry_pb2.ReportPrefixesRequest, engine_id=texts, incarnation=texts, epoch=st.integers(0, 2**64 - 1),
+        seq=st.integers(0, 2**64 - 1), stored=u64s, removed=u64s, block_size=st.one_of(u32, st.just(16)))),
     _call(("registry", "DeregisterEngine", "engine"),
               st.builds(registry_pb2.DeregisterEngineRequest, engine_id=texts, incarnation=texts)),
     _call(("admin", "CreateTenant", "admin"), st.builds(

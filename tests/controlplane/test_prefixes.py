@@ -111,3 +111,36 @@ async def test_bad_reports_are_refused_with_the_field_named(cp, engine_client):
     assert cp.view.prefixes.held_blocks("decode-1") == 0
     await decode.stop()
     await prefill.stop()
+
+
+async def test_reserve_prefers_the_engine_holding_the_prompts_prefix(cp, admin, engine_client):
+    from tests.controlplane.helpers import make_tenant, reserve
+    busy = SimulatedEngine(engine_client, "decode-a", num_blocks=64)  # will hold the prefix, and be busier
+    idle = SimulatedEngine(engine_client, "decode-b", num_blocks=64)
+    await busy.register()
+    await idle.register()
+    tenant = await make_tenant(admin, cp.address, "acme")
+    try:
+        keys = [101, 102, 103, 104, 105, 106]  # a 100-token prompt: 6 full blocks of 16
+        await report(engine_client, engine_id="decode-a", incarnation=busy.incarnation, epoch=1, seq=0,
+                     stored=keys[:5], block_size=16)
+        await reserve(tenant, "filler", 16 * 20, preferred_engine_id="decode-a")  # decode-a: 20 of 64 blocks used
+        plain = await reserve(tenant, "plain", 100)
+        assert plain.engine_id == "decode-b" and plain.cached_tokens == 0  # no keys: the freer engine
+        res = await reserve(tenant, "turn-2", 100, block_keys=keys, block_keys_block_size=16)
+        assert res.engine_id == "decode-a" and res.cached_tokens == 5 * 16  # 5 leading blocks held
+        other = await reserve(tenant, "other-prompt", 100, block_keys=[1, 2, 3], block_keys_block_size=16)
+        assert other.engine_id == "decode-b" and other.cached_tokens == 0
+        short = await reserve(tenant, "short", 80, block_keys=keys[:5], block_keys_block_size=16)
+        assert short.cached_tokens == 4 * 16  # never the whole prompt: decode computes its last token
+        wrong_size = await reserve(tenant, "32s", 100, block_keys=keys[:3], block_keys_block_size=32)
+        assert wrong_size.cached_tokens == 0  # hashed over other blocks: nothing matches
+        details = await expect_code(grpc.StatusCode.INVALID_ARGUMENT, reserve(tenant, "no-size", 100, block_keys=keys))
+        assert "block_keys_block_size" in details
+        details = await expect_code(grpc.StatusCode.INVALID_ARGUMENT,
+                                    reserve(tenant, "too-many", 40, block_keys=keys, block_keys_block_size=16))
+        assert "block_keys" in details
+    finally:
+        await tenant.close()
+        await busy.stop()
+        await idle.stop()
