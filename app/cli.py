@@ -188,7 +188,8 @@ def cmd_router(args) -> None:
                        tls_key=args.tls_key, tls_server_name=args.tls_server_name,
                        http_tls_cert=args.http_tls_cert, http_tls_key=args.http_tls_key,
                        body_timeout_s=args.body_timeout, write_timeout_s=args.write_timeout,
-                       relocate=not args.no_relocate)
+                       relocate=not args.no_relocate, prefix_block_size=args.prefix_block_size,
+                       prefix_hash=args.prefix_hash, prefix_hash_seed=args.prefix_hash_seed)
     aio.run(serve(cfg, args.ready_file))
 
 
@@ -295,6 +296,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-relocate", action="store_true",
                    help="when a decode engine fails before loading a request's KV, compute the prompt on another "
                         "(the baseline) instead of moving the reservation and pushing the staged KV again")
+    p.add_argument("--prefix-block-size", type=int, default=0,
+                   help="KV-aware routing: hash each prompt's blocks of this many tokens (the decode engines' "
+                        "block size; their sidecars follow --kv-events) and prefer the decode engine holding the "
+                        "longest prefix (0: off)")
+    p.add_argument("--prefix-hash", default="sha256", help="the decode engines' --prefix-caching-hash-algo")
+    p.add_argument("--prefix-hash-seed", default=os.environ.get("PYTHONHASHSEED") or "vllm-none-hash",
+                   help="the decode engines' PYTHONHASHSEED, when they set one")
     p.add_argument("--deadline-ms", type=int, default=30_000)
     p.add_argument("--max-model-len", type=int, default=None,
                    help="the engines' context length (default: asked of the prefill engine)")

@@ -67,6 +67,13 @@ def kvpush_transfer_config(role: str, socket: str, stats_dir: str, name: str, **
     return cfg
 
 
+def kv_events_args(endpoint: str, topic: str = "kvpush") -> tuple[str, ...]:
+    """vLLM flags for a decode engine whose sidecar follows its prefix cache (``--kv-events``):
+    prefix caching on, its events published on ``endpoint`` (ZMQ; bound by the engine)."""
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": topic}
+    return ("--enable-prefix-caching", "--kv-events-config", json.dumps(events))
+
+
 def model_layout(model_dir: str, dtype: str = "float32"):
     """The KvLayout of a local HF model directory, as the engines will hold it."""
     from kvpush.contract.layout import KvLayout

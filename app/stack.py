@@ -43,6 +43,10 @@ class StackSpec:
     etcd_members: int = 1            # 1: one etcd node; 3 (or more): a real cluster, every replica given all members
     prefill_tp: int = 1              # tensor-parallel ranks of the prefill engine (its sidecar: a pool per rank)
     decode_tp: int = 1               # ... of each decode engine
+    # KV-aware routing: decode engines publish their prefix-cache events, their sidecars
+    # follow them (--kv-events) and report to the control plane, the router sends each
+    # prompt's block keys with its Reserve (--prefix-block-size).
+    kv_aware: bool = False
 
 
 class Stack:
@@ -140,16 +144,19 @@ class Stack:
         members = [("decode", f"decode-{i}", spec.decode_blocks) for i in range(spec.decode_engines)]
         members.append(("prefill", "prefill-0", spec.staging_units))
         urls = self.urls = {engine_id: f"http://127.0.0.1:{free_port()}" for _, engine_id, _ in members}
+        kv_events = {eid: f"ipc://{self.run_dir}/{eid}.kvevents" for role, eid, _ in members
+                     if role == "decode" and spec.kv_aware}
         for role, engine_id, blocks in members:
             sockets[engine_id] = os.path.join(self.run_dir, f"{engine_id}.sock")
             ready = os.path.join(self.run_dir, f"{engine_id}.sidecar.ready")
+            follow = ("--kv-events", kv_events[engine_id], "--kv-events-topic", "kvpush") if engine_id in kv_events else ()
             sidecars.append((self._start(f"sidecar-{_name(engine_id)}", [
                 python(), "-m", "app.cli", "sidecar", "--role", role, "--engine-id", engine_id,
                 "--controlplane", self.controlplane, "--token", self.engine_token,
                 "--kv-layout", dataclasses.replace(self.layout, tp_size=tps[role]).describe(),
                 "--num-blocks", str(blocks), "--model", spec.served_model, "--socket", sockets[engine_id],
                 "--serving-url", urls[engine_id], "--wait-for-engine", "--probe-serving", "0.5",
-                "--ready-file", ready], env=spec.sidecar_env or None, ready=ready),
+                "--ready-file", ready, *follow], env=spec.sidecar_env or None, ready=ready),
                              ready))
         for proc, ready in sidecars:
             proc.wait_until(file_exists(ready), 60, "registered", self.say)
@@ -161,9 +168,10 @@ class Stack:
             kv_role, env = ("kv_producer", spec.prefill_env) if role == "prefill" else ("kv_consumer", spec.decode_env)
             cfg = engines.kvpush_transfer_config(kv_role, sockets[engine_id], self.stats_dir, engine_id)
             tp = ("--tensor-parallel-size", str(tps[role])) if tps[role] > 1 else ()
+            publish = engines.kv_events_args(kv_events[engine_id]) if engine_id in kv_events else ()
             self._engine_cmds[engine_id] = (engines.vllm_command(
                 spec.model_dir, port, spec.served_model, cfg, max_num_seqs=spec.max_num_seqs,
-                extra=(*(spec.prefill_args if role == "prefill" else spec.decode_args), *tp)),
+                extra=(*(spec.prefill_args if role == "prefill" else spec.decode_args), *tp, *publish)),
                 engines.engine_env({**spec.engine_env, **env}, pair=True, ipc_dir=self.ipc_dir))
             engine_procs.append((self._start(f"vllm-{_name(engine_id)}", *self._engine_cmds[engine_id]), engine_id))
         self.say(f"starting {len(engine_procs)} vLLM engines (about a minute each on 2 cores) ...")
@@ -200,7 +208,8 @@ class Stack:
             python(), "-m", "app.cli", "router", "--controlplane", self.controlplane, "--token",
             token or self.tenant_token, "--model", spec.served_model, "--model-dir", spec.model_dir,
             *engines_args, "--port", str(port),
-            "--deadline-ms", str(spec.deadline_ms), "--ready-file", ready, *extra])
+            "--deadline-ms", str(spec.deadline_ms), "--ready-file", ready,
+            *(("--prefix-block-size", str(engines.BLOCK_SIZE)) if spec.kv_aware else ()), *extra])
         router.wait_until(file_exists(ready), 60, "serving", self.say)
         return f"http://127.0.0.1:{port}"
 

@@ -13,6 +13,7 @@ from controlplane import keys
 from controlplane.etcd import EtcdClient
 from kvpush.contract.states import State
 from kvpush.contract.engine import EngineRecord
+from kvpush.contract.prefixes import PrefixReport, PrefixReportError
 from controlplane.records import ReservationRecord, TenantRecord
 from controlplane.view import QUARANTINE_MS
 
@@ -64,6 +65,7 @@ async def check(etcd: EtcdClient | str, quiet: bool = False, allow_orphans: bool
     reservations: list[ReservationRecord] = []
     requests: dict[tuple[str, str], str] = {}
     tenants: dict[str, TenantRecord] = {}
+    prefix_reports: dict[str, bytes] = {}
     for kv in kvs:
         if kv.key.startswith(keys.ENGINES):
             rec = EngineRecord.decode(kv.value)
@@ -78,8 +80,20 @@ async def check(etcd: EtcdClient | str, quiet: bool = False, allow_orphans: bool
         elif kv.key.startswith(keys.TENANTS):
             rec = TenantRecord.decode(kv.value)
             tenants[rec.name] = rec
+        elif kv.key.startswith(keys.PREFIXES):
+            prefix_reports[keys.name_of(kv.key, keys.PREFIXES)] = kv.value
 
     violations: list[str] = []
+    for engine_id, value in prefix_reports.items():  # a report lives and dies with its engine's life
+        eng = engines.get(engine_id)
+        try:
+            incarnation = PrefixReport.decode(value).incarnation
+        except PrefixReportError as exc:
+            violations.append(f"prefix report of engine {engine_id} is unreadable: {exc}")
+            continue
+        if eng is None or not eng.is_decode or eng.incarnation != incarnation:
+            violations.append(f"prefix report of engine {engine_id} (incarnation {incarnation}) outlived it")
+
     live = [r for r in reservations if r.state.live]
     terminal = [r for r in reservations if not r.state.live]
     orphans = [r for r in live if r.engine_id not in engines or engines[r.engine_id].incarnation != r.incarnation]

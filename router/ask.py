@@ -57,6 +57,7 @@ class Ask:
     return_token_ids: bool
     path: str
     why: str = ""
+    prompt_ids: tuple[int, ...] = ()  # one prompt's token ids as the router made them (KV-aware routing)
 
 
 def _int(body: dict, name: str, default=None):
@@ -259,11 +260,15 @@ def parse(endpoint: str, body: dict, counter, limits: Limits) -> Ask:
     elif body.get("prompt_embeds") is None:
         prompts = check_prompt(body.get("prompt"), limits)
     batch = len(prompts) or 1
+    prompt_ids: tuple[int, ...] = ()
     try:
         if endpoint == "chat":
-            num_tokens = counter.chat(body["messages"])
+            prompt_ids = tuple(counter.chat_ids(body["messages"]))
+            num_tokens = len(prompt_ids)
         else:  # the longest prompt of a batch (prompt embeddings: unknown here)
-            num_tokens = max((counter.completion(p) for p in prompts), default=1)
+            each = [counter.completion_ids(p) for p in prompts]
+            num_tokens = max((len(ids) for ids in each), default=1)
+            prompt_ids = tuple(each[0]) if len(each) == 1 else ()
     except Exception as exc:
         raise ApiError(f"cannot tokenize the prompt: {type(exc).__name__}: {exc}",
                        param="messages" if endpoint == "chat" else "prompt") from None
@@ -292,4 +297,4 @@ def parse(endpoint: str, body: dict, counter, limits: Limits) -> Ask:
     return Ask(endpoint=endpoint, body=body, num_tokens=num_tokens, max_tokens=max_tokens, min_tokens=min_tokens,
                stream=stream, include_usage=_bool(opts, "include_usage"),
                continuous_usage=_bool(opts, "continuous_usage_stats"), logprobs=logprobs,
-               return_token_ids=_bool(body, "return_token_ids"), path=path, why=why)
+               return_token_ids=_bool(body, "return_token_ids"), path=path, why=why, prompt_ids=prompt_ids)

@@ -41,8 +41,18 @@ class RouterConfig:
     # HTTPS on the router's own port (clients then cannot speak plain HTTP to it)
     http_tls_cert: str = ""
     http_tls_key: str = ""
+    # KV-aware routing: hash the prompt's blocks as the decode engines do (their block size,
+    # --prefix-caching-hash-algo and PYTHONHASHSEED) and send the keys with the Reserve.
+    prefix_block_size: int = 0              # 0: off
+    prefix_hash: str = "sha256"
+    prefix_hash_seed: str = "vllm-none-hash"
 
     def __post_init__(self) -> None:
+        if self.prefix_block_size < 0:
+            raise ValueError("--prefix-block-size must not be negative")
+        if self.prefix_block_size:
+            from kvpush.contract.block_hash import BlockHasher
+            BlockHasher(self.prefix_block_size, self.prefix_hash, self.prefix_hash_seed)  # refused now, by name
         if bool(self.http_tls_cert) != bool(self.http_tls_key):
             raise ValueError("--http-tls-cert and --http-tls-key go together")
         if bool(self.tls_cert) != bool(self.tls_key):

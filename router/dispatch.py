@@ -43,6 +43,7 @@ from router.streams import DecodeStreamError, sse_events, sse_response
 from router.upstream import Answering, Upstream, nothing_sent
 from router.first_token import (BadHead, Chunks, Tail, decode_body, final_answer, parse_head, prefill_body,
                                 resume_body)
+from router.kv_aware import KvAware
 from router.tokens import TokenCounter
 
 _log = log.get("router")
@@ -62,6 +63,7 @@ class Dispatcher:
         # One ReserveStream for all requests: cheaper than a call each, for the
         # router and the control plane, and concurrent requests share messages.
         self.reserver = StreamReserver(cp)
+        self.kv_aware = KvAware(cfg)
         self.limits = ModelLimits(cfg, counter, session, self.engines)
         self.failover = Failover(cp, self.engines, self.release, cfg.relocate, cfg.reserve_timeout_s + 0.5)
         # How long a prefill engine holds a request for its reservation: past the
@@ -86,14 +88,15 @@ class Dispatcher:
                 return self._least_loaded(others)
         return None
 
-    async def reserve(self, request_id: str, num_tokens: int, prefill_engine_id: str = ""):
+    async def reserve(self, request_id: str, num_tokens: int, prefill_engine_id: str = "", prompt_ids=()):
         """The reservation (its decode engine one the router can reach), or (None, reason)
         when serving without push."""
         started = time.perf_counter()
         try:
             res = await self.reserver.reserve(
                 scheduler_pb2.ReserveRequest(request_id=request_id, num_tokens=num_tokens, model=self.cfg.model,
-                                             deadline_ms=self.cfg.deadline_ms, prefill_engine_id=prefill_engine_id),
+                                             deadline_ms=self.cfg.deadline_ms, prefill_engine_id=prefill_engine_id,
+                                             **self.kv_aware.reserve_fields(prompt_ids)),
                 timeout=self.cfg.reserve_timeout_s)
         except ReserveRefused as exc:
             return None, exc.code.name.lower()
@@ -102,7 +105,7 @@ class Dispatcher:
         if self.engines.decode_url(res.engine_id) is None:
             await self.release(res.id, "router has no address for this decode engine")
             return None, "unknown_decode_engine"
-        return res, ""
+        return self.kv_aware.observed(res), ""
 
     async def release(self, res_id: str, reason: str) -> None:
         try:
@@ -139,13 +142,13 @@ class Dispatcher:
                 # The Reserve and the prefill request's HTTP, tokenization and scheduling
                 # run at once: the reservation names the prefill engine, whose sidecar
                 # hears it by watch while its connector holds the request.
-                reserving = asyncio.create_task(self.reserve(request_id, ask.num_tokens, prefill_id))
+                reserving = asyncio.create_task(self.reserve(request_id, ask.num_tokens, prefill_id, ask.prompt_ids))
                 response = await self._first_token(ask, request_id, prefill_url, request, timings, held,
                                                    reserving=reserving)
             else:
                 # Named on the push path too: its sidecar then holds the staged KV for a
                 # failover (and frees it at CONSUMED), and the layouts are checked now.
-                res, why = await self.reserve(request_id, ask.num_tokens, prefill_id)
+                res, why = await self.reserve(request_id, ask.num_tokens, prefill_id, ask.prompt_ids)
                 if res is None:
                     metrics.FALLBACKS.labels(reason=why).inc()
                     _log.info("serving without push", request_id=request_id, reason=why, num_tokens=ask.num_tokens)

@@ -25,3 +25,6 @@ PATHS = Counter("kvpush_router_paths_total", "Requests by path (first_token, pus
 TOKEN2 = Histogram("kvpush_router_token2_seconds", "First-token path: the prefill engine's answer to decode's first "
                    "token (the second token)", buckets=_BUCKETS, registry=REGISTRY)
 IN_FLIGHT = Gauge("kvpush_router_in_flight", "Requests being served", registry=REGISTRY)
+PREFIX_TOKENS = Counter("kvpush_router_prefix_tokens_total", "KV-aware routing: prompt tokens of reservations "
+                        "(asked), and of those the chosen decode engine held in its prefix cache (cached)",
+                        ["kind"], registry=REGISTRY)

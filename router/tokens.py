@@ -2,7 +2,9 @@
 (to reserve enough blocks and check the context before reserving), and turning
 output token ids into text exactly as vLLM does.
 
-Completions add special tokens like vLLM's completion endpoint; chats go through the
+The ids themselves also name the prompt's blocks for KV-aware routing
+(``kvpush/contract/block_hash.py``): a tokenization that differs from the engine's
+only misses an overlap. Completions add special tokens like vLLM's completion endpoint; chats go through the
 model's chat template with the generation prompt, like vLLM's chat endpoint. A count
 that is off only costs a recompute on decode (the connectors refuse a reservation
 that is too small), never a wrong answer: the prompt decode continues from is the
@@ -28,8 +30,8 @@ class TokenCounter(Protocol):
     fast: bool                      # output text can be made here (OutputText)
     vocab_size: int | None
 
-    def completion(self, prompt) -> int: ...
-    def chat(self, messages: list[dict]) -> int: ...
+    def completion_ids(self, prompt) -> list[int]: ...
+    def chat_ids(self, messages: list[dict]) -> list[int]: ...
 
 
 class OutputText:
@@ -57,31 +59,35 @@ class HFTokenCounter:
         self.fast = self._rust is not None
         self.vocab_size = len(self._tok)
 
-    def completion(self, prompt) -> int:
+    def completion_ids(self, prompt) -> list[int]:
         if isinstance(prompt, list):
-            return len(prompt)  # already token ids
-        return len(self._tok(prompt)["input_ids"])
+            return prompt  # already token ids
+        return list(self._tok(prompt)["input_ids"])
 
-    def chat(self, messages: list[dict]) -> int:
+    def chat_ids(self, messages: list[dict]) -> list[int]:
         ids = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
-        return len(ids)
+        return list(ids)
 
     def output_text(self, prompt_ids: list[int], skip_special_tokens: bool = True) -> OutputText:
         return OutputText(self._rust, prompt_ids, skip_special_tokens)
 
 
 class WhitespaceCounter:
-    """For tests with fake engines only: one token per whitespace-separated word."""
+    """For tests with fake engines only: one token per whitespace-separated word (its
+    length as the id), one more per prompt; four per chat message and two per chat."""
 
     fast = False
     vocab_size = None
 
-    def completion(self, prompt) -> int:
+    def completion_ids(self, prompt) -> list[int]:
         if isinstance(prompt, list):
-            return len(prompt)
-        return len(str(prompt).split()) + 1
+            return prompt
+        return [1] + [len(w) for w in str(prompt).split()]
 
-    def chat(self, messages: list[dict]) -> int:
-        return sum(len(str(m.get("content", "")).split()) + 4 for m in messages) + 2
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        ids = [1, 1]
+        for m in messages:
+            ids += [2, 2, 2, 2] + [len(w) for w in str(m.get("content", "")).split()]
+        return ids
