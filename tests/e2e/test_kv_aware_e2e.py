@@ -1,0 +1,122 @@
+"""KV-aware routing through the whole system, real parts only: etcd, a control plane,
+`kvpush sidecar` processes (the decode ones following their engines' KV events), a
+prefill and two decode vLLM engines with prefix caching, the router hashing each prompt's
+blocks, and an aggregated engine for the reference answers.
+
+A conversation's first turn is steered to decode-0 (a reservation held on decode-1 makes
+it the freer one); once that hold is gone both engines are equally free, and without the
+prefix the second turn would go to decode-1 (ties go to the largest id). It goes to
+decode-0, which holds the first turn's prompt and answer in its prefix cache: the
+reservation says how much, decode's prefix hit leaves only the rest to load, and the
+answer equals the aggregated engine's. The registry is clean after.
+
+What this does not show yet (#15, next): the reservation still covers the whole prompt
+and the prefill engine still pushes all of it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import urllib.request
+
+import pytest
+
+from app import engines
+from app.stack import Stack, StackSpec, complete
+from app.tiny_model import DEFAULT_DIR, ensure_model
+from client.control_plane import ControlPlaneClient
+from engine.channel import SidecarClient
+from kvpush.contract.v1 import scheduler_pb2
+from tests.e2e.test_router_e2e import counters, settled, with_aggregated
+from tests.engine.conftest import prompt
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory):
+    logs = str(tmp_path_factory.mktemp("kv-aware-logs"))
+    model = os.path.abspath(ensure_model(os.path.join(engines.ROOT, DEFAULT_DIR)))
+    yield from with_aggregated(logs, StackSpec(model_dir=model, log_dir=logs, decode_engines=2, kv_aware=True,
+                                               deadline_ms=20_000, quarantine_ms=2_000))
+
+
+def overlap(stack: Stack, engine_id: str, ids: list[int]) -> int:
+    with SidecarClient(os.path.join(stack.run_dir, f"{engine_id}.sock"), timeout_s=10) as c:
+        return c.admin("prefix_overlap", token_ids=ids)["tokens"]
+
+
+def served_by(stack: Stack, before: dict) -> list[str]:
+    return [e for e in ("decode-0", "decode-1")
+            if counters(stack, e).get("loads_started", 0) > before[e].get("loads_started", 0)]
+
+
+async def hold(stack: Stack, engine_id: str, blocks: int) -> str:
+    async with ControlPlaneClient(stack.controlplane, stack.tenant_token) as cp:
+        res = await cp.scheduler.Reserve(scheduler_pb2.ReserveRequest(
+            request_id=f"hold-{time.monotonic_ns()}", num_tokens=blocks * engines.BLOCK_SIZE, model="tiny",
+            preferred_engine_id=engine_id, deadline_ms=60_000), metadata=cp.metadata, timeout=10)
+        return res.id
+
+
+async def release(stack: Stack, res_id: str) -> None:
+    async with ControlPlaneClient(stack.controlplane, stack.tenant_token) as cp:
+        await cp.scheduler.Release(scheduler_pb2.ReleaseRequest(reservation_id=res_id), metadata=cp.metadata,
+                                   timeout=10)
+
+
+def test_the_next_turn_goes_to_the_decode_engine_that_holds_the_conversation(system):
+    stack, agg = system
+    turn1 = prompt(150, seed=71)
+    held = asyncio.run(hold(stack, "decode-1", 64))
+    try:
+        before = {e: counters(stack, e) for e in ("decode-0", "decode-1")}
+        first = complete(stack.router_url, turn1, 24, return_token_ids=True)
+        assert served_by(stack, before) == ["decode-0"]
+    finally:
+        asyncio.run(release(stack, held))
+    time.sleep(2.5)  # its blocks stay out of use for the quarantine (2 s here): equally free after
+    answer = first["choices"][0]["token_ids"]
+    assert answer == complete(agg, turn1, 24, return_token_ids=True)["choices"][0]["token_ids"]
+
+    turn2 = turn1 + answer + prompt(30, seed=72)
+    held_tokens = (len(turn1) + len(answer) - 1) // engines.BLOCK_SIZE * engines.BLOCK_SIZE
+    deadline = time.monotonic() + 10  # the engine's events, the sidecar's next report
+    while overlap(stack, "decode-0", turn2) < held_tokens:
+        assert time.monotonic() < deadline, overlap(stack, "decode-0", turn2)
+        time.sleep(0.1)
+    time.sleep(1.0)  # the report reaches the control plane within its 0.25 s interval
+    before = {e: counters(stack, e) for e in ("decode-0", "decode-1")}
+    second = complete(stack.router_url, turn2, 16, return_token_ids=True)
+    assert second["choices"][0]["token_ids"] == complete(agg, turn2, 16, return_token_ids=True)[
+        "choices"][0]["token_ids"]
+    assert served_by(stack, before) == ["decode-0"]
+    after = counters(stack, "decode-0")
+    loaded = after.get("tokens_loaded", 0) - before["decode-0"].get("tokens_loaded", 0)
+    # decode's own prefix hit covered the conversation so far: it loaded only the rest
+    assert 0 < loaded <= len(turn2) - held_tokens, (loaded, len(turn2), held_tokens)
+    assert after.get("load_errors", 0) == before["decode-0"].get("load_errors", 0)
+    assert router_prefix_tokens(stack)["cached"] >= held_tokens  # the reservation said what decode-0 held
+    settled(stack)
+
+
+def router_prefix_tokens(stack: Stack) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(f"{stack.router_url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {s.labels["kind"]: s.value for fam in text_string_to_metric_families(text)
+            if fam.name == "kvpush_router_prefix_tokens" for s in fam.samples if s.name.endswith("_total")}
+
+
+def test_without_a_held_prefix_the_freer_engine_is_chosen(system):
+    stack, _ = system
+    held = asyncio.run(hold(stack, "decode-0", 64))
+    try:
+        before = {e: counters(stack, e) for e in ("decode-0", "decode-1")}
+        complete(stack.router_url, prompt(100, seed=73), 4)
+        assert served_by(stack, before) == ["decode-1"]
+    finally:
+        asyncio.run(release(stack, held))
+    time.sleep(2.5)  # (its quarantine)
+    settled(stack)
