@@ -143,8 +143,9 @@ async def check(etcd: EtcdClient | str, quiet: bool = False, allow_orphans: bool
         usage[r.tenant] = usage.get(r.tenant, 0) + r.num_blocks
         if len(set(r.blocks)) != len(r.blocks):
             violations.append(f"reservation {r.id} lists a block twice")
-        if r.num_blocks * r.block_size < r.num_tokens:
-            violations.append(f"reservation {r.id} has {r.num_blocks} blocks for {r.num_tokens} tokens")
+        if r.num_blocks * r.block_size < r.num_tokens - r.cached_tokens:
+            violations.append(f"reservation {r.id} has {r.num_blocks} blocks for {r.num_tokens - r.cached_tokens} "
+                              "tokens")
         if requests.get((r.tenant, r.request_id)) != r.id:
             violations.append(f"live reservation {r.id} is missing from the request index")
     for name, used in usage.items():

@@ -318,11 +318,14 @@ class Reserver:
                                        f"{tenant.name!r}")
         if eid not in batch.bitmaps:
             batch.bitmaps[eid] = view.allocated[eid].copy()
-        blocks, view.cursors[eid] = allocate(batch.bitmaps[eid], cands.need_on(need, chosen),
+        cached_tokens = int(cached[chosen]) if cached is not None else 0
+        # Only the part decode lacks lands: the cached tokens are block-aligned, so one block less each.
+        blocks, view.cursors[eid] = allocate(batch.bitmaps[eid], cands.need_on(need, chosen)
+                                             - cached_tokens // engine.layout.block_size,
                                              view.cursors.get(eid, 0))
         batch.free[cands.slots[chosen]] -= len(blocks)
         batch.used[tenant.name] = batch.used.get(tenant.name, 0) + len(blocks)
-        return engine, blocks, int(cached[chosen]) if cached is not None else 0
+        return engine, blocks, cached_tokens
 
     def _cached_tokens(self, ask: ReserveAsk, cands, fits: np.ndarray) -> np.ndarray:
         """Leading prompt tokens each fitting candidate holds in its prefix cache (block-aligned,

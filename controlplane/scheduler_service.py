@@ -171,6 +171,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                                 else "there is nothing to move"))
         if not old.prefill_engine_id:
             raise errors.failed_precondition(f"reservation_id {name!r} names no prefill engine: none holds its KV")
+        if old.cached_tokens:
+            raise errors.failed_precondition(f"reservation_id {name!r} counts on its decode engine's prefix cache "
+                                             f"for its first {old.cached_tokens} tokens: no other engine has them")
         prefill = self.view.engine(old.prefill_engine_id)
         if prefill is None or (old.prefill_incarnation and prefill.incarnation != old.prefill_incarnation):
             raise errors.failed_precondition(f"prefill engine {old.prefill_engine_id!r} of reservation_id {name!r} "

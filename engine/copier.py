@@ -78,17 +78,18 @@ class CacheCopier(abc.ABC):
 
     @abc.abstractmethod
     def stage(self, layer: int, cache_block_ids: Sequence[int], start: int, end: int, alloc: StagingAllocation,
-              geom: DestGeometry, plan: object = None) -> Fence | None:
+              geom: DestGeometry, plan: object = None, offset: int = 0) -> Fence | None:
         """Prefill: tokens ``[start, end)`` of ``layer`` from the cache into the request's staging
-        allocation, in the destination's block geometry ``geom``: the allocation's heads
-        (``alloc.first_head``, ``alloc.num_heads``: one head share of a tensor-parallel push;
-        0 heads: all). Returns a fence for the copy (None: done)."""
+        allocation, in the destination's block geometry ``geom``, as its tokens
+        ``[start - offset, end - offset)`` (``offset``: the reservation's first prompt token):
+        the allocation's heads (``alloc.first_head``, ``alloc.num_heads``: one head share of a
+        tensor-parallel push; 0 heads: all). Returns a fence for the copy (None: done)."""
 
     @abc.abstractmethod
     def load(self, cache_block_ids: Sequence[int], start: int, end: int, landing_block_ids: Sequence[int],
-             plan: object = None) -> Fence | None:
-        """Decode: tokens ``[start, end)`` of every layer from the landing blocks (token order)
-        into the cache. Returns a fence for the reads of the landing blocks (None: done);
+             plan: object = None, offset: int = 0) -> Fence | None:
+        """Decode: tokens ``[start, end)`` of every layer into the cache from the landing blocks
+        (token order), where they are tokens ``[start - offset, end - offset)``. Returns a fence for the reads of the landing blocks (None: done);
         the forward pass is ordered after the copy by the copier (same stream)."""
 
     def fence(self) -> Fence | None:

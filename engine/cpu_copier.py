@@ -62,13 +62,13 @@ class CpuCopier(CacheCopier):
         return self.codec.prepare(cache_block_ids, start, end)
 
     def stage(self, layer: int, cache_block_ids: Sequence[int], start: int, end: int, alloc: StagingAllocation,
-              geom: DestGeometry, plan: object = None) -> None:
+              geom: DestGeometry, plan: object = None, offset: int = 0) -> None:
         tokens = reblock.share_heads(self.codec.read(self._flat[layer], cache_block_ids, start, end, plan), alloc)
-        reblock.stage_tokens(self._pool, alloc, geom, layer, tokens.view(np.uint8), start, end)
+        reblock.stage_tokens(self._pool, alloc, geom, layer, tokens.view(np.uint8), start - offset, end - offset)
 
     def load(self, cache_block_ids: Sequence[int], start: int, end: int, landing_block_ids: Sequence[int],
-             plan: object = None) -> None:
+             plan: object = None, offset: int = 0) -> None:
         index = self.codec.prepare(cache_block_ids, start, end) if plan is None else plan
         for layer, cache in enumerate(self._flat):
-            raw = reblock.gather_tokens(self._landing[layer], landing_block_ids, start, end)
+            raw = reblock.gather_tokens(self._landing[layer], landing_block_ids, start - offset, end - offset)
             self.codec.write(cache, cache_block_ids, raw.view(self.codec.dtype), start, end, index)

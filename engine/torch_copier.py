@@ -182,7 +182,7 @@ class TorchCopier(CacheCopier):
         return _Plan(_to(ids[tokens // self._block_size], self._device), _to(tokens % self._block_size, self._device))
 
     def stage(self, layer: int, cache_block_ids: Sequence[int], start: int, end: int, alloc: StagingAllocation,
-              geom: DestGeometry, plan: _Plan | None = None) -> CudaFence | None:
+              geom: DestGeometry, plan: _Plan | None = None, offset: int = 0) -> CudaFence | None:
         plan = plan or self.plan(cache_block_ids, start, end)
         tokens = self._layers[layer][plan.blocks, :, plan.slots, :]  # (T, H, 2 * Db): a gather, on the device
         rows, part = self._rows, self._token_part
@@ -192,8 +192,8 @@ class TorchCopier(CacheCopier):
             rows = self._rows.view(-1, part)
         rows0 = plan.staging_rows.get(alloc.alloc_id)
         if rows0 is None:
-            rows0 = plan.staging_rows[alloc.alloc_id] = _to(self._staging_rows(alloc, geom, start, end, part),
-                                                            rows.device)
+            rows0 = plan.staging_rows[alloc.alloc_id] = _to(
+                self._staging_rows(alloc, geom, start - offset, end - offset, part), rows.device)
         k_rows = rows0 + layer * (alloc.layer_stride // part)
         half = tokens.shape[-1] // 2
         rows[k_rows] = tokens[..., :half].reshape(len(k_rows), -1).to(rows.device)
@@ -201,13 +201,14 @@ class TorchCopier(CacheCopier):
         return _fence(self._rows.device)  # PUSH lets the sidecar read these rows: only once written
 
     def load(self, cache_block_ids: Sequence[int], start: int, end: int, landing_block_ids: Sequence[int],
-             plan: _Plan | None = None) -> CudaFence | None:
+             plan: _Plan | None = None, offset: int = 0) -> CudaFence | None:
         plan = plan or self.plan(cache_block_ids, start, end)
         lo = self._pool.layout
-        t = torch.arange(start, end)
+        t = torch.arange(start - offset, end - offset)
         ids = torch.as_tensor(list(landing_block_ids), dtype=torch.long)
-        if (end - 1) // lo.block_size >= len(ids):
-            raise ValueError(f"tokens [{start}, {end}) need more than the {len(ids)} landing blocks")
+        if (end - offset - 1) // lo.block_size >= len(ids):
+            raise ValueError(f"landing tokens [{start - offset}, {end - offset}) need more than the {len(ids)} "
+                             "landing blocks")
         heads, per_block = lo.local_kv_heads, 2 * lo.block_size
         # K rows in layer 0 (a landing block is [K/V][slot] rows; V is block_size rows further);
         # every layer is the same rows, one layer of the pool further.

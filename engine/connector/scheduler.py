@@ -66,8 +66,8 @@ log = logging.getLogger(f"vllm.{__name__}")  # under "vllm": logged with the eng
 class _Prefill:
     request: object
     params: PushParams
-    target: int  # tokens to push (= reserved tokens)
-    pushed: int = 0  # tokens [0, pushed) already handed to the worker
+    target: int  # the prompt token after the last one to push (the reservation's end_token)
+    pushed: int = 0  # prompt tokens [first_token, pushed) already handed to the worker
     begun: bool = False
 
 
@@ -199,12 +199,14 @@ class KVPushScheduler:
     def _start_prefill(self, request, params: PushParams) -> None:
         rid = request.request_id
         self._reports[rid] = params.target.reservation_id
-        if request.num_prompt_tokens < params.target.num_tokens:
-            log.warning("request %s: prompt of %d tokens cannot fill reservation %s of %d tokens; not pushing",
-                        rid, request.num_prompt_tokens, params.target.reservation_id, params.target.num_tokens)
+        t = params.target
+        if request.num_prompt_tokens < t.end_token:
+            log.warning("request %s: prompt of %d tokens cannot fill reservation %s of tokens [%d, %d); not pushing",
+                        rid, request.num_prompt_tokens, t.reservation_id, t.first_token, t.end_token)
             self._count("refused_short_prompt")
             return
-        self._prefill[rid] = _Prefill(request, params, params.target.num_tokens)
+        # Decode holds the prompt's first first_token tokens: only the rest is pushed.
+        self._prefill[rid] = _Prefill(request, params, t.end_token, pushed=t.first_token)
 
     # -- prefill: a request sent before its reservation was granted ---------------------------
     def _await_reservation(self, aw: _Awaiting) -> int | None:
@@ -249,7 +251,7 @@ class KVPushScheduler:
     def _decode_refusal(self, params: PushParams, prompt: int) -> str:
         if params.target.engine_id != self.sidecar.engine_id or params.target.incarnation != self.sidecar.incarnation:
             return "wrong_engine"
-        if prompt < params.target.num_tokens:
+        if prompt < params.target.end_token:
             return "short_prompt"  # the prefill side refuses it too: it would never land
         return ""
 
@@ -278,8 +280,17 @@ class KVPushScheduler:
             self._idle_wait_us += round((time.monotonic() - t0) * 1e6)
             state, landed = self.watch.state(res)
         if state == LandingState.LANDED:
+            first = st.params.target.first_token
+            if num_computed_tokens < first:
+                # The prefix the reservation counted on was evicted since the Reserve: the
+                # landed tokens do not join what the engine holds. Given back (landed: at
+                # once), and the prompt computed here.
+                self.watch.release(res, time.monotonic() + self.timing.deadline_grace_s)
+                self._recompute(st, "prefix_evicted", f"reservation {res} starts at token {first}, the engine "
+                                                      f"holds {num_computed_tokens} of the prompt")
+                return 0, False
             # vLLM computes at least the last prompt token itself (and samples from it).
-            usable = min(request.num_prompt_tokens - 1, st.params.target.num_tokens, landed)
+            usable = min(request.num_prompt_tokens - 1, first + min(st.params.target.num_tokens, landed))
             st.local = num_computed_tokens
             return max(0, usable - num_computed_tokens), False
         if state.ended:

@@ -59,6 +59,7 @@ class _Outbound:
     allocs: tuple[StagingAllocation, ...]  # one per head share this rank sends (none: it sends nothing)
     geoms: tuple[DestGeometry, ...]  # each one's geometry
     reservation_id: str = ""
+    first_token: int = 0  # the prompt token staged as the push's token 0 (decode holds those before it)
 
 
 @dataclasses.dataclass
@@ -208,7 +209,7 @@ class KVPushWorker:
             self.counters.inc("push_refused")
             return None
         geoms = tuple(reblock.share_geometry(self.info.layout, a, t.block_size, t.num_tokens) for a in allocs)
-        out = self._outbound[spec.req_id] = _Outbound(allocs, geoms, t.reservation_id)
+        out = self._outbound[spec.req_id] = _Outbound(allocs, geoms, t.reservation_id, t.first_token)
         self.trace("push_begin", t.reservation_id, spec.req_id)
         self.counters.inc("requests_begun")
         return out
@@ -231,11 +232,13 @@ class KVPushWorker:
                 if sp.out.allocs and not sp.prepared:
                     sp.plan, sp.prepared = self.copier.plan(spec.block_ids, spec.start, spec.end), True
                 fence = None
+                first = sp.out.first_token
                 for alloc, geom in zip(sp.out.allocs, sp.out.geoms):  # (none: another rank sends our heads)
-                    fence = self.copier.stage(layer, spec.block_ids, spec.start, spec.end, alloc, geom, sp.plan)
-                if sp.out.allocs:
+                    fence = self.copier.stage(layer, spec.block_ids, spec.start, spec.end, alloc, geom, sp.plan,
+                                              offset=first)
+                if sp.out.allocs:  # the sidecar counts the push's own tokens, from 0
                     self._sends.send(fence, functools.partial(self._push_frame, self.client, spec.req_id, layer,
-                                                              spec.start, spec.end))
+                                                              spec.start - first, spec.end - first))
             except Exception as exc:  # never let a push break the forward pass
                 log.error("push of %s layer %d failed: %s", spec.req_id, layer, exc)
                 sp.failed = True
@@ -312,7 +315,8 @@ class KVPushWorker:
                 raise CopyError(f"landing blocks of {spec.target.block_size} tokens, pool has {layout.block_size}")
             if spec.src_tp != layout.tp_size:
                 self._unshare(spec)
-            fence = self.copier.load(spec.block_ids, spec.start, spec.end, spec.target.block_ids)
+            fence = self.copier.load(spec.block_ids, spec.start, spec.end, spec.target.block_ids,
+                                     offset=spec.target.first_token)
         except Exception as exc:
             log.error("kvpush: loading reservation %s into %s failed: %s; vLLM recomputes it",
                       spec.target.reservation_id, spec.req_id, exc)

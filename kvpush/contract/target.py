@@ -21,17 +21,27 @@ class PushTarget:
     incarnation: str  # the life of that engine the blocks belong to
     block_ids: tuple[int, ...]  # landing blocks, token order
     block_size: int  # tokens per landing block
-    num_tokens: int  # tokens reserved (and pushed)
+    num_tokens: int  # tokens reserved (and pushed): prompt tokens [first_token, first_token + num_tokens)
     nixl_agent: str = ""  # the decode sidecar's NIXL agent (informational: peers are resolved by engine)
     deadline_unix_ms: int = 0
     tp_size: int = 1  # the decode engine's tensor-parallel ranks: the head plan's other half
+    # The prompt token the landing's first token is: the decode engine held the ones before
+    # it in its prefix cache when it was chosen (KV-aware routing; 0: the whole prompt).
+    # Sidecars never see it: to them a push is num_tokens tokens from 0.
+    first_token: int = 0
+
+    @property
+    def end_token(self) -> int:
+        """The prompt token after the last one reserved."""
+        return self.first_token + self.num_tokens
 
     @classmethod
     def from_proto(cls, reservation) -> "PushTarget":
         """From a ``kvpush.v1.Reservation``."""
         return cls(reservation.id, reservation.engine_id, reservation.engine_incarnation,
-                   tuple(reservation.block_ids), reservation.block_size, reservation.num_tokens,
-                   reservation.nixl_agent, reservation.deadline_unix_ms, reservation.decode_tp_size or 1)
+                   tuple(reservation.block_ids), reservation.block_size,
+                   reservation.num_tokens - reservation.cached_tokens, reservation.nixl_agent,
+                   reservation.deadline_unix_ms, reservation.decode_tp_size or 1, reservation.cached_tokens)
 
     def problem(self) -> str:
         """What makes this target unusable before any byte moves ("" if nothing)."""
@@ -41,6 +51,8 @@ class PushTarget:
             return "block_size and num_tokens must be positive"
         if not 1 <= self.tp_size <= 64:
             return f"tp_size must be in [1, 64], got {self.tp_size}"
+        if self.first_token < 0 or self.first_token % self.block_size:
+            return f"first_token {self.first_token} is not a multiple of block_size {self.block_size}"
         if len(self.block_ids) * self.block_size < self.num_tokens:
             return f"{len(self.block_ids)} blocks of {self.block_size} cannot hold {self.num_tokens} tokens"
         return ""

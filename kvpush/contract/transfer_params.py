@@ -46,7 +46,8 @@ class PushParams:
         return {"role": self.role, "reservation_id": t.reservation_id, "engine_id": t.engine_id,
                 "engine_incarnation": t.incarnation, "nixl_agent": t.nixl_agent, "block_ids": list(t.block_ids),
                 "block_size": t.block_size, "num_tokens": t.num_tokens, "deadline_unix_ms": t.deadline_unix_ms,
-                **({"tp_size": t.tp_size} if t.tp_size != 1 else {})}
+                **({"tp_size": t.tp_size} if t.tp_size != 1 else {}),
+                **({"first_token": t.first_token} if t.first_token else {})}
 
     def as_kv_transfer_params(self) -> dict:
         return {KEY: self.to_dict()}
@@ -61,7 +62,7 @@ class PushParams:
         unknown = set(data) - _WIRE_FIELDS
         if unknown:
             raise TransferParamsError(f"kvpush transfer params have unknown fields {sorted(unknown)}")
-        missing = (_WIRE_FIELDS - {"deadline_unix_ms", "tp_size"}) - set(data)
+        missing = (_WIRE_FIELDS - {"deadline_unix_ms", "tp_size", "first_token"}) - set(data)
         if missing:
             raise TransferParamsError(f"kvpush transfer params lack {sorted(missing)}")
         wrong = [name for name in _TEXT_FIELDS if not isinstance(data[name], str)]
@@ -71,7 +72,7 @@ class PushParams:
             target = PushTarget(data["reservation_id"], data["engine_id"], data["engine_incarnation"],
                                 tuple(int(b) for b in data["block_ids"]), int(data["block_size"]),
                                 int(data["num_tokens"]), data["nixl_agent"], int(data.get("deadline_unix_ms", 0)),
-                                int(data.get("tp_size", 1)))
+                                int(data.get("tp_size", 1)), int(data.get("first_token", 0)))
         except (TypeError, ValueError) as exc:
             raise TransferParamsError(f"kvpush transfer params: {exc}") from None
         return cls(data["role"], target)
@@ -90,7 +91,7 @@ class PushParams:
 
 
 _WIRE_FIELDS = {"role", "reservation_id", "engine_id", "engine_incarnation", "nixl_agent", "block_ids", "block_size",
-                "num_tokens", "deadline_unix_ms", "tp_size"}  # all required but the deadline and tp_size
+                "num_tokens", "deadline_unix_ms", "tp_size", "first_token"}  # required: all but the last three
 _TEXT_FIELDS = ("role", "reservation_id", "engine_id", "engine_incarnation", "nixl_agent")
 
 

@@ -129,6 +129,7 @@ async def test_reserve_prefers_the_engine_holding_the_prompts_prefix(cp, admin, 
         assert plain.engine_id == "decode-b" and plain.cached_tokens == 0  # no keys: the freer engine
         res = await reserve(tenant, "turn-2", 100, block_keys=keys, block_keys_block_size=16)
         assert res.engine_id == "decode-a" and res.cached_tokens == 5 * 16  # 5 leading blocks held
+        assert len(res.block_ids) == 2  # landing blocks for the 20 tokens it lacks only
         other = await reserve(tenant, "other-prompt", 100, block_keys=[1, 2, 3], block_keys_block_size=16)
         assert other.engine_id == "decode-b" and other.cached_tokens == 0
         short = await reserve(tenant, "short", 80, block_keys=keys[:5], block_keys_block_size=16)

@@ -7,11 +7,12 @@ A conversation's first turn is steered to decode-0 (a reservation held on decode
 it the freer one); once that hold is gone both engines are equally free, and without the
 prefix the second turn would go to decode-1 (ties go to the largest id). It goes to
 decode-0, which holds the first turn's prompt and answer in its prefix cache: the
-reservation says how much, decode's prefix hit leaves only the rest to load, and the
-answer equals the aggregated engine's. The registry is clean after.
+reservation says how much, the prefill engine pushes only the rest, decode loads it
+beyond its prefix hit, and the answer equals the aggregated engine's. The registry is
+clean after.
 
-What this does not show yet (#15, next): the reservation still covers the whole prompt
-and the prefill engine still pushes all of it."""
+The reservation covers only the tokens decode lacks and the prefill engine pushes only
+those (its staged bytes per token are turn 1's)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ pytestmark = pytest.mark.timeout(900)
 def system(tmp_path_factory):
     logs = str(tmp_path_factory.mktemp("kv-aware-logs"))
     model = os.path.abspath(ensure_model(os.path.join(engines.ROOT, DEFAULT_DIR)))
+    # (dev endpoints on the decode engines: /reset_prefix_cache plays an eviction)
     yield from with_aggregated(logs, StackSpec(model_dir=model, log_dir=logs, decode_engines=2, kv_aware=True,
+                                               decode_env={"VLLM_SERVER_DEV_MODE": "1"},
                                                deadline_ms=20_000, quarantine_ms=2_000))
 
 
@@ -71,9 +74,10 @@ def test_the_next_turn_goes_to_the_decode_engine_that_holds_the_conversation(sys
     turn1 = prompt(150, seed=71)
     held = asyncio.run(hold(stack, "decode-1", 64))
     try:
-        before = {e: counters(stack, e) for e in ("decode-0", "decode-1")}
+        before = {e: counters(stack, e) for e in ("decode-0", "decode-1", "prefill-0")}
         first = complete(stack.router_url, turn1, 24, return_token_ids=True)
         assert served_by(stack, before) == ["decode-0"]
+        first_staged = counters(stack, "prefill-0").get("bytes_staged", 0) - before["prefill-0"].get("bytes_staged", 0)
     finally:
         asyncio.run(release(stack, held))
     time.sleep(2.5)  # its blocks stay out of use for the quarantine (2 s here): equally free after
@@ -87,7 +91,8 @@ def test_the_next_turn_goes_to_the_decode_engine_that_holds_the_conversation(sys
         assert time.monotonic() < deadline, overlap(stack, "decode-0", turn2)
         time.sleep(0.1)
     time.sleep(1.0)  # the report reaches the control plane within its 0.25 s interval
-    before = {e: counters(stack, e) for e in ("decode-0", "decode-1")}
+    before = {e: counters(stack, e) for e in ("decode-0", "decode-1", "prefill-0")}
+    cached_before = router_prefix_tokens(stack)["cached"]
     second = complete(stack.router_url, turn2, 16, return_token_ids=True)
     assert second["choices"][0]["token_ids"] == complete(agg, turn2, 16, return_token_ids=True)[
         "choices"][0]["token_ids"]
@@ -97,7 +102,12 @@ def test_the_next_turn_goes_to_the_decode_engine_that_holds_the_conversation(sys
     # decode's own prefix hit covered the conversation so far: it loaded only the rest
     assert 0 < loaded <= len(turn2) - held_tokens, (loaded, len(turn2), held_tokens)
     assert after.get("load_errors", 0) == before["decode-0"].get("load_errors", 0)
-    assert router_prefix_tokens(stack)["cached"] >= held_tokens  # the reservation said what decode-0 held
+    cached = router_prefix_tokens(stack)["cached"] - cached_before
+    assert cached == held_tokens  # the reservation said what decode-0 held ...
+    # ... and the prefill engine pushed only the rest: its staged bytes per token as in turn 1
+    staged1 = first_staged
+    staged2 = counters(stack, "prefill-0").get("bytes_staged", 0) - before["prefill-0"].get("bytes_staged", 0)
+    assert staged2 * len(turn1) == staged1 * (len(turn2) - held_tokens), (staged1, staged2)
     settled(stack)
 
 
@@ -107,6 +117,39 @@ def router_prefix_tokens(stack: Stack) -> dict[str, float]:
         text = resp.read().decode()
     return {s.labels["kind"]: s.value for fam in text_string_to_metric_families(text)
             if fam.name == "kvpush_router_prefix_tokens" for s in fam.samples if s.name.endswith("_total")}
+
+
+def test_a_prefix_evicted_between_the_reserve_and_the_load_is_computed_and_correct(system):
+    stack, agg = system
+    turn1 = prompt(120, seed=81)
+    held = asyncio.run(hold(stack, "decode-1", 64))
+    try:
+        before = {e: counters(stack, e) for e in ("decode-0", "decode-1")}
+        answer = complete(stack.router_url, turn1, 20, return_token_ids=True)["choices"][0]["token_ids"]
+        assert served_by(stack, before) == ["decode-0"]
+    finally:
+        asyncio.run(release(stack, held))
+    time.sleep(2.5)
+    turn2 = turn1 + answer + prompt(20, seed=82)
+    deadline = time.monotonic() + 10
+    while overlap(stack, "decode-0", turn2) < 96:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    time.sleep(1.0)
+    # The engine drops its cache; the event goes out with its next step (the next request),
+    # so the control plane still counts on the prefix when it reserves.
+    req = urllib.request.Request(f"{stack.urls['decode-0']}/reset_prefix_cache", method="POST")
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        assert resp.status == 200 and b"false" not in resp.read()  # {"success": true}: nothing was running
+    before = counters(stack, "decode-0")
+    cached_before = router_prefix_tokens(stack)["cached"]
+    got = complete(stack.router_url, turn2, 12, return_token_ids=True)["choices"][0]["token_ids"]
+    assert got == complete(agg, turn2, 12, return_token_ids=True)["choices"][0]["token_ids"]
+    assert router_prefix_tokens(stack)["cached"] > cached_before  # reserved counting on the prefix ...
+    after = counters(stack, "decode-0")
+    evicted = after.get("load_error_prefix_evicted", 0) - before.get("load_error_prefix_evicted", 0)
+    assert evicted == 1, after  # ... which was gone: computed locally, counted
+    settled(stack)
 
 
 def test_without_a_held_prefix_the_freer_engine_is_chosen(system):

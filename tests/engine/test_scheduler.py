@@ -55,10 +55,12 @@ class Out:
 
 
 def params(role: str, num_tokens: int, res: str = "res-1", engine_id: str = "D1", incarnation: str = "inc1",
-           deadline: int = 0) -> dict:
+           deadline: int = 0, first_token: int = 0) -> dict:
+    """A reservation of prompt tokens [first_token, first_token + num_tokens)."""
     blocks = tuple(range(100, 100 + -(-num_tokens // BS)))
     return PushParams(role, PushTarget(res, engine_id, incarnation, blocks, BS, num_tokens,
-                                       f"{engine_id}.{incarnation}", deadline)).as_kv_transfer_params()
+                                       f"{engine_id}.{incarnation}", deadline,
+                                       first_token=first_token)).as_kv_transfer_params()
 
 
 class BlockTable:
@@ -270,6 +272,42 @@ def test_decode_loads_at_most_the_reserved_and_landed_tokens():
     sched.on_new_request(r)
     assert sched.get_num_new_matched_tokens(r, 0) == (64, False)
     assert sched.get_num_new_matched_tokens(r, 64) == (0, False)
+
+
+def test_prefill_pushes_only_what_decode_lacks_from_its_first_token():
+    sched, table = prefill_sched()
+    r = Req("a", 150, params("prefill", 86, first_token=64))  # decode holds tokens [0, 64)
+    sched.on_new_request(r)
+    table.tables["a"] = [1, 2, 5, 6, 8]
+    m1 = step(sched, [(r, 64)])  # (chunked prefill) the tokens decode holds: computed, not pushed
+    m2 = step(sched, [(r, 64)])
+    m3 = step(sched, [(r, 22)])
+    pieces = [(p.start, p.end, p.final, p.begin is not None) for m in (m1, m2, m3) for p in m.pushes]
+    assert pieces == [(64, 128, False, True), (128, 150, True, False)]  # prompt tokens, as vLLM holds them
+    assert m2.pushes[0].begin.first_token == 64 and m2.pushes[0].begin.num_tokens == 86
+    assert sched.request_finished(r)[1] == {"kvpush": {"reservation_id": "res-1", "pushed": True}}
+
+
+def test_decode_loads_the_landed_rest_beyond_the_prefix_it_holds():
+    sched, _ = decode_sched(FakeClient({"res-1": ("LANDED", 86)}))
+    r = Req("d", 150, params("decode", 86, first_token=64))
+    sched.on_new_request(r)
+    assert sched.get_num_new_matched_tokens(r, 64) == (85, False)  # [64, 149): all but the last token
+    assert sched.get_num_new_matched_tokens(r, 96) == (53, False)  # a longer local hit: the rest of it
+    sched.update_state_after_alloc(r, Blocks([4, 5, 6, 7, 8]), 53)
+    (load,) = sched.build_connector_meta(Out({"d": 1})).loads
+    assert (load.start, load.end, load.target.first_token) == (96, 149, 64)  # the worker reads landing [32, 85)
+
+
+def test_decode_whose_prefix_was_evicted_computes_the_prompt_and_gives_the_reservation_back():
+    sched, _ = decode_sched(FakeClient({"res-1": ("LANDED", 86)}))
+    r = Req("d", 150, params("decode", 86, first_token=64))
+    sched.on_new_request(r)
+    assert sched.get_num_new_matched_tokens(r, 32) == (0, False)  # holds 32 of the 64 the reservation counted on
+    meta = sched.build_connector_meta(Out({"d": 150}))
+    assert not meta.loads and meta.counts["load_error_prefix_evicted"] == 1
+    assert sched.client.recomputed == [("res-1", "prefix_evicted")]
+    assert sched.client.consumed == ["res-1"]  # landed: its blocks go back at once
 
 
 @pytest.mark.parametrize("state", ["FAILED", "CANCELLED"])

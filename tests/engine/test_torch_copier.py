@@ -195,3 +195,47 @@ def test_one_head_share_is_staged_alone_in_its_own_geometry(layout):
         assert bool((host[rest] == SENTINEL).all())
     finally:
         staging.close()
+
+
+def test_a_reservation_from_a_first_token_stages_and_loads_the_rest_only():
+    """KV-aware routing: decode holds the prompt's first FIRST tokens; prompt tokens
+    [FIRST, FIRST + TOKENS) are staged as the push's tokens [0, TOKENS) and loaded back
+    into the same prompt positions, the held ones left alone."""
+    first = 32  # a decode block: reservations start block-aligned
+    p_ids, d_ids = [7, 2, 9, 4, 0, 8, 1], [5, 1, 10, 2]  # 7 prefill, 4 decode blocks: 102 prompt tokens
+    layout = KVCacheLayout.BHLNC  # (every layout is covered above: the offset is the same for all)
+    lp = KvLayout(num_layers=LAYERS, block_size=P_BS, num_kv_heads=HEADS, head_dim=DIM, dtype="float16")
+    ld = dataclasses.replace(lp, block_size=D_BS)
+    rng = np.random.default_rng(12)
+    src = layer_views(layout, torch.float16, P_BS, lambda n: torch.from_numpy(rng.integers(0, 256, n, dtype=np.uint8)))
+    dst = layer_views(layout, torch.float16, D_BS, lambda n: torch.full((n,), SENTINEL, dtype=torch.uint8))
+    staging = StagingPool.create_shm("t-torch-first.staging", lp, 8)
+    landing = LandingPool.create_shm("t-torch-first.landing", ld, 12)
+    try:
+        geom = DestGeometry.for_layout(lp, D_BS, TOKENS)
+        alloc = staging.allocate(geom.block_layer_bytes, geom.num_blocks)
+        prefill = TorchCopier(P_BS)
+        prefill.bind_caches(src, lp)
+        prefill.bind_pool(staging.memory, staging.info())
+        plan = prefill.plan(p_ids, first, first + TOKENS)
+        for layer in range(LAYERS):
+            prefill.stage(layer, p_ids, first, first + TOKENS, alloc, geom, plan, offset=first)
+        host_s, host_l = staging.memory.host_view(), landing.memory.host_view()
+        for layer in range(LAYERS):  # the push, one extent
+            (ext,) = alloc.extents
+            for j in range(geom.num_blocks):
+                s = alloc.extent_offset(ext, layer) + j * geom.block_layer_bytes
+                d = landing.unit_offset(layer, LANDING_IDS[j])
+                host_l[d:d + geom.block_layer_bytes] = host_s[s:s + geom.block_layer_bytes]
+        decode = TorchCopier(D_BS)
+        decode.bind_caches(dst, ld)
+        decode.bind_pool(landing.memory, landing.info())
+        decode.load(d_ids, first, first + TOKENS, LANDING_IDS, offset=first)
+        for layer in range(LAYERS):
+            for t in range(first, first + TOKENS):
+                assert np.array_equal(token_bytes(dst, layer, d_ids, D_BS, t), token_bytes(src, layer, p_ids, P_BS, t))
+            held = dst[layer][d_ids[0]].contiguous().view(torch.uint8)  # tokens [0, 32): decode's own, untouched
+            assert bool((held == SENTINEL).all())
+    finally:
+        staging.close()
+        landing.close()

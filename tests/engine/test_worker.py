@@ -224,7 +224,7 @@ class LateCopies:
     def __getattr__(self, name):
         return getattr(self.copier, name)
 
-    def stage(self, *args):
+    def stage(self, *args, **kwargs):
         outer = self
 
         class Late:
