@@ -172,7 +172,7 @@ def cmd_sidecar(args) -> None:
 def cmd_router(args) -> None:
     from kvpush import aio, log
     from router.app import serve
-    from router.config import RouterConfig, parse_decode, parse_prefill
+    from router.config import LOCAL_PREFILL_TOKENS, RouterConfig, parse_decode, parse_prefill
     log.configure("router", args.log_level)
     token = args.token or os.environ.get("KVPUSH_TENANT_TOKEN", "")
     if not token:
@@ -189,7 +189,9 @@ def cmd_router(args) -> None:
                        http_tls_cert=args.http_tls_cert, http_tls_key=args.http_tls_key,
                        body_timeout_s=args.body_timeout, write_timeout_s=args.write_timeout,
                        relocate=not args.no_relocate, prefix_block_size=args.prefix_block_size,
-                       prefix_hash=args.prefix_hash, prefix_hash_seed=args.prefix_hash_seed)
+                       prefix_hash=args.prefix_hash, prefix_hash_seed=args.prefix_hash_seed,
+                       local_prefill_tokens=(args.local_prefill_tokens if args.local_prefill_tokens is not None
+                                             else LOCAL_PREFILL_TOKENS if args.prefix_block_size else 0))
     aio.run(serve(cfg, args.ready_file))
 
 
@@ -204,6 +206,7 @@ def cmd_demo(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from router.config import LOCAL_PREFILL_TOKENS
     parser = argparse.ArgumentParser(prog="kvpush", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -303,6 +306,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-hash", default="sha256", help="the decode engines' --prefix-caching-hash-algo")
     p.add_argument("--prefix-hash-seed", default=os.environ.get("PYTHONHASHSEED") or "vllm-none-hash",
                    help="the decode engines' PYTHONHASHSEED, when they set one")
+    p.add_argument("--local-prefill-tokens", type=int, default=None,
+                   help="conditional disaggregation: a request whose chosen decode engine lacks fewer than this many "
+                        "of its prompt's tokens (with --prefix-block-size, beyond the prefix it holds) is served by "
+                        f"that engine alone, no prefill engine involved; 0: never (default: {LOCAL_PREFILL_TOKENS} "
+                        "with --prefix-block-size, measured by bench/local_prefill.py; else 0)")
     p.add_argument("--deadline-ms", type=int, default=30_000)
     p.add_argument("--max-model-len", type=int, default=None,
                    help="the engines' context length (default: asked of the prefill engine)")

@@ -193,11 +193,12 @@ class Stack:
         return proc
 
     def add_router(self, name: str, handover: bool = True, token: str = "", discover: bool = False,
-                   extra: tuple[str, ...] = ()) -> str:
+                   extra: tuple[str, ...] = (), kv_aware: bool | None = None) -> str:
         """Start a router in front of the engines (the tenant's token unless ``token``);
         ``handover=False`` gives it the prefill engine as a bare URL, so it reserves
         before it sends the prefill request; ``discover`` gives it no engines: it finds
-        them in the registry. Returns its URL."""
+        them in the registry; ``kv_aware`` (default: the spec's) sends each prompt's block
+        keys with its Reserve. Returns its URL."""
         spec = self.spec
         port = free_port()
         ready = os.path.join(self.run_dir, f"{name}.ready")
@@ -209,7 +210,8 @@ class Stack:
             token or self.tenant_token, "--model", spec.served_model, "--model-dir", spec.model_dir,
             *engines_args, "--port", str(port),
             "--deadline-ms", str(spec.deadline_ms), "--ready-file", ready,
-            *(("--prefix-block-size", str(engines.BLOCK_SIZE)) if spec.kv_aware else ()), *extra])
+            *(("--prefix-block-size", str(engines.BLOCK_SIZE)) if (spec.kv_aware if kv_aware is None else kv_aware)
+              else ()), *extra])
         router.wait_until(file_exists(ready), 60, "serving", self.say)
         return f"http://127.0.0.1:{port}"
 

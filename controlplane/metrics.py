@@ -20,6 +20,10 @@ END_BATCH_SIZE = Histogram("kvpush_transition_batch_size", "Lifecycle transition
                            buckets=(1, 2, 4, 8, 16, 32, 64, 100))
 BATCH_CONFLICTS = Counter("kvpush_reserve_batch_conflicts_total",
                           "Group commits retried because another replica changed a fence")
+DECODE_ALONE = Counter("kvpush_reserve_decode_alone_total",
+                       "Reserves answered decode_alone (conditional disaggregation), nothing reserved: the decode "
+                       "engine held all but a short rest of the prompt (cached_prefix) or the prompt is short "
+                       "(short_prompt)", ["reason"])
 TRANSITIONS = Counter("kvpush_transitions_total", "Lifecycle transitions written", ["to"])
 RELOCATIONS = Counter("kvpush_relocations_total",
                       "Decode failovers asked (Scheduler.Relocate), by outcome (OK or the gRPC status code)", ["outcome"])

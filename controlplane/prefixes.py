@@ -14,6 +14,7 @@ import dataclasses
 from typing import Sequence
 
 from kvpush import log
+from kvpush.contract.block_hash import leading_held
 from kvpush.contract.prefixes import PrefixReport, PrefixReportError
 
 _log = log.get("prefixes")
@@ -68,18 +69,23 @@ class PrefixIndex:
     def drop(self, engine_id: str) -> None:
         self._engines.pop(engine_id, None)
 
+    def overlaps(self, keys: Sequence[int], block_size: int) -> dict[tuple[str, str], int]:
+        """(engine id, incarnation) -> leading blocks of a prompt (its keys, in order) the
+        engine holds, for every engine known to hold its first block over blocks of
+        ``block_size`` tokens (the others hold none of it)."""
+        if not keys:
+            return {}
+        first = keys[0]
+        return {(eid, held.incarnation): leading_held(keys, held.keys) for eid, held in self._engines.items()
+                if held.synced and held.block_size == block_size and first in held.keys}
+
     def overlap(self, engine_id: str, incarnation: str, keys: Sequence[int], block_size: int) -> int:
-        """Leading blocks of a prompt (its keys, in order) the engine holds; 0 when unknown,
-        of another incarnation, or hashed over other blocks."""
+        """One engine's share of ``overlaps``: 0 when unknown, of another incarnation, or hashed
+        over other blocks."""
         held = self._engines.get(engine_id)
         if held is None or not held.synced or held.incarnation != incarnation or held.block_size != block_size:
             return 0
-        n = 0
-        for key in keys:
-            if key not in held.keys:
-                break
-            n += 1
-        return n
+        return leading_held(keys, held.keys)
 
     def held_blocks(self, engine_id: str) -> int:
         held = self._engines.get(engine_id)

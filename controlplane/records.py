@@ -119,6 +119,26 @@ class ReservationRecord:
             cached_tokens=self.cached_tokens)
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeAlone:
+    """A Reserve's answer when nothing is reserved (conditional disaggregation): the decode
+    engine lacks so little of the prompt that it computes the rest itself. Never stored."""
+    tenant: str
+    request_id: str
+    engine_id: str
+    incarnation: str
+    block_size: int
+    num_tokens: int
+    model: str
+    cached_tokens: int
+
+    def to_proto(self) -> types_pb2.Reservation:
+        return types_pb2.Reservation(
+            tenant=self.tenant, request_id=self.request_id, engine_id=self.engine_id,
+            engine_incarnation=self.incarnation, block_size=self.block_size, num_tokens=self.num_tokens,
+            model=self.model, cached_tokens=self.cached_tokens, decode_alone=True)
+
+
 @dataclasses.dataclass
 class TenantRecord:
     name: str

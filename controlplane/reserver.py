@@ -29,7 +29,7 @@ from controlplane.leases import LeaseBuckets
 from controlplane.lifecycle import move_writes
 from kvpush.contract.states import State
 from kvpush.contract.engine import EngineRecord
-from controlplane.records import ReservationRecord, TenantRecord, now_ms, to_extents
+from controlplane.records import DecodeAlone, ReservationRecord, TenantRecord, now_ms, to_extents
 from controlplane.view import View
 from kvpush import log
 from kvpush.contract.layout import KvLayout
@@ -60,6 +60,9 @@ class ReserveAsk:
     # over blocks of this many tokens; the engine holding the longest prefix is preferred.
     block_keys: tuple[int, ...] = ()
     block_keys_block_size: int = 0
+    # Conditional disaggregation: a decode engine that lacks fewer than this many of the
+    # prompt's tokens gets the request alone (nothing reserved); 0: always reserve.
+    local_prefill_tokens: int = 0
     future: asyncio.Future | None = None
 
     def same_params(self, rec: ReservationRecord) -> bool:
@@ -247,16 +250,20 @@ class Reserver:
                                                          "tenant no longer exists"))
                 continue
             try:
-                engine, blocks, cached = self._choose(ask, tenant, batch)
+                chosen = self._choose(ask, tenant, batch)
             except errors.ApiError as exc:
                 ask.future.set_exception(exc)
                 continue
+            if isinstance(chosen, DecodeAlone):  # nothing to write
+                ask.future.set_result(chosen)
+                continue
+            engine, blocks, cached = chosen
             seen_requests.add(req)
             plan.add(ask, self._record(ask, engine, blocks, cached), tenant, view)
         return plan
 
     def _choose(self, ask: ReserveAsk, tenant: TenantRecord, batch: "_BatchState"
-                ) -> tuple[EngineRecord, list[int], int]:
+                ) -> tuple[EngineRecord, list[int], int] | DecodeAlone:
         view = self._view
         cands = self._candidates.get(ask.model, tenant, ask.prefill_layout)
         if not cands.engines:
@@ -267,7 +274,16 @@ class Reserver:
         if batch.free is None:  # (the view does not change while a batch is planned)
             batch.free = view.free_count.array.copy()
         free = batch.free[cands.slots]
+        # Leading prompt tokens each candidate holds (KV-aware routing): decode then needs
+        # landing blocks only for the rest, one block less for each block it holds.
+        cached = self._cached_tokens(ask, cands) if ask.block_keys and ask.moving is None else None
+        if ask.local_prefill_tokens and ask.moving is None:
+            alone = self._alone(ask, cands, free, cached)
+            if alone is not None:
+                return alone
         need = cands.need(ask.num_tokens)
+        if cached is not None:
+            need = need - cached // cands.block_size
         fits = free >= need
         credit = 0
         if ask.moving is not None:
@@ -294,18 +310,10 @@ class Reserver:
             raise errors.exhausted(f"no decode engine has room for num_tokens={ask.num_tokens} "
                                    f"({cands.need_on(need, most)} blocks; most free: {free[most]} on "
                                    f"{cands.engines[most].engine_id})")
-        cached = self._cached_tokens(ask, cands, fits) if ask.block_keys and ask.moving is None else None
         chosen = cands.index.get(ask.preferred_engine_id) if ask.preferred_engine_id else None
         while True:
             if chosen is None or not fits[chosen]:
-                # Least loaded: the largest free fraction, plus, with the prompt's block keys,
-                # the share of the prompt it already holds (OVERLAP_WEIGHT: a whole prompt held
-                # outweighs an idle engine); ties to the largest id, for determinism.
-                score = free / cands.divisor
-                if cached is not None:
-                    score = score + OVERLAP_WEIGHT * cached / ask.num_tokens
-                score = np.where(fits, score, -1.0)
-                chosen = len(score) - 1 - int(score[::-1].argmax())
+                chosen = self._best(ask, cands, free, cached, fits)
             engine = cands.engines[chosen]
             eid = engine.engine_id
             # Its lease is running out this very moment (the view applies a revision's
@@ -318,25 +326,52 @@ class Reserver:
                                        f"{tenant.name!r}")
         if eid not in batch.bitmaps:
             batch.bitmaps[eid] = view.allocated[eid].copy()
-        cached_tokens = int(cached[chosen]) if cached is not None else 0
-        # Only the part decode lacks lands: the cached tokens are block-aligned, so one block less each.
-        blocks, view.cursors[eid] = allocate(batch.bitmaps[eid], cands.need_on(need, chosen)
-                                             - cached_tokens // engine.layout.block_size,
+        blocks, view.cursors[eid] = allocate(batch.bitmaps[eid], cands.need_on(need, chosen),
                                              view.cursors.get(eid, 0))
         batch.free[cands.slots[chosen]] -= len(blocks)
         batch.used[tenant.name] = batch.used.get(tenant.name, 0) + len(blocks)
-        return engine, blocks, cached_tokens
+        return engine, blocks, int(cached[chosen]) if cached is not None else 0
 
-    def _cached_tokens(self, ask: ReserveAsk, cands, fits: np.ndarray) -> np.ndarray:
-        """Leading prompt tokens each fitting candidate holds in its prefix cache (block-aligned,
-        and short of the whole prompt: decode computes at least its last token)."""
-        prefixes, bs = self._view.prefixes, ask.block_keys_block_size
+    @staticmethod
+    def _best(ask: ReserveAsk, cands, free: np.ndarray, cached: np.ndarray | None, eligible) -> int:
+        """The eligible candidate with the largest free fraction, plus, with the prompt's block
+        keys, the share of the prompt it already holds (OVERLAP_WEIGHT: a whole prompt held
+        outweighs an idle engine); ties to the largest id, for determinism."""
+        score = free / cands.divisor
+        if cached is not None:
+            score = score + OVERLAP_WEIGHT * cached / ask.num_tokens
+        score = np.where(eligible, score, -1.0)
+        return len(score) - 1 - int(score[::-1].argmax())
+
+    def _alone(self, ask: ReserveAsk, cands, free: np.ndarray, cached: np.ndarray | None) -> DecodeAlone | None:
+        """Conditional disaggregation: the best candidate that lacks fewer than
+        ``local_prefill_tokens`` of the prompt computes it itself; None when none does. Its
+        landing room and the tenant's quota do not matter: nothing lands and nothing is held."""
+        short = (ask.num_tokens - (cached if cached is not None else 0)) < ask.local_prefill_tokens
+        if not np.any(short):
+            return None
+        preferred = cands.index.get(ask.preferred_engine_id) if ask.preferred_engine_id else None
+        eligible = np.broadcast_to(short, free.shape)
+        i = preferred if preferred is not None and eligible[preferred] else self._best(ask, cands, free, cached,
+                                                                                        eligible)
+        engine = cands.engines[i]
+        metrics.DECODE_ALONE.labels(reason="cached_prefix" if cached is not None and cached[i] else
+                                    "short_prompt").inc()
+        return DecodeAlone(ask.tenant.name, ask.request_id, engine.engine_id, engine.incarnation,
+                           engine.layout.block_size, ask.num_tokens, ask.model,
+                           int(cached[i]) if cached is not None else 0)
+
+    def _cached_tokens(self, ask: ReserveAsk, cands) -> np.ndarray:
+        """Leading prompt tokens each candidate holds in its prefix cache (block-aligned, and
+        short of the whole prompt: decode computes at least its last token). Only the engines
+        holding the prompt's first block are looked at."""
+        bs = ask.block_keys_block_size
         cap = (ask.num_tokens - 1) // bs
         out = np.zeros(len(cands.engines), dtype=np.int64)
-        for i in np.flatnonzero(fits):
-            e = cands.engines[i]
-            if e.layout.block_size == bs:
-                out[i] = min(cap, prefixes.overlap(e.engine_id, e.incarnation, ask.block_keys, bs)) * bs
+        for (eid, incarnation), blocks in self._view.prefixes.overlaps(ask.block_keys, bs).items():
+            i = cands.index.get(eid)
+            if i is not None and cands.engines[i].incarnation == incarnation:
+                out[i] = min(cap, blocks) * bs
         return out
 
     def _record(self, ask: ReserveAsk, engine: EngineRecord, blocks: list[int], cached: int = 0) -> ReservationRecord:

@@ -44,7 +44,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             structlog.contextvars.bind_contextvars(tenant=tenant.name, request_id=request.request_id[:256])
             ask = self._validate_reserve(request, tenant)
             rec = await self._reserver.reserve(ask)
-            structlog.contextvars.bind_contextvars(reservation_id=rec.id)
+            if isinstance(rec, ReservationRecord):  # (a DecodeAlone answer reserved nothing)
+                structlog.contextvars.bind_contextvars(reservation_id=rec.id)
             return rec.to_proto()
         except errors.ApiError as exc:
             code = exc.code.name
@@ -112,7 +113,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                           preferred_engine_id=request.preferred_engine_id, prefill_layout=layout,
                           prefill_engine_id=prefill.engine_id if prefill else "",
                           prefill_incarnation=prefill.incarnation if prefill else "",
-                          block_keys=tuple(request.block_keys), block_keys_block_size=request.block_keys_block_size)
+                          block_keys=tuple(request.block_keys), block_keys_block_size=request.block_keys_block_size,
+                          local_prefill_tokens=request.local_prefill_tokens)
 
     def _tenant_ending(self, request, context):
         """The caller's tenant, with ``request``'s reservation_id and reason checked (Release, Relocate)."""

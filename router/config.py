@@ -5,6 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 
+# The default --local-prefill-tokens with KV-aware routing: below this many uncached
+# tokens a decode engine computing them itself answers sooner than the P/D path does;
+# measured on this project's CPU machines by bench/local_prefill.py (docs/BENCHMARKS.md,
+# "Conditional disaggregation"). Measure it again on other hardware and models.
+LOCAL_PREFILL_TOKENS = 0
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeEngine:
     engine_id: str      # as registered by its sidecar: the id Reserve answers with
@@ -46,8 +53,14 @@ class RouterConfig:
     prefix_block_size: int = 0              # 0: off
     prefix_hash: str = "sha256"
     prefix_hash_seed: str = "vllm-none-hash"
+    # Conditional disaggregation: a request whose chosen decode engine lacks fewer than this
+    # many of its prompt's tokens is served by that engine alone, no prefill engine involved
+    # (0: never). The CLI's default with KV-aware routing is LOCAL_PREFILL_TOKENS.
+    local_prefill_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if self.local_prefill_tokens < 0:
+            raise ValueError("--local-prefill-tokens must not be negative")
         if self.prefix_block_size < 0:
             raise ValueError("--prefix-block-size must not be negative")
         if self.prefix_block_size:

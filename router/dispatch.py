@@ -7,6 +7,12 @@ whatever way it ends.
     prefill_only the prefill engine alone (max_tokens=1)
     decode_only  a decode engine alone (n > 1, prompt lists, ...)
 
+Conditional disaggregation (``--local-prefill-tokens``): the Reserve of a first_token or
+push request may answer ``decode_alone`` instead of a reservation when the decode engine it
+chose lacks only a short rest of the prompt (it holds the rest in its prefix cache, or the
+prompt is short); that engine then serves the request alone, computing the rest itself,
+and a prefill request sent ahead of the answer is taken back.
+
 No reservation (no room, quota, control plane down or slow) never fails the
 request: it goes to a decode engine without kvpush params and decode prefills it
 itself (counted as a fallback), and so does a first-token request whose prefill
@@ -37,6 +43,7 @@ from router import metrics
 from router.config import RouterConfig
 from router.engines import EngineDirectory
 from router.model_limits import ModelLimits
+from router.push_path import PushPath
 from router.errors import ApiError, json_error
 from router.failover import Failover, with_reservation
 from router.streams import DecodeStreamError, sse_events, sse_response
@@ -50,7 +57,7 @@ _log = log.get("router")
 ENGINES_WAIT_S = 5.0
 
 
-class Dispatcher:
+class Dispatcher(PushPath):
     def __init__(self, cfg: RouterConfig, counter: TokenCounter, cp: ControlPlaneClient,
                  session: aiohttp.ClientSession, engines: EngineDirectory | None = None) -> None:
         self.cfg = cfg
@@ -96,6 +103,7 @@ class Dispatcher:
             res = await self.reserver.reserve(
                 scheduler_pb2.ReserveRequest(request_id=request_id, num_tokens=num_tokens, model=self.cfg.model,
                                              deadline_ms=self.cfg.deadline_ms, prefill_engine_id=prefill_engine_id,
+                                             local_prefill_tokens=self.cfg.local_prefill_tokens,
                                              **self.kv_aware.reserve_fields(prompt_ids)),
                 timeout=self.cfg.reserve_timeout_s)
         except ReserveRefused as exc:
@@ -103,7 +111,8 @@ class Dispatcher:
         finally:
             metrics.RESERVE_LATENCY.observe(time.perf_counter() - started)
         if self.engines.decode_url(res.engine_id) is None:
-            await self.release(res.id, "router has no address for this decode engine")
+            if not res.decode_alone:  # (decode_alone: nothing is held)
+                await self.release(res.id, "router has no address for this decode engine")
             return None, "unknown_decode_engine"
         return self.kv_aware.observed(res), ""
 
@@ -138,7 +147,9 @@ class Dispatcher:
         prefill_id = self.engines.prefill_id(prefill_url)
         held: list = []  # the reservation once granted: released if anything below fails
         try:
-            if ask.path == asks.FIRST_TOKEN and prefill_id:
+            # (A prompt shorter than --local-prefill-tokens goes to a decode engine alone
+            # whatever it holds: no prefill request ahead of the Reserve's answer.)
+            if ask.path == asks.FIRST_TOKEN and prefill_id and ask.num_tokens >= self.cfg.local_prefill_tokens:
                 # The Reserve and the prefill request's HTTP, tokenization and scheduling
                 # run at once: the reservation names the prefill engine, whose sidecar
                 # hears it by watch while its connector holds the request.
@@ -153,6 +164,8 @@ class Dispatcher:
                     metrics.FALLBACKS.labels(reason=why).inc()
                     _log.info("serving without push", request_id=request_id, reason=why, num_tokens=ask.num_tokens)
                     return await self._decode_alone(endpoint, body, request)
+                if res.decode_alone:
+                    return await self._local_prefill(ask, res, request)
                 held.append(res)
                 timings["reserved"] = time.perf_counter()
                 if ask.path == asks.PUSH:
@@ -172,10 +185,18 @@ class Dispatcher:
                   **{f"{k}_ms": round((v - started) * 1e3, 2) for k, v in timings.items()})
         return response
 
+    async def _local_prefill(self, ask: asks.Ask, decision, request: web.Request) -> web.StreamResponse:
+        """Conditional disaggregation: ``decision`` (a Reserve answered decode_alone) names the
+        decode engine that lacks so little of the prompt that it computes the rest itself."""
+        metrics.LOCAL_PREFILL.labels(reason="cached_prefix" if decision.cached_tokens else "short_prompt").inc()
+        return await self._decode_alone(ask.endpoint, ask.body, request, "local_prefill",
+                                        self.engines.decode_url(decision.engine_id))
+
     async def _decode_alone(self, endpoint: str, body: dict, request: web.Request,
-                            path: str = "fallback") -> web.StreamResponse:
-        """The request served by a decode engine by itself (``path`` labels its TTFT)."""
-        url = self._alone_url()
+                            path: str = "fallback", url: str | None = None) -> web.StreamResponse:
+        """The request served by a decode engine by itself (``url``, else the least loaded;
+        ``path`` labels its TTFT)."""
+        url = url or self._alone_url()
         if url is None:
             raise ApiError(f"no engine is available for model {self.cfg.model!r}", 503)
         try:
@@ -187,64 +208,6 @@ class Dispatcher:
             await self._decode_failed(None, f"{type(exc).__name__}: {exc}", other)
             return await self.up.proxy(other, endpoint, body, request, "retry")
 
-    # -- push: prefill pushes, decode computes every output token -------------------------------
-    async def _push(self, ask: asks.Ask, prefill_url: str, decode_url: str, request: web.Request, timings: dict,
-                    held: list) -> web.StreamResponse:
-        """``held``: [the reservation decode loads], kept current through a move."""
-        params = PushParams.from_reservation(held[0], PREFILL)
-        p_body = prefill_body(ask.body, params.as_kv_transfer_params(), first_token=False)
-        d_body = dict(ask.body, kv_transfer_params=params.for_role(DECODE).as_kv_transfer_params())
-        prefill = asyncio.create_task(self._prefill_then_release(prefill_url, ask.endpoint, p_body, held, timings))
-        try:
-            why, response, exc = await self._push_decode(decode_url, ask, d_body, request, timings)
-            tried = [decode_url]
-            if why:
-                # Failed before the client got a byte: the prefill engine still pushes (or
-                # holds) the KV, so the reservation moves and the KV follows it there.
-                moved = await self.failover.relocate(held[0], why)
-                if moved is not None:
-                    held[:] = [moved[0]]
-                    tried.append(moved[1])
-                    why, response, exc = await self._push_decode(moved[1], ask, with_reservation(d_body, moved[0]),
-                                                                 request, timings)
-            if why:
-                prefill.cancel()
-                other = self._alone_url(*tried)
-                if other is not None:  # the KV is lost to this request: another engine computes it
-                    return await self._decode_elsewhere(ask, other, held[0].id, why, request)
-                await self.release(held[0].id, why)
-                if exc is not None:
-                    raise exc
-        except BaseException:
-            prefill.cancel()
-            raise
-        if response.status != 200:
-            prefill.cancel()
-            await self.release(held[0].id, f"decode answered {response.status}")
-        return response
-
-    async def _push_decode(self, url: str, ask: asks.Ask, d_body: dict, request: web.Request, timings: dict):
-        """The push path's decode request to ``url``: (why it failed before the client got
-        anything, or "", the response, the error it failed with)."""
-        try:
-            response = await self.up.proxy(url, ask.endpoint, d_body, request, "push", timings)
-        except aiohttp.ClientError as exc:
-            # Unreachable, or broke before the client got a byte (a whole answer is sent
-            # only once complete): safe to serve elsewhere.
-            if not nothing_sent(exc, ask):
-                raise
-            return f"decode unreachable: {exc}", None, exc
-        if response.status >= 500 and not response.prepared:
-            return f"decode answered {response.status}", response, None
-        return "", response, None
-
-    async def _decode_elsewhere(self, ask: asks.Ask, url: str, res_id: str, why: str,
-                                request: web.Request) -> web.StreamResponse:
-        """The reservation's decode engine failed before answering anything: its KV is lost
-        to this request, so another decode engine serves it alone (computing the prompt)."""
-        await self._decode_failed(res_id, why, url)
-        return await self.up.proxy(url, ask.endpoint, ask.body, request, "retry")
-
     async def _decode_failed(self, res_id: str | None, why: str, other: str) -> None:
         """A reservation's decode engine failed before answering and ``other`` takes the
         request: the reservation is released (its KV is on the failed engine), and counted."""
@@ -253,19 +216,6 @@ class Dispatcher:
         metrics.FALLBACKS.labels(reason="decode_failed").inc()
         _log.warning("decode failed; serving on another decode engine", reservation_id=res_id or "",
                      error=why[:200], decode=other)
-
-    async def _prefill_then_release(self, url: str, endpoint: str, body: dict, held: list, timings: dict) -> None:
-        """``held``: [the reservation decode loads] (a move replaces it)."""
-        try:
-            status, text = await self.up.post(url, endpoint, body, timings)
-            if status != 200:
-                raise RuntimeError(f"prefill answered {status}: {text[:200]!r}")
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            # Decode is waiting for KV that will not come: end the wait now.
-            _log.warning("prefill failed; aborting its reservation", reservation_id=held[0].id, error=str(exc))
-            await self.release(held[0].id, f"prefill failed: {exc}")
 
     # -- first token: prefill's token goes out at once, decode continues from it -----------------
     async def _first_token(self, ask: asks.Ask, request_id: str, prefill_url: str, request: web.Request,
@@ -277,11 +227,18 @@ class Dispatcher:
         else:
             kv = PushParams.from_reservation(held[0], PREFILL).as_kv_transfer_params()
         prefill = asyncio.create_task(self.up.post(prefill_url, ask.endpoint, prefill_body(ask.body, kv, True), timings))
+        alone = None  # a Reserve answered decode_alone
         try:
             if reserving is not None:
                 res, why = await reserving
                 timings["reserved"] = time.perf_counter()
-                if res is not None:
+                if res is not None and res.decode_alone:
+                    # Decode lacks only a short rest: the prefill engine, holding the request
+                    # for a reservation that will not come, gives it back unstarted.
+                    alone = res
+                    prefill.cancel()
+                    await asyncio.gather(prefill, return_exceptions=True)
+                elif res is not None:
                     held.append(res)
                 else:
                     # Refused (or slow): the prefill engine is holding the request for a
@@ -293,7 +250,8 @@ class Dispatcher:
                     await asyncio.gather(prefill, return_exceptions=True)
                     prefill = asyncio.create_task(self.up.post(prefill_url, ask.endpoint,
                                                              prefill_body(ask.body, None, True), timings))
-            status, payload = await prefill
+            if alone is None:
+                status, payload = await prefill
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             status, payload = 502, str(exc).encode()
         finally:
@@ -302,6 +260,8 @@ class Dispatcher:
             if reserving is not None and not reserving.done():
                 # The client went away first: the reserver releases a grant nobody waits for.
                 reserving.cancel()
+        if alone is not None:
+            return await self._local_prefill(ask, alone, request)
         res = held[0] if held else None
         if status != 200:
             if res is not None:

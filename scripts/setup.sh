@@ -18,7 +18,8 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "==> creating $VENV"
   "$PYTHON" -m venv "$VENV"
 fi
-PIP="$VENV/bin/python -m pip --disable-pip-version-check"
+# No wheel cache: vLLM, torch and their dependencies would be kept twice (several GB).
+PIP="$VENV/bin/python -m pip --disable-pip-version-check --no-cache-dir"
 stamp="$VENV/.kvpush-deps-$(cat requirements/*.txt | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   echo "==> installing dependencies (requirements/*.txt)"

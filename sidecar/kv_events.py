@@ -33,7 +33,7 @@ from typing import Callable, Iterable, Sequence
 
 import msgspec
 
-from kvpush.contract.block_hash import DEFAULT_SEED, BlockHasher, block_key
+from kvpush.contract.block_hash import DEFAULT_SEED, BlockHasher, block_key, leading_held
 from kvpush.contract.prefixes import MAX_KEYS
 
 log = logging.getLogger(__name__)
@@ -97,14 +97,8 @@ class HeldBlocks:
         return key in self._keys
 
     def overlap(self, keys: Sequence[int]) -> int:
-        """How many leading blocks of a prompt (its keys, in order) the engine holds:
-        vLLM's own prefix lookup also stops at the first block it lacks."""
-        n = 0
-        for key in keys:
-            if key not in self._keys:
-                break
-            n += 1
-        return n
+        """How many leading blocks of a prompt (its keys, in order) the engine holds."""
+        return leading_held(keys, self._keys)
 
     def keys(self) -> list[int]:
         return list(self._keys)

@@ -55,6 +55,18 @@ def block_key(block_hash: bytes | int) -> int:
     return int.from_bytes(block_hash, "big") & _KEY_MASK
 
 
+def leading_held(keys: Sequence[int], held) -> int:
+    """How many leading blocks of a prompt (its keys, in order) are in ``held``: vLLM's own
+    prefix lookup also stops at the first block it lacks (the sidecar's view of its engine
+    and the control plane's view of every engine both count this way)."""
+    n = 0
+    for key in keys:
+        if key not in held:
+            break
+        n += 1
+    return n
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockHasher:
     """The block hashes of token sequences, for engines of one block size and algorithm."""

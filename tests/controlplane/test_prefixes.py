@@ -145,3 +145,60 @@ async def test_reserve_prefers_the_engine_holding_the_prompts_prefix(cp, admin, 
         await tenant.close()
         await busy.stop()
         await idle.stop()
+
+
+async def test_reserve_answers_decode_alone_when_decode_lacks_only_a_short_rest(cp, admin, engine_client):
+    """Conditional disaggregation: nothing is reserved or stored, the answer names the
+    engine holding the prefix (even one with no landing room left: nothing lands), and a
+    longer rest, or a Reserve without the setting, gets landing blocks for the rest only."""
+    from controlplane import metrics
+    from tests.controlplane.helpers import make_tenant, reserve
+    from client.reserve_stream import StreamReserver
+    from kvpush.contract.v1 import scheduler_pb2
+    holder = SimulatedEngine(engine_client, "decode-h", num_blocks=64)
+    other = SimulatedEngine(engine_client, "decode-o", num_blocks=64)
+    await holder.register()
+    await other.register()
+    tenant = await make_tenant(admin, cp.address, "alone")
+    alone = metrics.DECODE_ALONE.labels(reason="cached_prefix")
+    short_prompt = metrics.DECODE_ALONE.labels(reason="short_prompt")
+    try:
+        keys = [201, 202, 203, 204, 205, 206]  # a 100-token prompt: 6 full blocks of 16
+        await report(engine_client, engine_id="decode-h", incarnation=holder.incarnation, epoch=1, seq=0,
+                     stored=keys, block_size=16)
+        filler = await reserve(tenant, "filler", 16 * 63, preferred_engine_id="decode-h")  # one block left
+        before = (alone._value.get(), len(cp.view.reservations))
+        got = await reserve(tenant, "turn-3", 100, block_keys=keys, block_keys_block_size=16, local_prefill_tokens=32)
+        assert got.decode_alone and got.engine_id == "decode-h" and got.engine_incarnation == holder.incarnation
+        assert got.cached_tokens == 96 and got.id == "" and not got.block_ids  # 4 tokens left for decode
+        assert (alone._value.get(), len(cp.view.reservations)) == (before[0] + 1, before[1])  # nothing stored
+        # The same over the stream the router uses (no release is attempted for it).
+        reserver = StreamReserver(tenant)
+        try:
+            streamed = await reserver.reserve(scheduler_pb2.ReserveRequest(
+                request_id="turn-3s", num_tokens=100, model="sim-model", block_keys=keys, block_keys_block_size=16,
+                local_prefill_tokens=32), timeout=5)
+            assert streamed.decode_alone and streamed.engine_id == "decode-h"
+        finally:
+            await reserver.close()
+        assert reserver.abandoned_released == 0
+        # The rest is 36 tokens: above the threshold, a reservation, on the engine with room
+        # for those 36 tokens' 3 blocks (decode-h has one block left).
+        longer = await reserve(tenant, "turn-3b", 132, block_keys=keys, block_keys_block_size=16,
+                               local_prefill_tokens=32)
+        assert not longer.decode_alone and longer.id and longer.engine_id == "decode-o"
+        assert longer.cached_tokens == 0
+        # Fit is counted against the rest only: 1 landing block is room enough for a 4-token rest.
+        rest = await reserve(tenant, "turn-3c", 100, block_keys=keys, block_keys_block_size=16)
+        assert rest.engine_id == "decode-h" and rest.cached_tokens == 96 and len(rest.block_ids) == 1
+        # No keys: a prompt shorter than the threshold goes to a decode engine alone.
+        n = short_prompt._value.get()
+        short = await reserve(tenant, "short", 20, local_prefill_tokens=32)
+        assert short.decode_alone and short.cached_tokens == 0 and short_prompt._value.get() == n + 1
+        for res in (filler, longer, rest):
+            await tenant.scheduler.Release(scheduler_pb2.ReleaseRequest(reservation_id=res.id),
+                                           metadata=tenant.metadata, timeout=5)
+    finally:
+        await tenant.close()
+        await holder.stop()
+        await other.stop()

@@ -1,0 +1,395 @@
+"""Multi-turn chat through kvpush: KV-aware reservations against kvpush without them and
+one aggregated engine with prefix caching, and the crossover that sets the default
+--local-prefill-tokens.
+
+    .venv/bin/python bench/multiturn.py --report   # ~15 minutes on 2 cores; writes the
+                                                   # "Multi-turn" and "Conditional
+                                                   # disaggregation" sections of docs/BENCHMARKS.md
+    .venv/bin/python bench/multiturn.py --quick    # a smoke run (fewer of everything, no report)
+
+One run, one machine, real parts: etcd, a control plane, a prefill and two decode vLLM
+engines with prefix caching (the decode engines publish their KV events, their sidecars
+follow them), and one aggregated vLLM engine beside them. Every configuration sees the
+same conversations, with every engine's prefix cache emptied before it:
+
+  aggregated : the one plain engine, prefix caching on (vLLM's default);
+  kvpush     : a router without KV-aware routing (kvpush before it): the decode engine
+               is chosen by free blocks alone, the whole prompt is reserved and pushed;
+  kv-aware   : a router sending each prompt's block keys, --local-prefill-tokens at the
+               value measured in the crossover phase (or --local-prefill-tokens);
+  kv-aware P/D : the same, never decode alone (--local-prefill-tokens 0).
+
+Conversations: turn 1 is a ~1,000-token prompt; each later turn is the previous prompt,
+its answer and a new message, up to ~1,700 tokens at turn 4. Sequential (the
+conversations' turns interleaved round-robin, one request at a time: bytes pushed are
+read per request) and Poisson (each conversation sends its next turn a random think time
+after its answer). Greedy answers are compared token for token with the aggregated
+engine's.
+
+Crossover: with a conversation's prefix on a decode engine, turns adding N new tokens
+served by that engine alone and by the P/D path (alternating), for a range of N, while the
+decode engines are kept busy with background streams (as decode engines are). Reports
+each side's TTFT and the background streams' inter-token gaps; the default threshold is
+the smallest N at which the P/D path's TTFT p50 is no worse than decode alone's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import random
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import psutil
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from app import engines  # noqa: E402
+from app.etcd_server import free_port  # noqa: E402
+from app.procs import ManagedProcess, http_ok  # noqa: E402
+from app.stack import Stack, StackSpec  # noqa: E402
+from app.tiny_model import DEFAULT_DIR, ensure_model  # noqa: E402
+from bench.common import CpuMeter, pct, update_section  # noqa: E402
+
+T0 = time.monotonic()
+MODEL = "tiny"
+ANSWER_TOKENS = 16
+TIMEOUT_S = 60.0
+DECODES = ("decode-0", "decode-1")
+
+
+def say(msg: str) -> None:
+    print(f"[multiturn {time.monotonic() - T0:6.1f}s] {msg}", flush=True)
+
+
+def ids(n: int, seed) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(7, 1000) for _ in range(n)]
+
+
+def ask(url: str, prompt: list[int], max_tokens: int = ANSWER_TOKENS) -> dict:
+    """One streamed greedy completion: TTFT, the answer's token ids, gaps between chunks."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    started = time.perf_counter()
+    out = {"ttft_s": None, "token_ids": [], "arrivals": [], "error": ""}
+    try:
+        with urllib.request.urlopen(req, timeout=TIMEOUT_S) as resp:
+            for line in resp:
+                line = line.strip()
+                if not line.startswith(b"data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                for choice in chunk.get("choices") or []:
+                    got = choice.get("token_ids") or []
+                    if got:
+                        now = time.perf_counter()
+                        if out["ttft_s"] is None:
+                            out["ttft_s"] = now - started
+                        out["arrivals"].append(now)
+                        out["token_ids"] += got
+    except Exception as exc:  # a failure is a result, reported
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    if len(out["token_ids"]) != max_tokens and not out["error"]:
+        out["error"] = f"{len(out['token_ids'])} tokens, not {max_tokens}"
+    return out
+
+
+class Background:
+    """Streams kept running on each decode engine (straight to it, plain requests): decode
+    engines serve other requests' tokens while a prompt arrives. Records their gaps."""
+
+    def __init__(self, urls: list[str], per_engine: int) -> None:
+        self.urls, self.per_engine = urls, per_engine
+        self.stop = threading.Event()
+        self.gaps: list[tuple[float, float]] = []  # (arrival, gap since the previous token)
+        self.threads: list[threading.Thread] = []
+
+    def _run(self, url: str, seed: int) -> None:
+        i = 0
+        while not self.stop.is_set():
+            r = ask(url, ids(64, f"bg-{seed}-{i}"), max_tokens=400)
+            arr = r["arrivals"]
+            self.gaps += [(b, b - a) for a, b in zip(arr, arr[1:])]
+            i += 1
+
+    def __enter__(self) -> "Background":
+        for url in self.urls:
+            for k in range(self.per_engine):
+                th = threading.Thread(target=self._run, args=(url, f"{url}-{k}"), daemon=True)
+                th.start()
+                self.threads.append(th)
+        time.sleep(1.0)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for th in self.threads:
+            th.join(TIMEOUT_S)
+
+    def gaps_between(self, t0: float, t1: float) -> list[float]:
+        return [g for at, g in list(self.gaps) if t0 <= at <= t1 + 0.5]
+
+
+class Bench:
+    def __init__(self, args) -> None:
+        self.args = args
+        self.logs = tempfile.mkdtemp(prefix="kvpush-multiturn-")
+        self.model = os.path.abspath(ensure_model(os.path.join(engines.ROOT, DEFAULT_DIR)))
+        dev = {"VLLM_SERVER_DEV_MODE": "1"}  # /reset_prefix_cache between configurations
+        self.stack = Stack(StackSpec(model_dir=self.model, log_dir=self.logs, decode_engines=2, kv_aware=True,
+                                     engine_env=dev, deadline_ms=30_000, quarantine_ms=1_000), progress=say)
+        port = free_port()
+        self.agg_url = f"http://127.0.0.1:{port}"
+        self.agg = ManagedProcess("vllm-aggregated", engines.vllm_command(self.model, port, MODEL),
+                                  os.path.join(self.logs, "vllm-aggregated.log"),
+                                  env=engines.engine_env(dev, ipc_dir=self.logs), cwd=engines.ROOT)
+        self.routers: dict[str, str] = {}
+
+    def start(self) -> None:
+        self.stack.start()
+        self.agg.wait_until(http_ok(self.agg_url + "/health"), 300, "serving", say)
+        self.routers["kvpush"] = self.stack.add_router("router-plain", kv_aware=False)
+        self.routers["kv-aware P/D"] = self.stack.add_router("router-pd", extra=("--local-prefill-tokens", "0"))
+        self.routers["decode alone"] = self.stack.add_router("router-local",
+                                                             extra=("--local-prefill-tokens", "1000000"))
+
+    def stop(self) -> None:
+        self.stack.stop()
+        self.agg.stop()
+
+    def cpu_meter(self) -> CpuMeter:
+        procs = {"aggregated engine+": psutil.Process(self.agg.pid)}
+        for p in self.stack.procs:
+            if p.alive():
+                procs[p.name + "+"] = psutil.Process(p.pid)
+        return CpuMeter(procs)
+
+    def forget(self) -> None:
+        """Every engine's prefix cache emptied, the decode engines' reports with it."""
+        urls = [self.agg_url, *self.stack.urls.values()]
+        for url in urls:
+            req = urllib.request.Request(f"{url}/reset_prefix_cache", method="POST")
+            for _ in range(50):
+                with urllib.request.urlopen(req, timeout=30) as resp:
+                    if b"false" not in resp.read():
+                        break
+                time.sleep(0.2)
+        for eid in DECODES:  # vLLM publishes the reset with its next step
+            ask(self.stack.urls[eid], ids(8, "poke"), max_tokens=1)
+        time.sleep(1.5)  # the sidecars' next reports (every 0.25 s) reach the control plane
+
+    def staged(self) -> int:
+        return self.stack.stats().get("prefill-0", {}).get("counters", {}).get("bytes_staged", 0)
+
+    # -------------------------------------------------------------- crossover
+    def crossover(self, sizes: list[int], reps: int, background: int) -> dict:
+        """TTFT of a turn adding N tokens to a prefix a decode engine holds, by the P/D path
+        and by that engine alone, with ``background`` streams on each decode engine."""
+        out = {n: {"pd": [], "alone": [], "pd_gaps": [], "alone_gaps": [], "errors": 0} for n in sizes}
+        self.forget()
+        with Background([self.stack.urls[e] for e in DECODES], background) as bg:
+            for rep in range(reps):
+                for n in sizes:
+                    for mode in (("pd", "alone") if rep % 2 == 0 else ("alone", "pd")):
+                        base = ids(1000, f"x-{n}-{rep}-{mode}")
+                        first = ask(self.routers["kv-aware P/D"], base)
+                        if first["error"]:
+                            out[n]["errors"] += 1
+                            continue
+                        time.sleep(0.6)  # the decode engine's events, its sidecar's report
+                        prompt = base + first["token_ids"] + ids(n, f"x-new-{n}-{rep}-{mode}")
+                        router = self.routers["kv-aware P/D" if mode == "pd" else "decode alone"]
+                        t0 = time.perf_counter()
+                        r = ask(router, prompt)
+                        if r["error"]:
+                            out[n]["errors"] += 1
+                            continue
+                        out[n][mode].append(r["ttft_s"] * 1e3)
+                        out[n][mode + "_gaps"] += [g * 1e3 for g in bg.gaps_between(t0, t0 + r["ttft_s"])]
+                say(f"crossover rep {rep + 1}/{reps}: " + ", ".join(
+                    f"N={n}: P/D {pct(v['pd'], 50):.0f} / alone {pct(v['alone'], 50):.0f} ms"
+                    for n, v in out.items()))
+        chosen = next((n for n in sizes if pct(out[n]["pd"], 50) <= pct(out[n]["alone"], 50)), None)
+        return {"sizes": out, "threshold": chosen, "background": background, "reps": reps}
+
+    # -------------------------------------------------------------- conversations
+    def conversations(self, name: str, url: str, convs: int, turns: int, first: int, new: int,
+                      reference: dict | None) -> dict:
+        """Sequential: the conversations' turns round-robin, bytes staged read per request."""
+        self.forget()
+        prompts = {c: ids(first, f"conv-{c}") for c in range(convs)}
+        rows: dict[int, list[dict]] = {t: [] for t in range(1, turns + 1)}
+        answers: dict[tuple[int, int], list[int]] = {}
+        meter = self.cpu_meter()
+        meter.start()
+        t_start = time.perf_counter()
+        for t in range(1, turns + 1):
+            for c in range(convs):
+                before = self.staged()
+                r = ask(url, prompts[c])
+                time.sleep(0.3)  # the connectors' counters reach their files; decode's events its sidecar
+                rows[t].append({"ttft_ms": r["ttft_s"] * 1e3 if r["ttft_s"] else float("inf"),
+                                "staged": self.staged() - before, "tokens": len(prompts[c]), "error": r["error"],
+                                "new": len(prompts[c]) if t == 1 else new + ANSWER_TOKENS})
+                answers[(c, t)] = r["token_ids"]
+                prompts[c] = prompts[c] + r["token_ids"] + ids(new, f"conv-{c}-turn-{t + 1}")
+        wall = time.perf_counter() - t_start
+        cpu = meter.stop()
+        wrong = sum(1 for k, v in answers.items() if reference is not None and reference.get(k) != v)
+        return {"name": name, "rows": rows, "answers": answers, "wrong": wrong, "cpu": cpu, "wall": wall}
+
+    def poisson(self, name: str, url: str, convs: int, turns: int, first: int, new: int, think_s: float,
+                seed: int) -> dict:
+        """Each conversation sends its next turn an exponential think time after its answer."""
+        self.forget()
+        rows: dict[int, list[float]] = {t: [] for t in range(1, turns + 1)}
+        errors: list[str] = []
+
+        def run(c: int) -> None:
+            rng = np.random.default_rng([seed, c])
+            prompt = ids(first, f"pconv-{c}")
+            time.sleep(rng.exponential(think_s))
+            for t in range(1, turns + 1):
+                r = ask(url, prompt)
+                if r["error"]:
+                    errors.append(r["error"])
+                rows[t].append(r["ttft_s"] * 1e3 if r["ttft_s"] else float("inf"))
+                prompt = prompt + r["token_ids"] + ids(new, f"pconv-{c}-turn-{t + 1}")
+                time.sleep(rng.exponential(think_s))
+        threads = [threading.Thread(target=run, args=(c,), daemon=True) for c in range(convs)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(TIMEOUT_S * turns)
+        return {"name": name, "rows": rows, "errors": errors}
+
+
+def fmt(v: float) -> str:
+    return "timeout" if not np.isfinite(v) else f"{v:.0f}"
+
+
+def report(cross: dict, seq: list[dict], poi: list[dict], meta: dict) -> str:
+    lines = [f"Measured {meta['date']} by `bench/multiturn.py` ({meta['cpus']} cores, one run; the tiny "
+             "float32 Llama of `app/tiny_model.py`, block size 32; {convs} conversations of {turns} turns, "
+             "turn 1 {first} tokens, each later turn +{new} new tokens and the previous answer's "
+             "{answer}).".format(answer=ANSWER_TOKENS, **meta), ""]
+    lines += ["### Sequential: TTFT per turn (ms, p50 / p90 over the conversations) and prefill bytes staged "
+              "per token of the prompt", "",
+              "| turn | " + " | ".join(r["name"] for r in seq) + " |",
+              "|---|" + "---|" * len(seq)]
+    turns = sorted(seq[0]["rows"])
+    for t in turns:
+        cells = []
+        for r in seq:
+            ttft = [x["ttft_ms"] for x in r["rows"][t]]
+            cells.append(f"{fmt(pct(ttft, 50))} / {fmt(pct(ttft, 90))}")
+        lines.append(f"| {t} | " + " | ".join(cells) + " |")
+    lines.append("| bytes staged / prompt token, turn 1 → later turns | " + " | ".join(
+        staged_cell(r) for r in seq) + " |")
+    lines.append("| answers equal to the aggregated engine's | " + " | ".join(
+        f"{sum(len(v) > 0 for v in r['answers'].values()) - r['wrong']} of {len(r['answers'])}" for r in seq) + " |")
+    lines.append("| CPU seconds (all processes) / wall seconds | " + " | ".join(
+        f"{sum(r['cpu'].values()):.0f} / {r['wall']:.0f}" for r in seq) + " |")
+    later = {r["name"]: pct([x["ttft_ms"] for t in turns if t > 1 for x in r["rows"][t]], 50) for r in seq}
+    base = later.get("kvpush")
+    if base:
+        lines += ["", "Turns ≥ 2, TTFT p50 against kvpush without KV-aware reservations: " + ", ".join(
+            f"{name} {v / base:.2f}x ({fmt(v)} ms)" for name, v in later.items()) + "."]
+    lines += ["", f"### Poisson: conversations sending their next turn a random think time (mean "
+              f"{meta['think_s']} s) after their answer; TTFT p50 / p90 (ms)", "",
+              "| turn | " + " | ".join(r["name"] for r in poi) + " |", "|---|" + "---|" * len(poi)]
+    for t in turns:
+        lines.append(f"| {t} | " + " | ".join(f"{fmt(pct(r['rows'][t], 50))} / {fmt(pct(r['rows'][t], 90))}"
+                                              for r in poi) + " |")
+    lines.append("| errors | " + " | ".join(str(len(r["errors"])) for r in poi) + " |")
+    cross_lines = [f"Measured {meta['date']} by `bench/multiturn.py` ({meta['cpus']} cores): a 1,000-token "
+                   "conversation prefix on a decode engine, then a turn adding N tokens, served by the P/D path "
+                   "(KV-aware, only the rest pushed) or by that decode engine alone, alternating, "
+                   f"{cross['reps']} of each per N, with {cross['background']} background streams on each decode "
+                   "engine. TTFT p50 / p90 (ms), and the background streams' inter-token gaps p50 / max (ms) "
+                   "while the turn waited for its first token.", "",
+                   "| N new tokens | P/D TTFT | decode alone TTFT | P/D / alone | background gaps, P/D | "
+                   "background gaps, alone | errors |", "|---|---|---|---|---|---|---|"]
+    for n, v in cross["sizes"].items():
+        ratio = pct(v["pd"], 50) / pct(v["alone"], 50) if v["alone"] and v["pd"] else float("nan")
+        cross_lines.append(
+            f"| {n} | {fmt(pct(v['pd'], 50))} / {fmt(pct(v['pd'], 90))} | {fmt(pct(v['alone'], 50))} / "
+            f"{fmt(pct(v['alone'], 90))} | {ratio:.2f} | {gaps(v['pd_gaps'])} | {gaps(v['alone_gaps'])} | "
+            f"{v['errors']} |")
+    cross_lines += ["", "Crossover (the smallest N at which the P/D path's TTFT p50 is no worse than decode "
+                    f"alone's): **{cross['threshold'] if cross['threshold'] is not None else 'none in the range'}**."]
+    return "\n".join(lines), "\n".join(cross_lines)
+
+
+def gaps(values: list[float]) -> str:
+    return f"{pct(values, 50):.0f} / {max(values):.0f}" if values else "-"
+
+
+def staged_cell(r: dict) -> str:
+    rows = r["rows"]
+    first = [x["staged"] / x["tokens"] for x in rows[1] if x["tokens"]]
+    later = [x["staged"] / x["tokens"] for t in rows if t > 1 for x in rows[t] if x["tokens"]]
+    if not any(first) and not any(later):
+        return "0 (no push)"
+    return f"{pct(first, 50):.0f} → {pct(later, 50):.0f}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a smoke run: fewer of everything, no report")
+    p.add_argument("--report", action="store_true", help="write the sections of docs/BENCHMARKS.md")
+    p.add_argument("--local-prefill-tokens", type=int, default=None,
+                   help="the kv-aware router's threshold (default: the crossover measured here)")
+    p.add_argument("--skip-crossover", action="store_true")
+    args = p.parse_args()
+    quick = args.quick
+    sizes = [32, 128] if quick else [16, 32, 64, 128, 256, 512]
+    convs, turns, first, new = (2, 3, 600, 100) if quick else (4, 4, 1000, 200)
+    bench = Bench(args)
+    try:
+        bench.start()
+        cross = None
+        if not args.skip_crossover:
+            cross = bench.crossover(sizes, reps=2 if quick else 5, background=1 if quick else 2)
+            say(f"crossover: {cross['threshold']}")
+        threshold = args.local_prefill_tokens
+        if threshold is None:
+            threshold = cross["threshold"] if cross and cross["threshold"] is not None else 0
+        bench.routers["kv-aware"] = bench.stack.add_router("router-kv", extra=("--local-prefill-tokens",
+                                                                                 str(threshold)))
+        say(f"kv-aware router with --local-prefill-tokens {threshold}")
+        reference = bench.conversations("aggregated", bench.agg_url, convs, turns, first, new, None)
+        seq = [reference]
+        for name in ("kvpush", "kv-aware", "kv-aware P/D"):
+            seq.append(bench.conversations(name, bench.routers[name], convs, turns, first, new, reference["answers"]))
+            say(f"{name}: done, {seq[-1]['wrong']} answers differ")
+        seq[-2]["name"] = f"kv-aware (local < {threshold})"
+        poi = [bench.poisson(name, url, convs, turns, first, new, 1.0, seed=7)
+               for name, url in (("aggregated", bench.agg_url), ("kvpush", bench.routers["kvpush"]),
+                                 (f"kv-aware (local < {threshold})", bench.routers["kv-aware"]))]
+        meta = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "convs": convs, "turns": turns,
+                "first": first, "new": new, "think_s": 1.0}
+        multi, cross_text = report(cross or {"sizes": {}, "threshold": None, "reps": 0, "background": 0},
+                                   seq, poi, meta)
+        print(cross_text + "\n\n" + multi)
+        if args.report and not quick:
+            update_section("multiturn", multi)
+            if cross:
+                update_section("local-prefill", cross_text)
+    finally:
+        bench.stop()
+
+
+if __name__ == "__main__":
+    main()
