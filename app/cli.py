@@ -310,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="conditional disaggregation: a request whose chosen decode engine lacks fewer than this many "
                         "of its prompt's tokens (with --prefix-block-size, beyond the prefix it holds) is served by "
                         f"that engine alone, no prefill engine involved; 0: never (default: {LOCAL_PREFILL_TOKENS} "
-                        "with --prefix-block-size, measured by bench/local_prefill.py; else 0)")
+                        "with --prefix-block-size, measured by bench/multiturn.py; else 0)")
     p.add_argument("--deadline-ms", type=int, default=30_000)
     p.add_argument("--max-model-len", type=int, default=None,
                    help="the engines' context length (default: asked of the prefill engine)")

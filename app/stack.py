@@ -47,6 +47,7 @@ class StackSpec:
     # follow them (--kv-events) and report to the control plane, the router sends each
     # prompt's block keys with its Reserve (--prefix-block-size).
     kv_aware: bool = False
+    router_args: tuple[str, ...] = ()    # extra flags for the stack's router ("router")
 
 
 class Stack:
@@ -180,7 +181,7 @@ class Stack:
         self.prefill_url, self.decode_url = urls["prefill-0"], urls["decode-0"]
         self.say(f"engines serving: prefill {self.prefill_url}, decode {self.decode_url}")
 
-        self.router_url = self.add_router("router", discover=spec.discover)
+        self.router_url = self.add_router("router", discover=spec.discover, extra=spec.router_args)
         self.say(f"router serving on {self.router_url}")
 
     def restart_engine(self, role: str, engine_id: str = "") -> ManagedProcess:

@@ -61,9 +61,10 @@ from bench.common import CpuMeter, pct, update_section  # noqa: E402
 
 T0 = time.monotonic()
 MODEL = "tiny"
-ANSWER_TOKENS = 16
+ANSWER_TOKENS = 128  # a chat answer: the decode engine holds it, the prefill engine never computed it
 TIMEOUT_S = 60.0
 DECODES = ("decode-0", "decode-1")
+STALL_WINDOW_S = 0.5  # after a turn is sent: its prefill, push, load and first steps on either path
 
 
 def say(msg: str) -> None:
@@ -109,24 +110,24 @@ class Background:
     """Streams kept running on each decode engine (straight to it, plain requests): decode
     engines serve other requests' tokens while a prompt arrives. Records their gaps."""
 
-    def __init__(self, urls: list[str], per_engine: int) -> None:
+    def __init__(self, urls: dict[str, str], per_engine: int) -> None:
         self.urls, self.per_engine = urls, per_engine
         self.stop = threading.Event()
-        self.gaps: list[tuple[float, float]] = []  # (arrival, gap since the previous token)
+        self.gaps: dict[str, list[tuple[float, float]]] = {e: [] for e in urls}  # (arrival, gap since the last)
         self.threads: list[threading.Thread] = []
 
-    def _run(self, url: str, seed: int) -> None:
+    def _run(self, engine: str, seed: str) -> None:
         i = 0
         while not self.stop.is_set():
-            r = ask(url, ids(64, f"bg-{seed}-{i}"), max_tokens=400)
+            r = ask(self.urls[engine], ids(64, f"bg-{seed}-{i}"), max_tokens=400)
             arr = r["arrivals"]
-            self.gaps += [(b, b - a) for a, b in zip(arr, arr[1:])]
+            self.gaps[engine] += [(b, b - a) for a, b in zip(arr, arr[1:])]
             i += 1
 
     def __enter__(self) -> "Background":
-        for url in self.urls:
+        for engine in self.urls:
             for k in range(self.per_engine):
-                th = threading.Thread(target=self._run, args=(url, f"{url}-{k}"), daemon=True)
+                th = threading.Thread(target=self._run, args=(engine, f"{engine}-{k}"), daemon=True)
                 th.start()
                 self.threads.append(th)
         time.sleep(1.0)
@@ -137,8 +138,14 @@ class Background:
         for th in self.threads:
             th.join(TIMEOUT_S)
 
-    def gaps_between(self, t0: float, t1: float) -> list[float]:
-        return [g for at, g in list(self.gaps) if t0 <= at <= t1 + 0.5]
+    def usual(self, engine: str) -> float:
+        return pct([g for _, g in self.gaps[engine]], 50)
+
+    def stall(self, engine: str, t0: float, window_s: float) -> float:
+        """The longest gap of ``engine``'s streams in [t0, t0 + window_s] less their usual gap
+        (read once the streams ended: a stream's gaps are recorded when it ends)."""
+        inside = [g for at, g in self.gaps[engine] if t0 <= at <= t0 + window_s]
+        return (max(inside) if inside else 0.0) - self.usual(engine)
 
 
 class Bench:
@@ -193,35 +200,72 @@ class Bench:
         return self.stack.stats().get("prefill-0", {}).get("counters", {}).get("bytes_staged", 0)
 
     # -------------------------------------------------------------- crossover
+    def loads(self) -> dict[str, int]:
+        stats = self.stack.stats()
+        return {e: stats.get(e, {}).get("counters", {}).get("loads_started", 0) for e in DECODES}
+
+    def sweep(self, sizes: list[int], reps: int, modes: tuple[str, ...] = ("pd", "alone")) -> dict:
+        """For each N: a 1,000-token turn through the P/D router (its decode engine then holds it
+        and its answer; the prefill engine only the prompt), then a turn adding N tokens by the
+        P/D path or by that engine alone, alternating (``direct``: straight to that engine, no
+        router: decode alone's floor). Each turn's TTFT, start and engine."""
+        out = {n: {"errors": [], **{m: [] for m in modes}, **{m + "_at": [] for m in modes}} for n in sizes}
+        for rep in range(reps):
+            for n in sizes:
+                for mode in (modes if rep % 2 == 0 else modes[::-1]):
+                    base = ids(1000, f"x-{n}-{rep}-{mode}-{time.monotonic_ns()}")
+                    before = self.loads()
+                    first = ask(self.routers["kv-aware P/D"], base)  # a chat answer, held by decode only
+                    time.sleep(0.6)  # the decode engine's events, its sidecar's report; counters written
+                    served = [e for e, v in self.loads().items() if v > before[e]]
+                    if first["error"] or len(served) != 1:
+                        out[n]["errors"].append(first["error"] or f"turn 1 loaded on {served or 'no engine'}")
+                        continue
+                    prompt = base + first["token_ids"] + ids(n, f"x-new-{n}-{rep}-{mode}")
+                    t0 = time.perf_counter()
+                    url = (self.stack.urls[served[0]] if mode == "direct" else
+                           self.routers["kv-aware P/D" if mode == "pd" else "decode alone"])
+                    r = ask(url, prompt, max_tokens=2)
+                    if r["error"]:
+                        out[n]["errors"].append(r["error"])
+                        continue
+                    out[n][mode].append(r["ttft_s"] * 1e3)
+                    out[n][mode + "_at"].append((served[0], t0))
+                    time.sleep(STALL_WINDOW_S)  # the next turn's stall window starts clean
+        return out
+
     def crossover(self, sizes: list[int], reps: int, background: int) -> dict:
-        """TTFT of a turn adding N tokens to a prefix a decode engine holds, by the P/D path
-        and by that engine alone, with ``background`` streams on each decode engine."""
-        out = {n: {"pd": [], "alone": [], "pd_gaps": [], "alone_gaps": [], "errors": 0} for n in sizes}
+        """What a local prefill of N tokens saves the request (idle engines: the P/D path's
+        TTFT p50 less decode alone's), against what it costs the streams that decode engine
+        serves (busy: the longest gap of its background stream in the STALL_WINDOW_S after the
+        turn was sent, less the usual gap). The crossover is the smallest N whose stall exceeds
+        what it saves. The P/D path's stall is reported beside it, not weighed: on these
+        shared cores it is the prefill engine's work competing for the CPU, which engines on
+        their own GPUs do not do to each other."""
         self.forget()
-        with Background([self.stack.urls[e] for e in DECODES], background) as bg:
-            for rep in range(reps):
-                for n in sizes:
-                    for mode in (("pd", "alone") if rep % 2 == 0 else ("alone", "pd")):
-                        base = ids(1000, f"x-{n}-{rep}-{mode}")
-                        first = ask(self.routers["kv-aware P/D"], base)
-                        if first["error"]:
-                            out[n]["errors"] += 1
-                            continue
-                        time.sleep(0.6)  # the decode engine's events, its sidecar's report
-                        prompt = base + first["token_ids"] + ids(n, f"x-new-{n}-{rep}-{mode}")
-                        router = self.routers["kv-aware P/D" if mode == "pd" else "decode alone"]
-                        t0 = time.perf_counter()
-                        r = ask(router, prompt)
-                        if r["error"]:
-                            out[n]["errors"] += 1
-                            continue
-                        out[n][mode].append(r["ttft_s"] * 1e3)
-                        out[n][mode + "_gaps"] += [g * 1e3 for g in bg.gaps_between(t0, t0 + r["ttft_s"])]
-                say(f"crossover rep {rep + 1}/{reps}: " + ", ".join(
-                    f"N={n}: P/D {pct(v['pd'], 50):.0f} / alone {pct(v['alone'], 50):.0f} ms"
-                    for n, v in out.items()))
-        chosen = next((n for n in sizes if pct(out[n]["pd"], 50) <= pct(out[n]["alone"], 50)), None)
-        return {"sizes": out, "threshold": chosen, "background": background, "reps": reps}
+        idle = self.sweep(sizes, reps, ("pd", "alone", "direct"))
+        say("idle: " + ", ".join(f"N={n}: P/D {pct(v['pd'], 50):.0f} / alone {pct(v['alone'], 50):.0f} ms"
+                                 for n, v in idle.items()))
+        self.forget()
+        with Background({e: self.stack.urls[e] for e in DECODES}, background) as bg:
+            busy = self.sweep(sizes, 2 * reps)  # (its stalls vary more than the idle TTFTs)
+        rows = {}
+        for n in sizes:
+            saved = pct(idle[n]["pd"], 50) - pct(idle[n]["alone"], 50)
+            stall = {m: pct([bg.stall(e, t0, STALL_WINDOW_S) * 1e3 for e, t0 in busy[n][m + "_at"]], 50)
+                     for m in ("pd", "alone")}
+            rows[n] = {"idle": idle[n], "busy": busy[n], "saved": saved, "stall_alone": stall["alone"],
+                       "stall_pd": stall["pd"]}
+            say(f"N={n}: saves {saved:.1f} ms; stalls decode's streams {stall['alone']:.1f} ms alone, "
+                f"{stall['pd']:.1f} ms by P/D")
+        # From there on for every larger N too: one noisy row does not decide it.
+        chosen = next((n for i, n in enumerate(sizes)
+                       if all(rows[m]["stall_alone"] > rows[m]["saved"] for m in sizes[i:])), None)
+        for n in sizes:
+            for err in rows[n]["idle"]["errors"] + rows[n]["busy"]["errors"]:
+                say(f"N={n}: error: {err}")
+        usual = pct([bg.usual(e) * 1e3 for e in DECODES], 50)
+        return {"rows": rows, "threshold": chosen, "background": background, "reps": reps, "usual_gap": usual}
 
     # -------------------------------------------------------------- conversations
     def conversations(self, name: str, url: str, convs: int, turns: int, first: int, new: int,
@@ -284,8 +328,8 @@ def report(cross: dict, seq: list[dict], poi: list[dict], meta: dict) -> str:
              "float32 Llama of `app/tiny_model.py`, block size 32; {convs} conversations of {turns} turns, "
              "turn 1 {first} tokens, each later turn +{new} new tokens and the previous answer's "
              "{answer}).".format(answer=ANSWER_TOKENS, **meta), ""]
-    lines += ["### Sequential: TTFT per turn (ms, p50 / p90 over the conversations) and prefill bytes staged "
-              "per token of the prompt", "",
+    lines += ["### Sequential: TTFT per turn (ms, p50 / p90 over the conversations), and what the prefill "
+              "engine staged to push (p50)", "",
               "| turn | " + " | ".join(r["name"] for r in seq) + " |",
               "|---|" + "---|" * len(seq)]
     turns = sorted(seq[0]["rows"])
@@ -295,8 +339,9 @@ def report(cross: dict, seq: list[dict], poi: list[dict], meta: dict) -> str:
             ttft = [x["ttft_ms"] for x in r["rows"][t]]
             cells.append(f"{fmt(pct(ttft, 50))} / {fmt(pct(ttft, 90))}")
         lines.append(f"| {t} | " + " | ".join(cells) + " |")
-    lines.append("| bytes staged / prompt token, turn 1 → later turns | " + " | ".join(
-        staged_cell(r) for r in seq) + " |")
+    for t in turns:
+        lines.append(f"| KiB staged, turn {t} (per token the turn added) | " + " | ".join(
+            staged_cell(r, t) for r in seq) + " |")
     lines.append("| answers equal to the aggregated engine's | " + " | ".join(
         f"{sum(len(v) > 0 for v in r['answers'].values()) - r['wrong']} of {len(r['answers'])}" for r in seq) + " |")
     lines.append("| CPU seconds (all processes) / wall seconds | " + " | ".join(
@@ -314,35 +359,39 @@ def report(cross: dict, seq: list[dict], poi: list[dict], meta: dict) -> str:
                                               for r in poi) + " |")
     lines.append("| errors | " + " | ".join(str(len(r["errors"])) for r in poi) + " |")
     cross_lines = [f"Measured {meta['date']} by `bench/multiturn.py` ({meta['cpus']} cores): a 1,000-token "
-                   "conversation prefix on a decode engine, then a turn adding N tokens, served by the P/D path "
-                   "(KV-aware, only the rest pushed) or by that decode engine alone, alternating, "
-                   f"{cross['reps']} of each per N, with {cross['background']} background streams on each decode "
-                   "engine. TTFT p50 / p90 (ms), and the background streams' inter-token gaps p50 / max (ms) "
-                   "while the turn waited for its first token.", "",
-                   "| N new tokens | P/D TTFT | decode alone TTFT | P/D / alone | background gaps, P/D | "
-                   "background gaps, alone | errors |", "|---|---|---|---|---|---|---|"]
-    for n, v in cross["sizes"].items():
-        ratio = pct(v["pd"], 50) / pct(v["alone"], 50) if v["alone"] and v["pd"] else float("nan")
+                   f"prompt and its {ANSWER_TOKENS}-token answer on a decode engine, then a turn adding N tokens, "
+                   "served by the P/D path (KV-aware: only the rest pushed) or by that decode engine alone, "
+                   f"alternating, {cross['reps']} of each per N with the engines otherwise idle, then "
+                   f"{2 * cross['reps']} of each with "
+                   f"{cross['background']} background stream(s) on each decode engine (their usual inter-token "
+                   f"gap: {cross.get('usual_gap', float('nan')):.1f} ms). TTFT p50 / p90 (ms). *Saves*: the P/D "
+                   "path's idle TTFT p50 less decode alone's. *Stall*: p50 over turns of the longest gap the "
+                   f"serving decode engine's background stream saw in the {STALL_WINDOW_S} s after the turn was "
+                   "sent, less its usual gap. *Direct*: the same turn sent straight to that decode engine, "
+                   "no router (decode alone's floor).", "",
+                   "| N | idle: P/D | idle: alone | idle: direct | busy: P/D | busy: alone | saves (ms) "
+                   "| stall, alone (ms) | stall, P/D (ms) | errors |",
+                   "|---|---|---|---|---|---|---|---|---|---|"]
+    for n, v in cross["rows"].items():
+        i, b = v["idle"], v["busy"]
         cross_lines.append(
-            f"| {n} | {fmt(pct(v['pd'], 50))} / {fmt(pct(v['pd'], 90))} | {fmt(pct(v['alone'], 50))} / "
-            f"{fmt(pct(v['alone'], 90))} | {ratio:.2f} | {gaps(v['pd_gaps'])} | {gaps(v['alone_gaps'])} | "
-            f"{v['errors']} |")
-    cross_lines += ["", "Crossover (the smallest N at which the P/D path's TTFT p50 is no worse than decode "
-                    f"alone's): **{cross['threshold'] if cross['threshold'] is not None else 'none in the range'}**."]
+            f"| {n} | {fmt(pct(i['pd'], 50))} / {fmt(pct(i['pd'], 90))} | {fmt(pct(i['alone'], 50))} / "
+            f"{fmt(pct(i['alone'], 90))} | {fmt(pct(i['direct'], 50))} / {fmt(pct(i['direct'], 90))} | "
+            f"{fmt(pct(b['pd'], 50))} / {fmt(pct(b['pd'], 90))} | "
+            f"{fmt(pct(b['alone'], 50))} / {fmt(pct(b['alone'], 90))} | {v['saved']:.1f} | {v['stall_alone']:.1f} "
+            f"| {v['stall_pd']:.1f} | {len(i['errors']) + len(b['errors'])} |")
+    cross_lines += ["", "Crossover (the smallest N from which on a local prefill stalls the decode engine's other "
+                    "streams longer than it saves the turn): "
+                    f"**{cross['threshold'] if cross['threshold'] is not None else 'none in the range'}**."]
     return "\n".join(lines), "\n".join(cross_lines)
 
 
-def gaps(values: list[float]) -> str:
-    return f"{pct(values, 50):.0f} / {max(values):.0f}" if values else "-"
-
-
-def staged_cell(r: dict) -> str:
-    rows = r["rows"]
-    first = [x["staged"] / x["tokens"] for x in rows[1] if x["tokens"]]
-    later = [x["staged"] / x["tokens"] for t in rows if t > 1 for x in rows[t] if x["tokens"]]
-    if not any(first) and not any(later):
-        return "0 (no push)"
-    return f"{pct(first, 50):.0f} → {pct(later, 50):.0f}"
+def staged_cell(r: dict, t: int) -> str:
+    rows = r["rows"][t]
+    kib = pct([x["staged"] / 1024 for x in rows], 50)
+    if not kib:
+        return "0"
+    return f"{kib:.0f} ({pct([x['staged'] / x['new'] for x in rows], 50):.0f} B)"
 
 
 def main() -> None:
@@ -354,18 +403,18 @@ def main() -> None:
     p.add_argument("--skip-crossover", action="store_true")
     args = p.parse_args()
     quick = args.quick
-    sizes = [32, 128] if quick else [16, 32, 64, 128, 256, 512]
-    convs, turns, first, new = (2, 3, 600, 100) if quick else (4, 4, 1000, 200)
+    sizes = [32, 256] if quick else [16, 32, 64, 128, 256, 512]
+    convs, turns, first, new = (2, 3, 600, 48) if quick else (4, 4, 1000, 64)
     bench = Bench(args)
     try:
         bench.start()
         cross = None
         if not args.skip_crossover:
-            cross = bench.crossover(sizes, reps=2 if quick else 5, background=1 if quick else 2)
+            cross = bench.crossover(sizes, reps=2 if quick else 5, background=1)
             say(f"crossover: {cross['threshold']}")
         threshold = args.local_prefill_tokens
-        if threshold is None:
-            threshold = cross["threshold"] if cross and cross["threshold"] is not None else 0
+        if threshold is None:  # none in the range: decode alone was no worse up to the largest N measured
+            threshold = (cross["threshold"] if cross["threshold"] is not None else max(sizes)) if cross else 0
         bench.routers["kv-aware"] = bench.stack.add_router("router-kv", extra=("--local-prefill-tokens",
                                                                                  str(threshold)))
         say(f"kv-aware router with --local-prefill-tokens {threshold}")
@@ -380,7 +429,7 @@ def main() -> None:
                                  (f"kv-aware (local < {threshold})", bench.routers["kv-aware"]))]
         meta = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "convs": convs, "turns": turns,
                 "first": first, "new": new, "think_s": 1.0}
-        multi, cross_text = report(cross or {"sizes": {}, "threshold": None, "reps": 0, "background": 0},
+        multi, cross_text = report(cross or {"rows": {}, "threshold": None, "reps": 0, "background": 0},
                                    seq, poi, meta)
         print(cross_text + "\n\n" + multi)
         if args.report and not quick:

@@ -7,9 +7,9 @@ import dataclasses
 
 # The default --local-prefill-tokens with KV-aware routing: below this many uncached
 # tokens a decode engine computing them itself answers sooner than the P/D path does;
-# measured on this project's CPU machines by bench/local_prefill.py (docs/BENCHMARKS.md,
+# measured on this project's CPU machines by bench/multiturn.py (docs/BENCHMARKS.md,
 # "Conditional disaggregation"). Measure it again on other hardware and models.
-LOCAL_PREFILL_TOKENS = 0
+LOCAL_PREFILL_TOKENS = 128
 
 
 @dataclasses.dataclass(frozen=True)

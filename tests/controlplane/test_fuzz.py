@@ -34,7 +34,8 @@ others = texts.filter(lambda name: name != "acme")
 u64s = st.lists(st.integers(0, 2**64 - 1), max_size=40)
 reserves = st.builds(scheduler_pb2.ReserveRequest, request_id=texts, num_tokens=u32, model=texts,
                      preferred_engine_id=texts, deadline_ms=u32, prefill_layout=st.one_of(st.none(), layouts),
-                     block_keys=u64s, block_keys_block_size=st.one_of(u32, st.just(16)))
+                     block_keys=u64s, block_keys_block_size=st.one_of(u32, st.just(16)),
+                     local_prefill_tokens=st.one_of(u32, st.just(0), st.just(64)))
 stream_messages = st.lists(st.builds(scheduler_pb2.ReserveStreamRequest, asks=st.lists(st.builds(
     scheduler_pb2.ReserveAsk, tag=st.integers(0, 2**64 - 1), reserve=reserves), max_size=5)), max_size=3)
 reports = st.builds(registry_pb2.ReportStateRequest, reservation_id=texts, state=st.integers(0, 9), reason=texts,

@@ -12,7 +12,9 @@ beyond its prefix hit, and the answer equals the aggregated engine's. The regist
 clean after.
 
 The reservation covers only the tokens decode lacks and the prefill engine pushes only
-those (its staged bytes per token are turn 1's)."""
+those (its staged bytes per token are turn 1's). The stack's router always disaggregates
+(--local-prefill-tokens 0); a second one, with a threshold, serves a short follow-up on the
+decode engine holding the conversation alone (conditional disaggregation)."""
 
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ def system(tmp_path_factory):
     # (dev endpoints on the decode engines: /reset_prefix_cache plays an eviction)
     yield from with_aggregated(logs, StackSpec(model_dir=model, log_dir=logs, decode_engines=2, kv_aware=True,
                                                decode_env={"VLLM_SERVER_DEV_MODE": "1"},
+                                               router_args=("--local-prefill-tokens", "0"),
                                                deadline_ms=20_000, quarantine_ms=2_000))
 
 
@@ -69,28 +72,41 @@ async def release(stack: Stack, res_id: str) -> None:
                                    timeout=10)
 
 
-def test_the_next_turn_goes_to_the_decode_engine_that_holds_the_conversation(system):
-    stack, agg = system
-    turn1 = prompt(150, seed=71)
+def first_turn_on_decode_0(stack: Stack, turn1: list[int], max_tokens: int) -> tuple[list[int], int]:
+    """Turn 1 through the router onto decode-0 (a reservation held on decode-1 makes it the
+    freer), then the hold let go and its quarantine waited out: both engines equally free,
+    so without the prefix the next turn's tie would go to decode-1. The answer's token ids
+    and the bytes the prefill engine staged for it."""
     held = asyncio.run(hold(stack, "decode-1", 64))
     try:
         before = {e: counters(stack, e) for e in ("decode-0", "decode-1", "prefill-0")}
-        first = complete(stack.router_url, turn1, 24, return_token_ids=True)
+        first = complete(stack.router_url, turn1, max_tokens, return_token_ids=True)
         assert served_by(stack, before) == ["decode-0"]
-        first_staged = counters(stack, "prefill-0").get("bytes_staged", 0) - before["prefill-0"].get("bytes_staged", 0)
+        staged = counters(stack, "prefill-0").get("bytes_staged", 0) - before["prefill-0"].get("bytes_staged", 0)
     finally:
         asyncio.run(release(stack, held))
-    time.sleep(2.5)  # its blocks stay out of use for the quarantine (2 s here): equally free after
-    answer = first["choices"][0]["token_ids"]
+    time.sleep(2.5)  # its blocks stay out of use for the quarantine (2 s here)
+    return first["choices"][0]["token_ids"], staged
+
+
+def wait_until_held(stack: Stack, ids: list[int], tokens: int) -> None:
+    """Until decode-0's sidecar holds ``tokens`` of ``ids`` and has reported it."""
+    deadline = time.monotonic() + 10  # the engine's events, the sidecar's next report
+    while overlap(stack, "decode-0", ids) < tokens:
+        assert time.monotonic() < deadline, overlap(stack, "decode-0", ids)
+        time.sleep(0.1)
+    time.sleep(1.0)  # the report reaches the control plane within its 0.25 s interval
+
+
+def test_the_next_turn_goes_to_the_decode_engine_that_holds_the_conversation(system):
+    stack, agg = system
+    turn1 = prompt(150, seed=71)
+    answer, first_staged = first_turn_on_decode_0(stack, turn1, 24)
     assert answer == complete(agg, turn1, 24, return_token_ids=True)["choices"][0]["token_ids"]
 
     turn2 = turn1 + answer + prompt(30, seed=72)
     held_tokens = (len(turn1) + len(answer) - 1) // engines.BLOCK_SIZE * engines.BLOCK_SIZE
-    deadline = time.monotonic() + 10  # the engine's events, the sidecar's next report
-    while overlap(stack, "decode-0", turn2) < held_tokens:
-        assert time.monotonic() < deadline, overlap(stack, "decode-0", turn2)
-        time.sleep(0.1)
-    time.sleep(1.0)  # the report reaches the control plane within its 0.25 s interval
+    wait_until_held(stack, turn2, held_tokens)
     before = {e: counters(stack, e) for e in ("decode-0", "decode-1", "prefill-0")}
     cached_before = router_prefix_tokens(stack)["cached"]
     second = complete(stack.router_url, turn2, 16, return_token_ids=True)
@@ -111,31 +127,25 @@ def test_the_next_turn_goes_to_the_decode_engine_that_holds_the_conversation(sys
     settled(stack)
 
 
-def router_prefix_tokens(stack: Stack) -> dict[str, float]:
+def router_counter(url: str, name: str, label: str) -> dict[str, float]:
+    """A router's counter ``name`` (without _total), by the value of ``label``."""
     from prometheus_client.parser import text_string_to_metric_families
-    with urllib.request.urlopen(f"{stack.router_url}/metrics", timeout=10) as resp:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
         text = resp.read().decode()
-    return {s.labels["kind"]: s.value for fam in text_string_to_metric_families(text)
-            if fam.name == "kvpush_router_prefix_tokens" for s in fam.samples if s.name.endswith("_total")}
+    return {s.labels[label]: s.value for fam in text_string_to_metric_families(text)
+            if fam.name == name for s in fam.samples if s.name.endswith("_total")}
+
+
+def router_prefix_tokens(stack: Stack) -> dict[str, float]:
+    return router_counter(stack.router_url, "kvpush_router_prefix_tokens", "kind")
 
 
 def test_a_prefix_evicted_between_the_reserve_and_the_load_is_computed_and_correct(system):
     stack, agg = system
     turn1 = prompt(120, seed=81)
-    held = asyncio.run(hold(stack, "decode-1", 64))
-    try:
-        before = {e: counters(stack, e) for e in ("decode-0", "decode-1")}
-        answer = complete(stack.router_url, turn1, 20, return_token_ids=True)["choices"][0]["token_ids"]
-        assert served_by(stack, before) == ["decode-0"]
-    finally:
-        asyncio.run(release(stack, held))
-    time.sleep(2.5)
+    answer, _ = first_turn_on_decode_0(stack, turn1, 20)
     turn2 = turn1 + answer + prompt(20, seed=82)
-    deadline = time.monotonic() + 10
-    while overlap(stack, "decode-0", turn2) < 96:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-    time.sleep(1.0)
+    wait_until_held(stack, turn2, 96)
     # The engine drops its cache; the event goes out with its next step (the next request),
     # so the control plane still counts on the prefix when it reserves.
     req = urllib.request.Request(f"{stack.urls['decode-0']}/reset_prefix_cache", method="POST")
@@ -162,4 +172,26 @@ def test_without_a_held_prefix_the_freer_engine_is_chosen(system):
     finally:
         asyncio.run(release(stack, held))
     time.sleep(2.5)  # (its quarantine)
+    settled(stack)
+
+
+def test_a_short_follow_up_is_served_by_the_decode_engine_holding_the_conversation_alone(system):
+    stack, agg = system
+    local = stack.add_router("router-local", extra=("--local-prefill-tokens", "64"))
+    turn1 = prompt(150, seed=91)
+    answer, _ = first_turn_on_decode_0(stack, turn1, 24)
+    turn2 = turn1 + answer + prompt(20, seed=92)  # 194 tokens, of which decode-0 holds 160: 34 to compute
+    wait_until_held(stack, turn2, (len(turn1) + len(answer) - 1) // engines.BLOCK_SIZE * engines.BLOCK_SIZE)
+    before = {e: counters(stack, e) for e in ("decode-0", "decode-1", "prefill-0")}
+    alone_before = router_counter(local, "kvpush_router_local_prefill", "reason").get("cached_prefix", 0)
+    got = complete(local, turn2, 16, return_token_ids=True)["choices"][0]["token_ids"]
+    assert got == complete(agg, turn2, 16, return_token_ids=True)["choices"][0]["token_ids"]
+    assert router_counter(local, "kvpush_router_local_prefill", "reason")["cached_prefix"] == alone_before + 1
+    after = {e: counters(stack, e) for e in ("decode-0", "decode-1", "prefill-0")}
+    # decode-0 computed the rest itself: nothing reserved, loaded or pushed, no prefill computed
+    assert after["decode-0"].get("requests_plain", 0) > before["decode-0"].get("requests_plain", 0)
+    for e in ("decode-0", "decode-1"):
+        assert after[e].get("loads_started", 0) == before[e].get("loads_started", 0)
+    assert after["decode-1"].get("requests_plain", 0) == before["decode-1"].get("requests_plain", 0)
+    assert after["prefill-0"].get("bytes_staged", 0) == before["prefill-0"].get("bytes_staged", 0)
     settled(stack)
