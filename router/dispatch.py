@@ -164,14 +164,15 @@ class Dispatcher(PushPath):
                     metrics.FALLBACKS.labels(reason=why).inc()
                     _log.info("serving without push", request_id=request_id, reason=why, num_tokens=ask.num_tokens)
                     return await self._decode_alone(endpoint, body, request)
-                if res.decode_alone:
-                    return await self._local_prefill(ask, res, request)
-                held.append(res)
                 timings["reserved"] = time.perf_counter()
-                if ask.path == asks.PUSH:
+                if res.decode_alone:
+                    response = await self._local_prefill(ask, res, request, timings)
+                elif ask.path == asks.PUSH:
+                    held.append(res)
                     response = await self._push(ask, prefill_url, self.engines.decode_url(res.engine_id), request,
                                                 timings, held)
                 else:
+                    held.append(res)
                     response = await self._first_token(ask, request_id, prefill_url, request, timings, held)
         except BaseException:
             # Client gone or an engine failed: give the blocks back now, not at the deadline.
@@ -181,26 +182,30 @@ class Dispatcher(PushPath):
         # One line per request with where its time went: the first place to look
         # when TTFT is above the prefill's own time.
         _log.info("served", request_id=request_id, reservation_id=held[0].id if held else "",
-                  num_tokens=ask.num_tokens, path=ask.path, received_unix=round(received_unix, 6),
+                  num_tokens=ask.num_tokens, path="local_prefill" if "local_decided" in timings else ask.path,
+                  received_unix=round(received_unix, 6),
                   **{f"{k}_ms": round((v - started) * 1e3, 2) for k, v in timings.items()})
         return response
 
-    async def _local_prefill(self, ask: asks.Ask, decision, request: web.Request) -> web.StreamResponse:
+    async def _local_prefill(self, ask: asks.Ask, decision, request: web.Request,
+                             timings: dict) -> web.StreamResponse:
         """Conditional disaggregation: ``decision`` (a Reserve answered decode_alone) names the
         decode engine that lacks so little of the prompt that it computes the rest itself."""
         metrics.LOCAL_PREFILL.labels(reason="cached_prefix" if decision.cached_tokens else "short_prompt").inc()
+        timings["local_decided"] = time.perf_counter()
         return await self._decode_alone(ask.endpoint, ask.body, request, "local_prefill",
-                                        self.engines.decode_url(decision.engine_id))
+                                        self.engines.decode_url(decision.engine_id), timings)
 
     async def _decode_alone(self, endpoint: str, body: dict, request: web.Request,
-                            path: str = "fallback", url: str | None = None) -> web.StreamResponse:
+                            path: str = "fallback", url: str | None = None,
+                            timings: dict | None = None) -> web.StreamResponse:
         """The request served by a decode engine by itself (``url``, else the least loaded;
         ``path`` labels its TTFT)."""
         url = url or self._alone_url()
         if url is None:
             raise ApiError(f"no engine is available for model {self.cfg.model!r}", 503)
         try:
-            return await self.up.proxy(url, endpoint, body, request, path)
+            return await self.up.proxy(url, endpoint, body, request, path, timings)
         except aiohttp.ClientError as exc:
             other = self._alone_url(url)
             if other is None or not nothing_sent(exc, body):
@@ -261,7 +266,7 @@ class Dispatcher(PushPath):
                 # The client went away first: the reserver releases a grant nobody waits for.
                 reserving.cancel()
         if alone is not None:
-            return await self._local_prefill(ask, alone, request)
+            return await self._local_prefill(ask, alone, request, timings)
         res = held[0] if held else None
         if status != 200:
             if res is not None:
