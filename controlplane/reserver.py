@@ -37,6 +37,11 @@ from kvpush.contract.layout import KvLayout
 _log = log.get("reserver")
 MAX_ATTEMPTS = 20
 OVERLAP_WEIGHT = 1.0  # a candidate's score: free fraction + this x the share of the prompt it holds
+# Decode alone takes no landing blocks, so the free fraction does not see it: each engine's
+# recent decode-alone answers (decaying with this half-life) weigh against it instead, or
+# every turn of a prefix many engines hold (a shared system prompt) would go to one.
+ALONE_LOAD_WEIGHT = 0.02
+ALONE_HALF_LIFE_S = 1.0
 
 
 @dataclasses.dataclass
@@ -89,6 +94,7 @@ class Reserver:
         # what --max-batch asks for (etcd configured to match, as the embedded one is).
         self.max_ops = max(128, 2 * max_batch + 8)
         self._candidates = CandidateCache(view)
+        self._alone_load: dict[str, tuple[float, float]] = {}  # engine id -> (decayed count, as of)
         self._queue: asyncio.Queue[ReserveAsk] = asyncio.Queue()
         self._task: asyncio.Task | None = None
         self.batch_all_of_queue = True  # False: one transaction per reservation (the baseline)
@@ -352,14 +358,25 @@ class Reserver:
             return None
         preferred = cands.index.get(ask.preferred_engine_id) if ask.preferred_engine_id else None
         eligible = np.broadcast_to(short, free.shape)
-        i = preferred if preferred is not None and eligible[preferred] else self._best(ask, cands, free, cached,
-                                                                                        eligible)
+        now = asyncio.get_running_loop().time()
+        if preferred is not None and eligible[preferred]:
+            i = preferred
+        else:
+            load = np.zeros(len(free))
+            for j in np.flatnonzero(eligible):
+                load[j] = self._recent_alone(cands.engines[j].engine_id, now)
+            i = self._best(ask, cands, free - ALONE_LOAD_WEIGHT * load * cands.divisor, cached, eligible)
         engine = cands.engines[i]
+        self._alone_load[engine.engine_id] = (self._recent_alone(engine.engine_id, now) + 1.0, now)
         metrics.DECODE_ALONE.labels(reason="cached_prefix" if cached is not None and cached[i] else
                                     "short_prompt").inc()
         return DecodeAlone(ask.tenant.name, ask.request_id, engine.engine_id, engine.incarnation,
                            engine.layout.block_size, ask.num_tokens, ask.model,
                            int(cached[i]) if cached is not None else 0)
+
+    def _recent_alone(self, engine_id: str, now: float) -> float:
+        count, since = self._alone_load.get(engine_id, (0.0, now))
+        return count * 0.5 ** ((now - since) / ALONE_HALF_LIFE_S)
 
     def _cached_tokens(self, ask: ReserveAsk, cands) -> np.ndarray:
         """Leading prompt tokens each candidate holds in its prefix cache (block-aligned, and

@@ -202,3 +202,29 @@ async def test_reserve_answers_decode_alone_when_decode_lacks_only_a_short_rest(
         await tenant.close()
         await holder.stop()
         await other.stop()
+
+
+async def test_decode_alone_turns_of_a_prefix_many_engines_hold_are_spread_over_them(cp, admin, engine_client):
+    """Decode alone takes no landing blocks, so free blocks cannot spread it: without its
+    own load term every turn on a shared system prompt would go to one engine (the tie)."""
+    from tests.controlplane.helpers import make_tenant, reserve
+    engines = [SimulatedEngine(engine_client, f"decode-s{i}", num_blocks=64) for i in range(3)]
+    for e in engines:
+        await e.register()
+    tenant = await make_tenant(admin, cp.address, "spread")
+    try:
+        keys = [301, 302, 303, 304]  # a shared 64-token system prompt, held by every engine
+        for e in engines:
+            await report(engine_client, engine_id=e.engine_id, incarnation=e.incarnation, epoch=1, seq=0,
+                         stored=keys, block_size=16)
+        chosen = []
+        for i in range(9):
+            got = await reserve(tenant, f"turn-{i}", 72, block_keys=keys, block_keys_block_size=16,
+                                local_prefill_tokens=32)
+            assert got.decode_alone and got.cached_tokens == 64
+            chosen.append(got.engine_id)
+        assert sorted(chosen.count(e.engine_id) for e in engines) == [3, 3, 3], chosen
+    finally:
+        await tenant.close()
+        for e in engines:
+            await e.stop()
