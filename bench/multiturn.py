@@ -149,8 +149,7 @@ class Background:
 
 
 class Bench:
-    def __init__(self, args) -> None:
-        self.args = args
+    def __init__(self) -> None:
         self.logs = tempfile.mkdtemp(prefix="kvpush-multiturn-")
         self.model = os.path.abspath(ensure_model(os.path.join(engines.ROOT, DEFAULT_DIR)))
         dev = {"VLLM_SERVER_DEV_MODE": "1"}  # /reset_prefix_cache between configurations
@@ -323,7 +322,8 @@ def fmt(v: float) -> str:
     return "timeout" if not np.isfinite(v) else f"{v:.0f}"
 
 
-def report(cross: dict, seq: list[dict], poi: list[dict], meta: dict) -> str:
+def report(cross: dict, seq: list[dict], poi: list[dict], meta: dict) -> tuple[str, str]:
+    """The multi-turn section and the crossover section of docs/BENCHMARKS.md."""
     lines = [f"Measured {meta['date']} by `bench/multiturn.py` ({meta['cpus']} cores, one run; the tiny "
              "float32 Llama of `app/tiny_model.py`, block size 32; {convs} conversations of {turns} turns, "
              "turn 1 {first} tokens, each later turn +{new} new tokens and the previous answer's "
@@ -405,7 +405,7 @@ def main() -> None:
     quick = args.quick
     sizes = [32, 256] if quick else [16, 32, 64, 128, 256, 512]
     convs, turns, first, new = (2, 3, 600, 48) if quick else (4, 4, 1000, 64)
-    bench = Bench(args)
+    bench = Bench()
     try:
         bench.start()
         cross = None

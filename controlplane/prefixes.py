@@ -82,10 +82,7 @@ class PrefixIndex:
     def overlap(self, engine_id: str, incarnation: str, keys: Sequence[int], block_size: int) -> int:
         """One engine's share of ``overlaps``: 0 when unknown, of another incarnation, or hashed
         over other blocks."""
-        held = self._engines.get(engine_id)
-        if held is None or not held.synced or held.incarnation != incarnation or held.block_size != block_size:
-            return 0
-        return leading_held(keys, held.keys)
+        return self.overlaps(keys, block_size).get((engine_id, incarnation), 0)
 
     def held_blocks(self, engine_id: str) -> int:
         held = self._engines.get(engine_id)

@@ -339,13 +339,16 @@ class Reserver:
         return engine, blocks, int(cached[chosen]) if cached is not None else 0
 
     @staticmethod
-    def _best(ask: ReserveAsk, cands, free: np.ndarray, cached: np.ndarray | None, eligible) -> int:
+    def _best(ask: ReserveAsk, cands, free: np.ndarray, cached: np.ndarray | None, eligible,
+              penalty: np.ndarray | None = None) -> int:
         """The eligible candidate with the largest free fraction, plus, with the prompt's block
         keys, the share of the prompt it already holds (OVERLAP_WEIGHT: a whole prompt held
-        outweighs an idle engine); ties to the largest id, for determinism."""
+        outweighs an idle engine), less ``penalty``; ties to the largest id, for determinism."""
         score = free / cands.divisor
         if cached is not None:
             score = score + OVERLAP_WEIGHT * cached / ask.num_tokens
+        if penalty is not None:
+            score = score - penalty
         score = np.where(eligible, score, -1.0)
         return len(score) - 1 - int(score[::-1].argmax())
 
@@ -365,7 +368,7 @@ class Reserver:
             load = np.zeros(len(free))
             for j in np.flatnonzero(eligible):
                 load[j] = self._recent_alone(cands.engines[j].engine_id, now)
-            i = self._best(ask, cands, free - ALONE_LOAD_WEIGHT * load * cands.divisor, cached, eligible)
+            i = self._best(ask, cands, free, cached, eligible, ALONE_LOAD_WEIGHT * load)
         engine = cands.engines[i]
         self._alone_load[engine.engine_id] = (self._recent_alone(engine.engine_id, now) + 1.0, now)
         metrics.DECODE_ALONE.labels(reason="cached_prefix" if cached is not None and cached[i] else

@@ -89,8 +89,9 @@ class CacheCopier(abc.ABC):
     def load(self, cache_block_ids: Sequence[int], start: int, end: int, landing_block_ids: Sequence[int],
              plan: object = None, offset: int = 0) -> Fence | None:
         """Decode: tokens ``[start, end)`` of every layer into the cache from the landing blocks
-        (token order), where they are tokens ``[start - offset, end - offset)``. Returns a fence for the reads of the landing blocks (None: done);
-        the forward pass is ordered after the copy by the copier (same stream)."""
+        (token order), where they are tokens ``[start - offset, end - offset)``. Returns a
+        fence for the reads of the landing blocks (None: done); the forward pass is ordered
+        after the copy by the copier (same stream)."""
 
     def fence(self) -> Fence | None:
         """A fence for every copy enqueued so far (None: nothing can be pending)."""

@@ -167,13 +167,13 @@ class Dispatcher(PushPath):
                 timings["reserved"] = time.perf_counter()
                 if res.decode_alone:
                     response = await self._local_prefill(ask, res, request, timings)
-                elif ask.path == asks.PUSH:
-                    held.append(res)
-                    response = await self._push(ask, prefill_url, self.engines.decode_url(res.engine_id), request,
-                                                timings, held)
                 else:
                     held.append(res)
-                    response = await self._first_token(ask, request_id, prefill_url, request, timings, held)
+                    if ask.path == asks.PUSH:
+                        response = await self._push(ask, prefill_url, self.engines.decode_url(res.engine_id),
+                                                    request, timings, held)
+                    else:
+                        response = await self._first_token(ask, request_id, prefill_url, request, timings, held)
         except BaseException:
             # Client gone or an engine failed: give the blocks back now, not at the deadline.
             if held:
