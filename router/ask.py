@@ -58,6 +58,7 @@ class Ask:
     path: str
     why: str = ""
     prompt_ids: tuple[int, ...] = ()  # one prompt's token ids as the router made them (KV-aware routing)
+    cache_salt: str | None = None     # the engines salt its first block's hash with it (KV-aware routing)
 
 
 def _int(body: dict, name: str, default=None):
@@ -253,6 +254,10 @@ def parse(endpoint: str, body: dict, counter, limits: Limits) -> Ask:
         raise ApiError(f"best_of must be greater than or equal to n, got n={n} and best_of={best_of}.",
                        param="best_of")
     _check_sampling(body, endpoint, limits)
+    cache_salt = body.get("cache_salt")
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        # (vLLM's own words; its further rules on the salt are left to the engines)
+        raise ApiError("Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt")
 
     prompts: list = []
     if endpoint == "chat":
@@ -297,4 +302,5 @@ def parse(endpoint: str, body: dict, counter, limits: Limits) -> Ask:
     return Ask(endpoint=endpoint, body=body, num_tokens=num_tokens, max_tokens=max_tokens, min_tokens=min_tokens,
                stream=stream, include_usage=_bool(opts, "include_usage"),
                continuous_usage=_bool(opts, "continuous_usage_stats"), logprobs=logprobs,
-               return_token_ids=_bool(body, "return_token_ids"), path=path, why=why, prompt_ids=prompt_ids)
+               return_token_ids=_bool(body, "return_token_ids"), path=path, why=why, prompt_ids=prompt_ids,
+               cache_salt=cache_salt)

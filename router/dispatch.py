@@ -95,16 +95,16 @@ class Dispatcher(PushPath):
                 return self._least_loaded(others)
         return None
 
-    async def reserve(self, request_id: str, num_tokens: int, prefill_engine_id: str = "", prompt_ids=()):
+    async def reserve(self, request_id: str, ask: asks.Ask, prefill_engine_id: str = ""):
         """The reservation (its decode engine one the router can reach), or (None, reason)
         when serving without push."""
         started = time.perf_counter()
         try:
             res = await self.reserver.reserve(
-                scheduler_pb2.ReserveRequest(request_id=request_id, num_tokens=num_tokens, model=self.cfg.model,
+                scheduler_pb2.ReserveRequest(request_id=request_id, num_tokens=ask.num_tokens, model=self.cfg.model,
                                              deadline_ms=self.cfg.deadline_ms, prefill_engine_id=prefill_engine_id,
                                              local_prefill_tokens=self.cfg.local_prefill_tokens,
-                                             **self.kv_aware.reserve_fields(prompt_ids)),
+                                             **self.kv_aware.reserve_fields(ask.prompt_ids, ask.cache_salt)),
                 timeout=self.cfg.reserve_timeout_s)
         except ReserveRefused as exc:
             return None, exc.code.name.lower()
@@ -153,13 +153,13 @@ class Dispatcher(PushPath):
                 # The Reserve and the prefill request's HTTP, tokenization and scheduling
                 # run at once: the reservation names the prefill engine, whose sidecar
                 # hears it by watch while its connector holds the request.
-                reserving = asyncio.create_task(self.reserve(request_id, ask.num_tokens, prefill_id, ask.prompt_ids))
+                reserving = asyncio.create_task(self.reserve(request_id, ask, prefill_id))
                 response = await self._first_token(ask, request_id, prefill_url, request, timings, held,
                                                    reserving=reserving)
             else:
                 # Named on the push path too: its sidecar then holds the staged KV for a
                 # failover (and frees it at CONSUMED), and the layouts are checked now.
-                res, why = await self.reserve(request_id, ask.num_tokens, prefill_id, ask.prompt_ids)
+                res, why = await self.reserve(request_id, ask, prefill_id)
                 if res is None:
                     metrics.FALLBACKS.labels(reason=why).inc()
                     _log.info("serving without push", request_id=request_id, reason=why, num_tokens=ask.num_tokens)

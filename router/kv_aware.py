@@ -19,11 +19,13 @@ class KvAware:
         self.hasher = (BlockHasher(cfg.prefix_block_size, cfg.prefix_hash, cfg.prefix_hash_seed)
                        if cfg.prefix_block_size else None)
 
-    def reserve_fields(self, prompt_ids) -> dict:
-        """The ReserveRequest fields naming the prompt's blocks (none when off or unknown)."""
+    def reserve_fields(self, prompt_ids, cache_salt: str | None = None) -> dict:
+        """The ReserveRequest fields naming the prompt's blocks (none when off or unknown);
+        a salted request's keys are salted as its engines salt them, so they match only
+        blocks computed with the same salt."""
         if self.hasher is None or not prompt_ids:
             return {}
-        return {"block_keys": self.hasher.keys(prompt_ids), "block_keys_block_size": self.hasher.block_size}
+        return {"block_keys": self.hasher.keys(prompt_ids, cache_salt), "block_keys_block_size": self.hasher.block_size}
 
     def observed(self, reservation):
         """Count a granted reservation's prompt and what its decode engine held of it."""

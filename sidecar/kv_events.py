@@ -20,7 +20,11 @@ while missing a block it holds costs only a missed overlap. So:
 * each stored block is checked against the hasher when its parent is known in full:
   an engine hashing differently (another ``--prefix-caching-hash-algo``, another
   ``PYTHONHASHSEED``) would never match a router's keys, so the follower stops and
-  says so once, loudly, instead of publishing keys nobody can match.
+  says so once, loudly, instead of publishing keys nobody can match. A block whose
+  hash has extra keys is checked with them where they can be rebuilt from the event
+  (a ``cache_salt``); a LoRA's, multimodal or prompt-embeds block is held unchecked
+  (its keys are the engine's own: a router's plain keys never equal them), so no
+  client's request can switch prefix-aware routing off.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from typing import Callable, Iterable, Sequence
 
 import msgspec
 
-from kvpush.contract.block_hash import DEFAULT_SEED, BlockHasher, block_key, leading_held
+from kvpush.contract.block_hash import DEFAULT_SEED, BlockHasher, block_key, leading_held, salted
 from kvpush.contract.prefixes import MAX_KEYS
 
 log = logging.getLogger(__name__)
@@ -88,7 +92,7 @@ class HeldBlocks:
         self.last_seq: int | None = None
         self.unusable = ""  # why the engine's hashes cannot be matched (then nothing is held)
         self.counters = {"batches": 0, "stored": 0, "removed": 0, "cleared": 0, "gaps": 0, "ignored": 0,
-                         "verified": 0}
+                         "verified": 0, "unchecked": 0}
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -171,12 +175,34 @@ class HeldBlocks:
         parent = event.get("parent_block_hash")
         if not hashes or len(tokens) < bs or isinstance(parent, int):
             return ""
-        mine = self.hasher.chain(parent, tokens[:bs])
+        extra = first_block_extra_keys(event)
+        if extra is UNCHECKABLE:  # a LoRA's, media's or prompt embeddings' block: held, not checked
+            self.counters["unchecked"] += 1
+            return ""
+        mine = self.hasher.chain(parent, tokens[:bs], extra)
         if block_key(mine) != block_key(hashes[0]):
             return (f"block of tokens {tokens[:4]}... hashes to {block_key(mine):#x} here, {block_key(hashes[0]):#x} "
                     f"in the engine (algorithm {self.hasher.algorithm!r}, seed {self.hasher.seed!r})")
         self.counters["verified"] += 1
         return ""
+
+
+UNCHECKABLE = object()
+
+
+def first_block_extra_keys(event: dict):
+    """The extra keys (tagged, as vLLM hashes them) of a ``BlockStored`` event's first block:
+    None for a plain block, a salted first block's for a ``cache_salt``, else UNCHECKABLE.
+    The event publishes them untagged (``to_event_extra_keys``): a bare string is a salt
+    unless the event names a LoRA; a LoRA's hash also covers its adapter path, which the
+    event does not carry."""
+    per_block = event.get("extra_keys") or ()
+    first = per_block[0] if per_block else None
+    if first is None:
+        return None
+    if event.get("lora_name") is None and len(first) == 1 and isinstance(first[0], str) and first[0]:
+        return salted(first[0])
+    return UNCHECKABLE
 
 
 class KvEventFollower:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import types
 
 import pytest
 
@@ -59,3 +60,32 @@ def test_a_prefix_shares_its_leading_keys_and_a_change_breaks_the_chain():
 def test_settings_kvpush_cannot_reproduce_are_refused(algorithm, block_size):
     with pytest.raises(BlockHashError):
         BlockHasher(block_size, algorithm)
+
+
+def salted_request(salt):
+    """What vLLM's extra-key generator reads of a plain text request with a cache_salt."""
+    return types.SimpleNamespace(mm_features=[], lora_request=None, cache_salt=salt, prompt_embeds=None)
+
+
+def vllm_salted_hashes(fn, tokens, block_size, salt):
+    kv_cache_utils.init_none_hash(fn)
+    parent, out = None, []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        extra, _ = kv_cache_utils.generate_block_hash_extra_keys(salted_request(salt), start, start + block_size, 0)
+        parent = kv_cache_utils.hash_block_tokens(fn, parent, tokens[start:start + block_size], extra)
+        out.append(bytes(parent))
+    return out
+
+
+@pytest.mark.parametrize("algorithm", ["sha256", "sha256_cbor"])
+def test_a_salted_prompts_hashes_equal_vllms_and_share_no_key_with_another_salt(monkeypatch, algorithm):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    tokens = [random.Random(7).randrange(50_000) for _ in range(100)]
+    hasher = BlockHasher(32, algorithm)
+    salted = hasher.hashes(tokens, cache_salt="tenant-a")
+    assert salted == vllm_salted_hashes(getattr(hashing, algorithm), tokens, 32, "tenant-a")
+    # vLLM salts the first block only; the chain carries it: no key in common with the
+    # unsalted prompt's, nor with another salt's
+    plain, other = set(hasher.keys(tokens)), set(hasher.keys(tokens, cache_salt="tenant-b"))
+    assert not plain & set(hasher.keys(tokens, "tenant-a")) and not other & set(hasher.keys(tokens, "tenant-a"))
+    assert hasher.keys(tokens, cache_salt="") == hasher.keys(tokens)  # vLLM: an empty salt is none

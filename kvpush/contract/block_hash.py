@@ -18,9 +18,14 @@ they are refused here rather than silently never matching.
 Everything kvpush stores or sends is the 64-bit *block key*: the low 64 bits of the
 hash, read big-endian, which is exactly what vLLM publishes when its events use
 integer hashes (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), so events of either form
-map to the same key. Only plain text requests are covered: a request with LoRA,
-multimodal inputs, a ``cache_salt`` or prompt embeddings hashes extra keys this
-module does not know, and simply never matches (no overlap, never a wrong one).
+map to the same key.
+
+A request's ``cache_salt`` (tenants kept from each other's prefixes) is an extra key
+of its first block, ``(("cache_salt", salt),)``, so every key of a salted prompt
+differs from the unsalted one's: ``keys(ids, cache_salt=...)`` computes them. A
+request with LoRA, multimodal inputs or prompt embeddings hashes extra keys this
+module does not reproduce (a LoRA's adapter path, the media's hashes), and simply
+never matches (no overlap, never a wrong one).
 """
 
 from __future__ import annotations
@@ -84,20 +89,28 @@ class BlockHasher:
         object.__setattr__(self, "_fn", _sha256_pickle if self.algorithm == "sha256" else _sha256_cbor)
         object.__setattr__(self, "_none", self._fn(self.seed))
 
-    def chain(self, parent: bytes | None, block_tokens: Sequence[int]) -> bytes:
-        """One block's hash, given its parent's (None for the first block)."""
-        return self._fn((parent or self._none, tuple(block_tokens), None))
+    def chain(self, parent: bytes | None, block_tokens: Sequence[int], extra_keys: tuple | None = None) -> bytes:
+        """One block's hash, given its parent's (None for the first block) and its extra keys
+        as vLLM tags them (``salted`` gives a first block's)."""
+        return self._fn((parent or self._none, tuple(block_tokens), extra_keys))
 
-    def hashes(self, token_ids: Sequence[int]) -> list[bytes]:
-        """The hashes of every full block of ``token_ids``, in order."""
+    def hashes(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[bytes]:
+        """The hashes of every full block of ``token_ids``, in order (of a request with
+        ``cache_salt``: vLLM salts its first block, and the chain carries it on)."""
         out: list[bytes] = []
         parent = None
         bs = self.block_size
         for start in range(0, len(token_ids) - bs + 1, bs):
-            parent = self.chain(parent, token_ids[start:start + bs])
+            parent = self.chain(parent, token_ids[start:start + bs], salted(cache_salt) if start == 0 else None)
             out.append(parent)
         return out
 
-    def keys(self, token_ids: Sequence[int]) -> list[int]:
+    def keys(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[int]:
         """The 64-bit keys of every full block of ``token_ids``, in order."""
-        return [block_key(h) for h in self.hashes(token_ids)]
+        return [block_key(h) for h in self.hashes(token_ids, cache_salt)]
+
+
+def salted(cache_salt: str | None) -> tuple | None:
+    """The extra keys of a request's first block for its ``cache_salt`` (None: no salt),
+    as ``vllm/v1/core/kv_cache_utils.py``'s ``generate_block_hash_extra_keys`` tags it."""
+    return (("cache_salt", cache_salt),) if cache_salt else None

@@ -48,9 +48,9 @@ def system(tmp_path_factory):
                                                deadline_ms=20_000, quarantine_ms=2_000))
 
 
-def overlap(stack: Stack, engine_id: str, ids: list[int]) -> int:
+def overlap(stack: Stack, engine_id: str, ids: list[int], cache_salt: str = "") -> int:
     with SidecarClient(os.path.join(stack.run_dir, f"{engine_id}.sock"), timeout_s=10) as c:
-        return c.admin("prefix_overlap", token_ids=ids)["tokens"]
+        return c.admin("prefix_overlap", token_ids=ids, cache_salt=cache_salt)["tokens"]
 
 
 def served_by(stack: Stack, before: dict) -> list[str]:
@@ -72,7 +72,7 @@ async def release(stack: Stack, res_id: str) -> None:
                                    timeout=10)
 
 
-def first_turn_on_decode_0(stack: Stack, turn1: list[int], max_tokens: int) -> tuple[list[int], int]:
+def first_turn_on_decode_0(stack: Stack, turn1: list[int], max_tokens: int, **extra) -> tuple[list[int], int]:
     """Turn 1 through the router onto decode-0 (a reservation held on decode-1 makes it the
     freer), then the hold let go and its quarantine waited out: both engines equally free,
     so without the prefix the next turn's tie would go to decode-1. The answer's token ids
@@ -80,7 +80,7 @@ def first_turn_on_decode_0(stack: Stack, turn1: list[int], max_tokens: int) -> t
     held = asyncio.run(hold(stack, "decode-1", 64))
     try:
         before = {e: counters(stack, e) for e in ("decode-0", "decode-1", "prefill-0")}
-        first = complete(stack.router_url, turn1, max_tokens, return_token_ids=True)
+        first = complete(stack.router_url, turn1, max_tokens, return_token_ids=True, **extra)
         assert served_by(stack, before) == ["decode-0"]
         staged = counters(stack, "prefill-0").get("bytes_staged", 0) - before["prefill-0"].get("bytes_staged", 0)
     finally:
@@ -89,11 +89,11 @@ def first_turn_on_decode_0(stack: Stack, turn1: list[int], max_tokens: int) -> t
     return first["choices"][0]["token_ids"], staged
 
 
-def wait_until_held(stack: Stack, ids: list[int], tokens: int) -> None:
+def wait_until_held(stack: Stack, ids: list[int], tokens: int, cache_salt: str = "") -> None:
     """Until decode-0's sidecar holds ``tokens`` of ``ids`` and has reported it."""
     deadline = time.monotonic() + 10  # the engine's events, the sidecar's next report
-    while overlap(stack, "decode-0", ids) < tokens:
-        assert time.monotonic() < deadline, overlap(stack, "decode-0", ids)
+    while overlap(stack, "decode-0", ids, cache_salt) < tokens:
+        assert time.monotonic() < deadline, overlap(stack, "decode-0", ids, cache_salt)
         time.sleep(0.1)
     time.sleep(1.0)  # the report reaches the control plane within its 0.25 s interval
 
@@ -175,17 +175,24 @@ def test_without_a_held_prefix_the_freer_engine_is_chosen(system):
     settled(stack)
 
 
-def test_a_short_follow_up_is_served_by_the_decode_engine_holding_the_conversation_alone(system):
+@pytest.mark.parametrize("salt", ["", "tenant-a"])
+def test_a_short_follow_up_is_served_by_the_decode_engine_holding_the_conversation_alone(system, salt):
+    """(A conversation with a cache_salt too: its blocks are held under the salt, the
+    router's keys are salted as the engines salt them.)"""
     stack, agg = system
-    local = stack.add_router("router-local", extra=("--local-prefill-tokens", "64"))
-    turn1 = prompt(150, seed=91)
-    answer, _ = first_turn_on_decode_0(stack, turn1, 24)
+    local = stack.add_router(f"router-local{salt}", extra=("--local-prefill-tokens", "64"))
+    salted = {"cache_salt": salt} if salt else {}
+    turn1 = prompt(150, seed=91 + 10 * bool(salt))
+    answer, _ = first_turn_on_decode_0(stack, turn1, 24, **salted)
     turn2 = turn1 + answer + prompt(20, seed=92)  # 194 tokens, of which decode-0 holds 160: 34 to compute
-    wait_until_held(stack, turn2, (len(turn1) + len(answer) - 1) // engines.BLOCK_SIZE * engines.BLOCK_SIZE)
+    held = (len(turn1) + len(answer) - 1) // engines.BLOCK_SIZE * engines.BLOCK_SIZE
+    wait_until_held(stack, turn2, held, salt)
+    if salt:
+        assert overlap(stack, "decode-0", turn2, "tenant-b") == overlap(stack, "decode-0", turn2) == 0
     before = {e: counters(stack, e) for e in ("decode-0", "decode-1", "prefill-0")}
     alone_before = router_counter(local, "kvpush_router_local_prefill", "reason").get("cached_prefix", 0)
-    got = complete(local, turn2, 16, return_token_ids=True)["choices"][0]["token_ids"]
-    assert got == complete(agg, turn2, 16, return_token_ids=True)["choices"][0]["token_ids"]
+    got = complete(local, turn2, 16, return_token_ids=True, **salted)["choices"][0]["token_ids"]
+    assert got == complete(agg, turn2, 16, return_token_ids=True, **salted)["choices"][0]["token_ids"]
     assert router_counter(local, "kvpush_router_local_prefill", "reason")["cached_prefix"] == alone_before + 1
     after = {e: counters(stack, e) for e in ("decode-0", "decode-1", "prefill-0")}
     # decode-0 computed the rest itself: nothing reserved, loaded or pushed, no prefill computed

@@ -256,9 +256,9 @@ class VllmEngine:
             time.sleep(0.5)
 
     def complete(self, prompt, max_tokens: int, kv_transfer_params: dict | None = None,
-                 timeout_s: float = 120.0) -> dict:
+                 timeout_s: float = 120.0, **extra) -> dict:
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                "return_token_ids": True}
+                "return_token_ids": True, **extra}
         if kv_transfer_params is not None:
             body["kv_transfer_params"] = kv_transfer_params
         req = urllib.request.Request(f"{self.url}/v1/completions", data=json.dumps(body).encode(),

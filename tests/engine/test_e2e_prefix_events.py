@@ -56,13 +56,13 @@ class EventsStack:
             if proc is not None:
                 proc.stop()
 
-    def overlap(self, ids: list[int]) -> dict:
-        return self.sidecar.admin("prefix_overlap", token_ids=ids)
+    def overlap(self, ids: list[int], cache_salt: str = "") -> dict:
+        return self.sidecar.admin("prefix_overlap", token_ids=ids, cache_salt=cache_salt)
 
-    def wait_overlap(self, ids: list[int], blocks: int, timeout_s: float = 10.0) -> dict:
+    def wait_overlap(self, ids: list[int], blocks: int, timeout_s: float = 10.0, cache_salt: str = "") -> dict:
         deadline = time.monotonic() + timeout_s
         while True:
-            got = self.overlap(ids)
+            got = self.overlap(ids, cache_salt)
             if got["blocks"] == blocks or time.monotonic() > deadline:
                 return got
             time.sleep(0.05)
@@ -90,6 +90,22 @@ def test_the_sidecar_holds_the_blocks_a_router_computes_including_the_answers(st
     stats = stack.sidecar.admin("stats")
     assert stats["prefix_events"]["verified"] > 0 and not stats["prefix_unusable"], stats  # our hashes are vLLM's
     assert stats["prefix_events"]["gaps"] == 0, stats
+
+
+def test_a_salted_request_is_held_under_its_salt_and_leaves_routing_on(stack):
+    """A client's cache_salt (a tenant's prefixes kept from the others') salts the engine's
+    block hashes: the sidecar checks them with the salt and holds them as such, and its
+    view of the engine stays usable for everyone."""
+    verified = stack.sidecar.admin("stats")["prefix_events"]["verified"]
+    ids = prompt(100, seed=6)
+    stack.engine.complete(ids, 2, cache_salt="tenant-a")
+    assert stack.wait_overlap(ids, 3, cache_salt="tenant-a")["blocks"] == 3
+    assert stack.overlap(ids)["blocks"] == 0 and stack.overlap(ids, "tenant-b")["blocks"] == 0
+    stats = stack.sidecar.admin("stats")
+    assert not stats["prefix_unusable"] and stats["prefix_events"]["verified"] > verified, stats
+    plain = prompt(70, seed=7)  # and the engine's unsalted blocks are still followed
+    stack.engine.complete(plain, 2)
+    assert stack.wait_overlap(plain, 2)["blocks"] == 2
 
 
 def test_a_reset_of_the_engines_prefix_cache_empties_the_sidecars_view(stack):

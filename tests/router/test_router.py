@@ -144,7 +144,10 @@ async def test_bad_requests(stack):
              ({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}}, 400),
              ({"model": "tiny", "prompt": "x", "temperature": -1}, 400), ({"model": "tiny", "prompt": [1, 5000]}, 400),
              ({"model": "tiny", "messages": []}, 400, "/v1/chat/completions"),
-             ({"model": "tiny", "prompt": "x", "kv_transfer_params": {}}, 400)]
+             ({"model": "tiny", "prompt": "x", "kv_transfer_params": {}}, 400),
+             ({"model": "tiny", "prompt": "x", "cache_salt": ""}, 400, "/v1/completions", "cache_salt"),
+             ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "cache_salt": 7}, 400,
+              "/v1/chat/completions", "cache_salt")]
     for case in cases:
         body, status = case[0], case[1]
         path = case[2] if len(case) > 2 else "/v1/completions"
@@ -152,6 +155,8 @@ async def test_bad_requests(stack):
             assert r.status == status, (body, await r.text())
             err = (await r.json())["error"]
             assert err["code"] == status and err["message"], err
+            if len(case) > 3:
+                assert err["param"] == case[3], err
     async with s["session"].post(s["url"] + "/v1/completions", data=b"{not json") as r:
         assert r.status == 400 and (await r.json())["error"]["code"] == 400
     async with s["session"].post(s["url"] + "/v1/completions", data=b" " * (9 << 20)) as r:

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.timeout(300)
 PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/live", "/metrics"]
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "n",
           "best_of", "logprobs", "top_logprobs", "echo", "stop", "temperature", "min_tokens", "return_token_ids",
-          "kv_transfer_params", "prompt_embeds", "use_beam_search", "include_stop_str_in_output", "role", "content"]
+          "kv_transfer_params", "prompt_embeds", "use_beam_search", "include_stop_str_in_output", "role", "content",
+          "cache_salt"]
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40), st.floats(allow_nan=True),
                     st.text(max_size=40), st.sampled_from(["tiny", "other", "", "a b c", "user"]))
@@ -34,7 +35,9 @@ bodies = st.one_of(
                            "max_tokens": st.integers(-3, 40), "stream": st.booleans()},
                           optional={"n": st.integers(0, 3), "logprobs": st.integers(-1, 30),
                                     "stop": values, "min_tokens": st.integers(-1, 5),
-                                    "stream_options": values}).map(lambda d: json.dumps(d).encode()),
+                                    "stream_options": values,
+                                    "cache_salt": st.one_of(values, st.text(max_size=9))}).map(
+        lambda d: json.dumps(d).encode()),
     st.fixed_dictionaries({"model": st.just("tiny"), "messages": st.lists(st.fixed_dictionaries(
         {"role": st.sampled_from(["user", "system", "assistant", "x"]), "content": st.one_of(st.text(max_size=20),
                                                                                           values)}), max_size=3),

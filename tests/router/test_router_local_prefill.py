@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
+import pytest
+
 from aiohttp.test_utils import TestServer
 
 from app.simulated import SimulatedEngine
@@ -24,7 +27,10 @@ def local_prefills(reason: str) -> float:
     return metrics.REGISTRY.get_sample_value("kvpush_router_local_prefill_total", {"reason": reason}) or 0.0
 
 
-async def test_a_short_rest_is_served_by_the_decode_engine_holding_the_prefix_alone(stack, engine_client):
+@pytest.mark.parametrize("salt", [None, "tenant-a"])
+async def test_a_short_rest_is_served_by_the_decode_engine_holding_the_prefix_alone(stack, engine_client, salt):
+    """(With a cache_salt, decode-0 holds the salted prompt's blocks: the router's keys are
+    salted as vLLM salts them, and decode gets the salt.)"""
     s = stack
     prefill_sim = SimulatedEngine(engine_client, "prefill-0", num_blocks=8, model="tiny", role=types_pb2.PREFILL)
     other_sim = SimulatedEngine(engine_client, "decode-1", num_blocks=8, model="tiny")
@@ -47,18 +53,21 @@ async def test_a_short_rest_is_served_by_the_decode_engine_holding_the_prefix_al
     decode0 = s["cp"].view.engine("decode-0")
     await engine_client.registry.ReportPrefixes(registry_pb2.ReportPrefixesRequest(
         engine_id="decode-0", incarnation=decode0.incarnation, epoch=1, seq=0, block_size=16,
-        stored=hasher.keys(prompt)[:3]), metadata=engine_client.metadata, timeout=5)
+        stored=hasher.keys(prompt, salt)[:3]), metadata=engine_client.metadata, timeout=5)
     cached, short = local_prefills("cached_prefix"), local_prefills("short_prompt")
     try:
         # Decode-0 holds 48 of the 64 tokens: the 16 left are under the threshold of 20. The
         # prefill request left before the Reserve's answer; it is taken back unanswered.
         s["prefill"].stall.clear()
-        async with s["session"].post(url, json={"model": "tiny", "prompt": prompt, "max_tokens": 3}) as resp:
+        salted = {"cache_salt": salt} if salt else {}
+        async with s["session"].post(url, json={"model": "tiny", "prompt": prompt, "max_tokens": 3, **salted},
+                                     timeout=aiohttp.ClientTimeout(total=30)) as resp:  # (P/D: the prefill stalls)
             assert resp.status == 200, await resp.text()
             assert (await resp.json())["id"] == "cmpl-D"
         assert len(s["decode"].bodies) == 1 and not other.bodies
         body = s["decode"].bodies[0]
         assert "kv_transfer_params" not in body and body["prompt"] == prompt and body["max_tokens"] == 3
+        assert body.get("cache_salt") == salt
         for _ in range(100):
             if s["prefill"].cancelled:
                 break

@@ -58,6 +58,31 @@ def test_an_engine_hashing_otherwise_is_refused_once_and_holds_nothing():
     assert len(held) == 0  # stays off: its keys could never match a router's
 
 
+def test_a_salted_block_is_checked_with_its_salt_and_other_extra_keys_are_held_unchecked():
+    held = HeldBlocks(HASHER)
+    tokens = list(range(8))
+    salted = stored(tokens)  # the engine's hashes of a request with cache_salt="tenant-a"
+    salted["block_hashes"] = HASHER.hashes(tokens, cache_salt="tenant-a")
+    salted["extra_keys"] = [("tenant-a",), None]  # as vLLM publishes them: untagged, per block
+    held.apply(0, [salted])
+    assert not held.unusable and held.counters["verified"] == 1
+    assert held.overlap(HASHER.keys(tokens, cache_salt="tenant-a")) == 2 and held.overlap(HASHER.keys(tokens)) == 0
+    # a LoRA's, a multimodal and a prompt-embeds first block: kvpush cannot rebuild their
+    # hashes (a LoRA's covers its adapter path), so they are held as the engine names them
+    # and never counted against it: no client's request switches prefix-aware routing off
+    others = [({"lora_name": "adapter"}, ("adapter",)), ({}, (("img-hash", 0),)), ({}, (b"embeds-digest",))]
+    for seq, (fields, extra) in enumerate(others, start=1):
+        event = stored(list(range(100 * seq, 100 * seq + 4)))
+        event["block_hashes"] = [bytes([seq]) * 32]  # whatever the engine hashed
+        event.update(fields, extra_keys=[extra])
+        held.apply(seq, [event])
+    assert not held.unusable and held.counters["unchecked"] == 3 and len(held) == 5
+    wrong = stored(list(range(200, 204)))
+    wrong["block_hashes"] = [b"\x01" * 32]  # a plain block hashed otherwise still turns it off
+    held.apply(4, [wrong])
+    assert held.unusable and len(held) == 0
+
+
 def test_integer_hashes_map_to_the_same_keys_and_other_media_are_ignored():
     held = HeldBlocks(HASHER)
     tokens = list(range(8))
