@@ -200,7 +200,8 @@ def first_block_extra_keys(event: dict):
     first = per_block[0] if per_block else None
     if first is None:
         return None
-    if event.get("lora_name") is None and len(first) == 1 and isinstance(first[0], str) and first[0]:
+    lora = event.get("lora_name") is not None or event.get("lora_id") is not None
+    if not lora and len(first) == 1 and isinstance(first[0], str) and first[0]:
         return salted(first[0])
     return UNCHECKABLE
 

@@ -70,16 +70,17 @@ def test_a_salted_block_is_checked_with_its_salt_and_other_extra_keys_are_held_u
     # a LoRA's, a multimodal and a prompt-embeds first block: kvpush cannot rebuild their
     # hashes (a LoRA's covers its adapter path), so they are held as the engine names them
     # and never counted against it: no client's request switches prefix-aware routing off
-    others = [({"lora_name": "adapter"}, ("adapter",)), ({}, (("img-hash", 0),)), ({}, (b"embeds-digest",))]
+    others = [({"lora_name": "adapter"}, ("adapter",)), ({"lora_id": 3}, ("adapter",)), ({}, (("img-hash", 0),)),
+              ({}, (b"embeds-digest",))]
     for seq, (fields, extra) in enumerate(others, start=1):
         event = stored(list(range(100 * seq, 100 * seq + 4)))
         event["block_hashes"] = [bytes([seq]) * 32]  # whatever the engine hashed
         event.update(fields, extra_keys=[extra])
         held.apply(seq, [event])
-    assert not held.unusable and held.counters["unchecked"] == 3 and len(held) == 5
+    assert not held.unusable and held.counters["unchecked"] == 4 and len(held) == 6
     wrong = stored(list(range(200, 204)))
     wrong["block_hashes"] = [b"\x01" * 32]  # a plain block hashed otherwise still turns it off
-    held.apply(4, [wrong])
+    held.apply(5, [wrong])
     assert held.unusable and len(held) == 0
 
 
