@@ -49,19 +49,19 @@ def say(msg: str) -> None:
     print(f"[router-overhead {time.monotonic() - T0:6.1f}s] {msg}", flush=True)
 
 
-def pair(first_url: str, direct_url: str, router_url: str, reps: int, max_tokens: int, tag: str) -> dict:
+def pair(engine_url: str, router_url: str, reps: int, max_tokens: int, tag: str) -> dict:
     """TTFT (ms) of a conversation's next turn straight to the engine and through the
-    router, alternating which goes first; turn 1 always straight to ``first_url``."""
+    router, alternating which goes first; turn 1 always straight to the engine."""
     out: dict[str, list[float]] = {"direct": [], "router": [], "errors": []}
     for rep in range(reps):
         for mode in (("direct", "router") if rep % 2 == 0 else ("router", "direct")):
             base = ids(1000, f"{tag}-{rep}-{mode}-{time.monotonic_ns()}")
-            first = ask(first_url, base)
+            first = ask(engine_url, base)
             if first["error"]:
                 out["errors"].append(first["error"])
                 continue
             time.sleep(0.6)  # the engine's KV events, its sidecar's report, the control plane's view
-            r = ask(direct_url if mode == "direct" else router_url, base + first["token_ids"] + ids(NEW, f"{tag}-n"),
+            r = ask(engine_url if mode == "direct" else router_url, base + first["token_ids"] + ids(NEW, f"{tag}-n"),
                     max_tokens=max_tokens)
             if r["error"]:
                 out["errors"].append(r["error"])
@@ -112,16 +112,16 @@ def main() -> None:
         router = stack.add_router("router-alone", extra=("--local-prefill-tokens", "1000000"))
         meter = CpuMeter({p.name + "+": psutil.Process(p.pid) for p in stack.procs if p.alive()})
         meter.start()
-        hop = pair(stack.urls["prefill-0"], stack.urls["prefill-0"], router, args.reps, 1, "hop")
+        hop = pair(stack.urls["prefill-0"], router, args.reps, 1, "hop")
         say(f"hop: direct {pct(hop['direct'], 50):.1f} ms, router {pct(hop['router'], 50):.1f} ms")
-        alone = pair(stack.urls["decode-0"], stack.urls["decode-0"], router, args.reps, 2, "alone")
+        alone = pair(stack.urls["decode-0"], router, args.reps, 2, "alone")
         say(f"decode alone: direct {pct(alone['direct'], 50):.1f} ms, router {pct(alone['router'], 50):.1f} ms")
         cpu = meter.stop()
         rtt = asyncio.run(reserve_rtts(stack, 300))
         say(f"Reserve (decode alone): p50 {pct(rtt, 50):.2f} ms")
     finally:
         stack.stop()
-    busiest = ", ".join(f"{k.rstrip('+')} {v:.1f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])[:6])
+    busiest = ", ".join(f"{k} {v:.1f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])[:6])
     text = "\n".join([
         f"Measured {time.strftime('%Y-%m-%d')} by `bench/router_overhead.py` ({os.cpu_count()} cores; "
         f"{args.reps} turns each way, alternating). TTFT p50 / p90 (ms), streamed, measured by the client. "

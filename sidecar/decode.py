@@ -79,7 +79,7 @@ class DecodeSidecar(SidecarBase):
         if request.get("op") == "prefix_overlap":  # tests and tools: how much of a prompt the engine holds
             if self.held is None:
                 raise ValueError("this sidecar does not follow its engine's KV events (--kv-events)")
-            keys = self.held.hasher.keys([int(t) for t in request["token_ids"]], request.get("cache_salt") or None)
+            keys = self.held.hasher.keys([int(t) for t in request["token_ids"]], request.get("cache_salt"))
             blocks = self.held.overlap(keys)
             return {"blocks": blocks, "tokens": blocks * self.held.hasher.block_size, "prompt_blocks": len(keys)}
         return super().on_admin(conn, request)
