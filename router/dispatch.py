@@ -95,16 +95,16 @@ class Dispatcher(PushPath):
                 return self._least_loaded(others)
         return None
 
-    async def reserve(self, request_id: str, ask: asks.Ask, prefill_engine_id: str = ""):
+    async def reserve(self, request_id: str, ask: asks.Ask, prefill_engine_id: str = "", keys=()):
         """The reservation (its decode engine one the router can reach), or (None, reason)
-        when serving without push."""
+        when serving without push. ``keys``: the prompt's block keys (KV-aware routing)."""
         started = time.perf_counter()
         try:
             res = await self.reserver.reserve(
                 scheduler_pb2.ReserveRequest(request_id=request_id, num_tokens=ask.num_tokens, model=self.cfg.model,
                                              deadline_ms=self.cfg.deadline_ms, prefill_engine_id=prefill_engine_id,
                                              local_prefill_tokens=self.cfg.local_prefill_tokens,
-                                             **self.kv_aware.reserve_fields(ask.prompt_ids, ask.cache_salt)),
+                                             **self.kv_aware.reserve_fields(keys)),
                 timeout=self.cfg.reserve_timeout_s)
         except ReserveRefused as exc:
             return None, exc.code.name.lower()
@@ -146,20 +146,25 @@ class Dispatcher(PushPath):
         prefill_url = self._least_loaded(self.engines.prefill_urls())
         prefill_id = self.engines.prefill_id(prefill_url)
         held: list = []  # the reservation once granted: released if anything below fails
+        keys = self.kv_aware.keys(ask.prompt_ids, ask.cache_salt)
+        # (A prompt shorter than --local-prefill-tokens goes to a decode engine alone
+        # whatever it holds, and one extending a turn this router sent by a short rest
+        # likely will: no prefill request ahead of the Reserve's answer.)
+        early = bool(ask.path == asks.FIRST_TOKEN and prefill_id and ask.num_tokens >= self.cfg.local_prefill_tokens)
+        guess = self.kv_aware.likely_alone(keys, ask.num_tokens) if early else None
+        self.kv_aware.sent(keys, ask.num_tokens, ask.max_tokens)
         try:
-            # (A prompt shorter than --local-prefill-tokens goes to a decode engine alone
-            # whatever it holds: no prefill request ahead of the Reserve's answer.)
-            if ask.path == asks.FIRST_TOKEN and prefill_id and ask.num_tokens >= self.cfg.local_prefill_tokens:
+            if early and not guess:
                 # The Reserve and the prefill request's HTTP, tokenization and scheduling
                 # run at once: the reservation names the prefill engine, whose sidecar
                 # hears it by watch while its connector holds the request.
-                reserving = asyncio.create_task(self.reserve(request_id, ask, prefill_id))
+                reserving = asyncio.create_task(self.reserve(request_id, ask, prefill_id, keys))
                 response = await self._first_token(ask, request_id, prefill_url, request, timings, held,
                                                    reserving=reserving)
             else:
                 # Named on the push path too: its sidecar then holds the staged KV for a
                 # failover (and frees it at CONSUMED), and the layouts are checked now.
-                res, why = await self.reserve(request_id, ask, prefill_id)
+                res, why = await self.reserve(request_id, ask, prefill_id, keys)
                 if res is None:
                     metrics.FALLBACKS.labels(reason=why).inc()
                     _log.info("serving without push", request_id=request_id, reason=why, num_tokens=ask.num_tokens)
@@ -179,6 +184,9 @@ class Dispatcher(PushPath):
             if held:
                 await asyncio.shield(self.release(held[0].id, "client disconnected or an engine failed"))
             raise
+        if guess is not None:
+            metrics.TURN_GUESSES.labels(guess="decode_alone" if guess else "prefill",
+                                        answer="decode_alone" if "local_decided" in timings else "pd").inc()
         # One line per request with where its time went: the first place to look
         # when TTFT is above the prefill's own time.
         _log.info("served", request_id=request_id, reservation_id=held[0].id if held else "",

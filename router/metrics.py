@@ -32,3 +32,7 @@ LOCAL_PREFILL = Counter("kvpush_router_local_prefill_total", "Conditional disagg
                         "served alone, no prefill engine involved, because it lacked fewer than --local-prefill-tokens "
                         "of the prompt: it held all but a short rest (cached_prefix) or the prompt is short "
                         "(short_prompt)", ["reason"], registry=REGISTRY)
+TURN_GUESSES = Counter("kvpush_router_turn_guesses_total", "KV-aware routing: long prompts whose prefill request "
+                       "waited for the Reserve's answer because they extend a turn this router sent (guess="
+                       "decode_alone) or left with it (guess=prefill), by what the Reserve answered (decode_alone, or "
+                       "pd for anything else)", ["guess", "answer"], registry=REGISTRY)

@@ -72,15 +72,16 @@ async def release(stack: Stack, res_id: str) -> None:
                                    timeout=10)
 
 
-def first_turn_on_decode_0(stack: Stack, turn1: list[int], max_tokens: int, **extra) -> tuple[list[int], int]:
-    """Turn 1 through the router onto decode-0 (a reservation held on decode-1 makes it the
-    freer), then the hold let go and its quarantine waited out: both engines equally free,
-    so without the prefix the next turn's tie would go to decode-1. The answer's token ids
-    and the bytes the prefill engine staged for it."""
+def first_turn_on_decode_0(stack: Stack, turn1: list[int], max_tokens: int, router: str = "",
+                           **extra) -> tuple[list[int], int]:
+    """Turn 1 through the router (``router``, else the stack's) onto decode-0 (a reservation
+    held on decode-1 makes it the freer), then the hold let go and its quarantine waited
+    out: both engines equally free, so without the prefix the next turn's tie would go to
+    decode-1. The answer's token ids and the bytes the prefill engine staged for it."""
     held = asyncio.run(hold(stack, "decode-1", 64))
     try:
         before = {e: counters(stack, e) for e in ("decode-0", "decode-1", "prefill-0")}
-        first = complete(stack.router_url, turn1, max_tokens, return_token_ids=True, **extra)
+        first = complete(router or stack.router_url, turn1, max_tokens, return_token_ids=True, **extra)
         assert served_by(stack, before) == ["decode-0"]
         staged = counters(stack, "prefill-0").get("bytes_staged", 0) - before["prefill-0"].get("bytes_staged", 0)
     finally:
@@ -127,12 +128,14 @@ def test_the_next_turn_goes_to_the_decode_engine_that_holds_the_conversation(sys
     settled(stack)
 
 
-def router_counter(url: str, name: str, label: str) -> dict[str, float]:
-    """A router's counter ``name`` (without _total), by the value of ``label``."""
+def router_counter(url: str, name: str, *labels: str) -> dict:
+    """A router's counter ``name`` (without _total), by the value of ``labels`` (by a
+    tuple of their values when there are several)."""
     from prometheus_client.parser import text_string_to_metric_families
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
         text = resp.read().decode()
-    return {s.labels[label]: s.value for fam in text_string_to_metric_families(text)
+    return {(s.labels[labels[0]] if len(labels) == 1 else tuple(s.labels[x] for x in labels)): s.value
+            for fam in text_string_to_metric_families(text)
             if fam.name == name for s in fam.samples if s.name.endswith("_total")}
 
 
@@ -177,13 +180,15 @@ def test_without_a_held_prefix_the_freer_engine_is_chosen(system):
 
 @pytest.mark.parametrize("salt", ["", "tenant-a"])
 def test_a_short_follow_up_is_served_by_the_decode_engine_holding_the_conversation_alone(system, salt):
-    """(A conversation with a cache_salt too: its blocks are held under the salt, the
-    router's keys are salted as the engines salt them.)"""
+    """Turn 1 and its follow-up through the same router: the follow-up extends the turn it
+    sent by a short rest, so it sends the prefill engine nothing, not even a request to
+    take back. (A conversation with a cache_salt too: its blocks are held under the salt,
+    the router's keys are salted as the engines salt them.)"""
     stack, agg = system
     local = stack.add_router(f"router-local{salt}", extra=("--local-prefill-tokens", "64"))
     salted = {"cache_salt": salt} if salt else {}
     turn1 = prompt(150, seed=91 + 10 * bool(salt))
-    answer, _ = first_turn_on_decode_0(stack, turn1, 24, **salted)
+    answer, _ = first_turn_on_decode_0(stack, turn1, 24, router=local, **salted)
     turn2 = turn1 + answer + prompt(20, seed=92)  # 194 tokens, of which decode-0 holds 160: 34 to compute
     held = (len(turn1) + len(answer) - 1) // engines.BLOCK_SIZE * engines.BLOCK_SIZE
     wait_until_held(stack, turn2, held, salt)
@@ -191,10 +196,15 @@ def test_a_short_follow_up_is_served_by_the_decode_engine_holding_the_conversati
         assert overlap(stack, "decode-0", turn2, "tenant-b") == overlap(stack, "decode-0", turn2) == 0
     before = {e: counters(stack, e) for e in ("decode-0", "decode-1", "prefill-0")}
     alone_before = router_counter(local, "kvpush_router_local_prefill", "reason").get("cached_prefix", 0)
+    guesses = ("decode_alone", "decode_alone")
+    guessed_before = router_counter(local, "kvpush_router_turn_guesses", "guess", "answer").get(guesses, 0)
     got = complete(local, turn2, 16, return_token_ids=True, **salted)["choices"][0]["token_ids"]
     assert got == complete(agg, turn2, 16, return_token_ids=True, **salted)["choices"][0]["token_ids"]
     assert router_counter(local, "kvpush_router_local_prefill", "reason")["cached_prefix"] == alone_before + 1
+    assert router_counter(local, "kvpush_router_turn_guesses", "guess", "answer")[guesses] == guessed_before + 1
     after = {e: counters(stack, e) for e in ("decode-0", "decode-1", "prefill-0")}
+    # the prefill engine's connector never held a request for its reservation
+    assert after["prefill-0"].get("handover_awaited", 0) == before["prefill-0"].get("handover_awaited", 0)
     # decode-0 computed the rest itself: nothing reserved, loaded or pushed, no prefill computed
     assert after["decode-0"].get("requests_plain", 0) > before["decode-0"].get("requests_plain", 0)
     for e in ("decode-0", "decode-1"):

@@ -89,3 +89,83 @@ async def test_a_short_rest_is_served_by_the_decode_engine_holding_the_prefix_al
         await other_server.close()
         await prefill_sim.stop()
         await other_sim.stop()
+
+
+def turn_guesses(guess: str, answer: str) -> float:
+    return metrics.REGISTRY.get_sample_value("kvpush_router_turn_guesses_total",
+                                             {"guess": guess, "answer": answer}) or 0.0
+
+
+async def test_a_turn_extending_one_it_sent_by_a_short_rest_waits_for_the_reserve(stack, engine_client):
+    """The router remembers the prompts it sent: a turn that extends one by fewer new tokens
+    than the threshold, beyond what its answer may have added, sends no prefill request
+    ahead of the Reserve (decode alone serves it: nothing to take back); a longer rest still
+    sends it early; a wrong guess (decode evicted the prefix) costs only the overlap: the
+    prefill request goes once the Reserve has answered, and the turn is served by P/D."""
+    s = stack
+    prefill_sim = SimulatedEngine(engine_client, "prefill-0", num_blocks=8, model="tiny", role=types_pb2.PREFILL)
+    await prefill_sim.register()
+    for fake in (s["prefill"], s["decode"]):
+        fake.mode = "token_ids"
+    cfg = RouterConfig(controlplane=s["cp"].address, token=s["token"], model="tiny", prefill_urls=(s["prefill_url"],),
+                       prefill_ids=("prefill-0",), max_model_len=1000, prefix_block_size=16, local_prefill_tokens=20,
+                       decode=(DecodeEngine("decode-0", s["decode_url"]),))
+    router = TestServer(build_app(cfg, WordTokenizer()), handler_cancellation=True)
+    await router.start_server()
+    url = str(router.make_url("")).rstrip("/") + "/v1/completions"
+    hasher = BlockHasher(16, cfg.prefix_hash, cfg.prefix_hash_seed)
+    decode0 = s["cp"].view.engine("decode-0")
+    epoch = iter(range(1, 100))
+
+    async def holds(prompt):  # decode-0's prefix cache holds the prompt's full blocks (a snapshot)
+        await engine_client.registry.ReportPrefixes(registry_pb2.ReportPrefixesRequest(
+            engine_id="decode-0", incarnation=decode0.incarnation, epoch=next(epoch), seq=0, block_size=16,
+            stored=hasher.keys(prompt)), metadata=engine_client.metadata, timeout=5)
+        await asyncio.sleep(0.2)  # (the view's watch applies it)
+
+    async def turn(prompt) -> list[int]:
+        async with s["session"].post(url, json={"model": "tiny", "prompt": prompt, "max_tokens": 3,
+                                                "return_token_ids": True},
+                                     timeout=aiohttp.ClientTimeout(total=30)) as resp:
+            assert resp.status == 200, await resp.text()
+            answer = await resp.json()
+        return answer["choices"][0]["token_ids"]
+
+    before = {(g, a): turn_guesses(g, a) for g in ("decode_alone", "prefill") for a in ("decode_alone", "pd")}
+
+    def guessed(g: str, a: str) -> float:
+        return turn_guesses(g, a) - before[(g, a)]
+    try:
+        # Turn 1: nothing remembered, nothing held: the prefill request leaves with the Reserve.
+        # (Decode-0 has 8 blocks of 16 tokens, and each P/D turn's stay quarantined: short turns.)
+        p1 = list(range(100, 132))
+        a1 = await turn(p1)
+        assert len(s["prefill"].bodies) == 1 and guessed("prefill", "pd") == 1
+        # Turn 2 adds the answer (3 tokens, at most max_tokens) and 5 new: 5 beyond turn 1
+        # and its answer, under the threshold. Decode-0 holds turn 1's blocks: decode alone,
+        # and the prefill engine never hears of it.
+        p2 = p1 + a1 + [5, 6, 7, 8, 9]
+        await holds(p1)
+        decode_bodies = len(s["decode"].bodies)
+        await turn(p2)
+        assert len(s["prefill"].bodies) == 1 and s["prefill"].cancelled == 0
+        assert len(s["decode"].bodies) == decode_bodies + 1
+        assert s["decode"].bodies[-1]["prompt"] == p2 and "kv_transfer_params" not in s["decode"].bodies[-1]
+        assert guessed("decode_alone", "decode_alone") == 1
+        # Turn 3 adds 24 new tokens: a P/D turn, its prefill request sent early again.
+        await holds(p2)
+        await turn(p2 + [7, 8, 9] + list(range(300, 324)))
+        assert len(s["prefill"].bodies) == 2 and guessed("prefill", "pd") == 2
+        # A guess gone wrong: turn 2 again with other new tokens, but decode-0 evicted
+        # everything. Decode alone was guessed; the Reserve reserves (P/D): the prefill
+        # request goes after its answer, with the reservation it names.
+        await holds([])
+        s["prefill"].pushes = False  # (no sidecars here: its reservation is released, not left to a load)
+        await turn(p1 + a1 + [50, 51, 52])
+        assert len(s["prefill"].bodies) == 3 and guessed("decode_alone", "pd") == 1
+        assert "await" not in s["prefill"].bodies[-1]["kv_transfer_params"]["kvpush"]
+        report = await settle(s["etcd"].endpoint)
+        assert not report.live, report.summary()
+    finally:
+        await router.close()
+        await prefill_sim.stop()
