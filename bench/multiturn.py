@@ -350,7 +350,7 @@ def report(cross: dict, seq: list[dict], poi: list[dict], meta: dict) -> tuple[s
     base = later.get("kvpush")
     if base:
         lines += ["", "Turns ≥ 2, TTFT p50 against kvpush without KV-aware reservations: " + ", ".join(
-            f"{name} {v / base:.2f}x ({fmt(v)} ms)" for name, v in later.items()) + "."]
+            f"{name} {v / base:.3f}x ({fmt(v)} ms)" for name, v in later.items()) + "."]
     lines += ["", f"### Poisson: conversations sending their next turn a random think time (mean "
               f"{meta['think_s']} s) after their answer; TTFT p50 / p90 (ms)", "",
               "| turn | " + " | ".join(r["name"] for r in poi) + " |", "|---|" + "---|" * len(poi)]
