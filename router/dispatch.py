@@ -11,7 +11,10 @@ Conditional disaggregation (``--local-prefill-tokens``): the Reserve of a first_
 push request may answer ``decode_alone`` instead of a reservation when the decode engine it
 chose lacks only a short rest of the prompt (it holds the rest in its prefix cache, or the
 prompt is short); that engine then serves the request alone, computing the rest itself,
-and a prefill request sent ahead of the answer is taken back.
+and a prefill request sent ahead of the answer is taken back. A turn extending one this
+router sent by a short rest (``router.kv_aware``) goes beside its Reserve to the decode
+engine that served that turn, which computes it at once if it still holds the prefix;
+the Reserve's answer keeps it or takes it back.
 
 No reservation (no room, quota, control plane down or slow) never fails the
 request: it goes to a decode engine without kvpush params and decode prefills it
@@ -43,11 +46,12 @@ from router import metrics
 from router.config import RouterConfig
 from router.engines import EngineDirectory
 from router.model_limits import ModelLimits
+from router.alone_path import AlonePath
 from router.push_path import PushPath
 from router.errors import ApiError, json_error
 from router.failover import Failover, with_reservation
 from router.streams import DecodeStreamError, sse_events, sse_response
-from router.upstream import Answering, Upstream, nothing_sent
+from router.upstream import Answering, Upstream
 from router.first_token import (BadHead, Chunks, Tail, decode_body, final_answer, parse_head, prefill_body,
                                 resume_body)
 from router.kv_aware import KvAware
@@ -57,7 +61,7 @@ _log = log.get("router")
 ENGINES_WAIT_S = 5.0
 
 
-class Dispatcher(PushPath):
+class Dispatcher(PushPath, AlonePath):
     def __init__(self, cfg: RouterConfig, counter: TokenCounter, cp: ControlPlaneClient,
                  session: aiohttp.ClientSession, engines: EngineDirectory | None = None) -> None:
         self.cfg = cfg
@@ -85,26 +89,18 @@ class Dispatcher(PushPath):
             raise ApiError(f"no prefill engine is available for model {self.cfg.model!r}", 503)
         return min(urls, key=lambda u: self.outstanding.get(u, 0))
 
-    def _alone_url(self, *failed: str) -> str | None:
-        """Where a request is served whole: the least loaded decode engine not among
-        ``failed``, else a prefill engine (it is a whole vLLM engine too: the local
-        fallback when no decode engine is left), else None."""
-        for urls in (self.engines.decode_urls(), self.engines.prefill_urls()):
-            others = [u for u in urls if u not in failed]
-            if others:
-                return self._least_loaded(others)
-        return None
-
-    async def reserve(self, request_id: str, ask: asks.Ask, prefill_engine_id: str = "", keys=()):
+    async def reserve(self, request_id: str, ask: asks.Ask, prefill_engine_id: str = "", keys=(),
+                      preferred: str = ""):
         """The reservation (its decode engine one the router can reach), or (None, reason)
-        when serving without push. ``keys``: the prompt's block keys (KV-aware routing)."""
+        when serving without push. ``keys``: the prompt's block keys (KV-aware routing);
+        ``preferred``: the decode engine to choose where it qualifies."""
         started = time.perf_counter()
         try:
             res = await self.reserver.reserve(
                 scheduler_pb2.ReserveRequest(request_id=request_id, num_tokens=ask.num_tokens, model=self.cfg.model,
                                              deadline_ms=self.cfg.deadline_ms, prefill_engine_id=prefill_engine_id,
                                              local_prefill_tokens=self.cfg.local_prefill_tokens,
-                                             **self.kv_aware.reserve_fields(keys)),
+                                             preferred_engine_id=preferred, **self.kv_aware.reserve_fields(keys)),
                 timeout=self.cfg.reserve_timeout_s)
         except ReserveRefused as exc:
             return None, exc.code.name.lower()
@@ -114,6 +110,7 @@ class Dispatcher(PushPath):
             if not res.decode_alone:  # (decode_alone: nothing is held)
                 await self.release(res.id, "router has no address for this decode engine")
             return None, "unknown_decode_engine"
+        self.kv_aware.served(keys, res.engine_id)
         return self.kv_aware.observed(res), ""
 
     async def release(self, res_id: str, reason: str) -> None:
@@ -151,10 +148,14 @@ class Dispatcher(PushPath):
         # whatever it holds, and one extending a turn this router sent by a short rest
         # likely will: no prefill request ahead of the Reserve's answer.)
         early = bool(ask.path == asks.FIRST_TOKEN and prefill_id and ask.num_tokens >= self.cfg.local_prefill_tokens)
-        guess = self.kv_aware.likely_alone(keys, ask.num_tokens) if early else None
+        guess = self.kv_aware.guess(keys, ask.num_tokens) if early else None
+        ahead = self.engines.decode_url(guess.engine_id) if guess and guess.alone and guess.engine_id else None
         self.kv_aware.sent(keys, ask.num_tokens, ask.max_tokens)
         try:
-            if early and not guess:
+            if ahead is not None:
+                response = await self._alone_ahead(ask, request_id, prefill_url, prefill_id, keys, guess, ahead,
+                                                   request, timings, held)
+            elif early and not (guess and guess.alone):
                 # The Reserve and the prefill request's HTTP, tokenization and scheduling
                 # run at once: the reservation names the prefill engine, whose sidecar
                 # hears it by watch while its connector holds the request.
@@ -185,7 +186,7 @@ class Dispatcher(PushPath):
                 await asyncio.shield(self.release(held[0].id, "client disconnected or an engine failed"))
             raise
         if guess is not None:
-            metrics.TURN_GUESSES.labels(guess="decode_alone" if guess else "prefill",
+            metrics.TURN_GUESSES.labels(guess="decode_alone" if guess.alone else "prefill",
                                         answer="decode_alone" if "local_decided" in timings else "pd").inc()
         # One line per request with where its time went: the first place to look
         # when TTFT is above the prefill's own time.
@@ -194,41 +195,6 @@ class Dispatcher(PushPath):
                   received_unix=round(received_unix, 6),
                   **{f"{k}_ms": round((v - started) * 1e3, 2) for k, v in timings.items()})
         return response
-
-    async def _local_prefill(self, ask: asks.Ask, decision, request: web.Request,
-                             timings: dict) -> web.StreamResponse:
-        """Conditional disaggregation: ``decision`` (a Reserve answered decode_alone) names the
-        decode engine that lacks so little of the prompt that it computes the rest itself."""
-        metrics.LOCAL_PREFILL.labels(reason="cached_prefix" if decision.cached_tokens else "short_prompt").inc()
-        timings["local_decided"] = time.perf_counter()
-        return await self._decode_alone(ask.endpoint, ask.body, request, "local_prefill",
-                                        self.engines.decode_url(decision.engine_id), timings)
-
-    async def _decode_alone(self, endpoint: str, body: dict, request: web.Request,
-                            path: str = "fallback", url: str | None = None,
-                            timings: dict | None = None) -> web.StreamResponse:
-        """The request served by a decode engine by itself (``url``, else the least loaded;
-        ``path`` labels its TTFT)."""
-        url = url or self._alone_url()
-        if url is None:
-            raise ApiError(f"no engine is available for model {self.cfg.model!r}", 503)
-        try:
-            return await self.up.proxy(url, endpoint, body, request, path, timings)
-        except aiohttp.ClientError as exc:
-            other = self._alone_url(url)
-            if other is None or not nothing_sent(exc, body):
-                raise
-            await self._decode_failed(None, f"{type(exc).__name__}: {exc}", other)
-            return await self.up.proxy(other, endpoint, body, request, "retry")
-
-    async def _decode_failed(self, res_id: str | None, why: str, other: str) -> None:
-        """A reservation's decode engine failed before answering and ``other`` takes the
-        request: the reservation is released (its KV is on the failed engine), and counted."""
-        if res_id is not None:
-            await self.release(res_id, why)
-        metrics.FALLBACKS.labels(reason="decode_failed").inc()
-        _log.warning("decode failed; serving on another decode engine", reservation_id=res_id or "",
-                     error=why[:200], decode=other)
 
     # -- first token: prefill's token goes out at once, decode continues from it -----------------
     async def _first_token(self, ask: asks.Ask, request_id: str, prefill_url: str, request: web.Request,

@@ -16,13 +16,19 @@ shared cores it also takes CPU from the decode engine computing the turn: 3.4 ms
 p50 on docs/BENCHMARKS.md's machine). A turn that extends one this router sent, by fewer
 new tokens than the threshold once the most its answer could have added is counted (the
 decode engine that served it computed that answer and holds it), is likely to be served
-by decode alone: its prefill request waits for the Reserve's answer instead. The guess
-only chooses between sending the prefill request early or after the answer; the Reserve
-still decides, so a wrong guess costs that turn the overlap, never its answer.
+by decode alone: its prefill request waits for the Reserve's answer instead, and the turn
+goes at once, beside the Reserve, to the decode engine that served the turn it extends
+(``AloneParams``): that engine computes the rest as soon as it sees it holds the prefix,
+so a guessed turn does not wait for the Reserve's round trip. The Reserve still decides:
+when it answers otherwise, the router takes the request back (the engine held it, "not
+yet", if it lacked the prefix; at worst it computed a rest shorter than the threshold),
+so a wrong guess costs that turn the overlap, never its answer.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from collections import OrderedDict
 from typing import Sequence
 
@@ -30,18 +36,26 @@ from kvpush.contract.block_hash import BlockHasher
 from router import metrics
 from router.config import RouterConfig
 
-RECENT_TURNS = 65_536  # prompts remembered by their last full block's key (10 MB measured, full)
+RECENT_TURNS = 65_536  # prompts remembered by their last full block's key (14 MB measured, full)
 UNBOUNDED = 1 << 40
+
+
+@dataclasses.dataclass(frozen=True)
+class Guess:
+    alone: bool      # the Reserve will likely answer decode_alone
+    rest: int        # the prompt's tokens beyond the turn it extends and that turn's answer
+    engine_id: str   # the decode engine that served that turn ("" not known)
 
 
 class RecentTurns:
     """The prompts this router sent on, each remembered by its last full block's key
-    with how many tokens it and its answer may cover. Block keys are chained, so a later
-    prompt holding that key at the same place starts with that whole prompt."""
+    with how many tokens it and its answer may cover, and the decode engine that served
+    it. Block keys are chained, so a later prompt holding that key at the same place
+    starts with that whole prompt."""
 
     def __init__(self, capacity: int = RECENT_TURNS) -> None:
         self.capacity = capacity
-        self._ends: OrderedDict[int, int] = OrderedDict()  # key -> tokens of prompt + answer (at most)
+        self._ends: OrderedDict[int, tuple[int, str]] = OrderedDict()  # key -> (prompt + answer at most, engine)
 
     def __len__(self) -> int:
         return len(self._ends)
@@ -50,19 +64,26 @@ class RecentTurns:
         """A prompt of ``keys`` sent on; with its answer it covers at most ``covers`` tokens."""
         if not keys:
             return
-        self._ends[keys[-1]] = covers
+        self._ends[keys[-1]] = (covers, "")
         self._ends.move_to_end(keys[-1])
         while len(self._ends) > self.capacity:
             self._ends.popitem(last=False)
 
-    def rest(self, keys: Sequence[int], num_tokens: int) -> int | None:
-        """Tokens of a prompt (``keys``, ``num_tokens`` long) beyond the longest remembered
-        prompt it extends and that prompt's answer; None when it extends none."""
+    def served(self, keys: Sequence[int], engine_id: str) -> None:
+        """The prompt of ``keys`` (added before) is served by decode engine ``engine_id``."""
+        entry = self._ends.get(keys[-1]) if keys else None
+        if entry is not None:
+            self._ends[keys[-1]] = (entry[0], sys.intern(engine_id))  # (one string per engine, not per turn)
+
+    def extends(self, keys: Sequence[int], num_tokens: int) -> tuple[int, str] | None:
+        """For a prompt (``keys``, ``num_tokens`` long) extending remembered ones: its tokens
+        beyond the longest of them and that prompt's answer, and the engine that served it;
+        None when it extends none."""
         for i in range(len(keys) - 1, -1, -1):
-            covers = self._ends.get(keys[i])
-            if covers is not None:
+            entry = self._ends.get(keys[i])
+            if entry is not None:
                 self._ends.move_to_end(keys[i])
-                return max(0, num_tokens - covers)
+                return max(0, num_tokens - entry[0]), entry[1]
         return None
 
 
@@ -87,14 +108,22 @@ class KvAware:
             return {}
         return {"block_keys": keys, "block_keys_block_size": self.hasher.block_size}
 
-    def likely_alone(self, keys: Sequence[int], num_tokens: int) -> bool | None:
+    def guess(self, keys: Sequence[int], num_tokens: int) -> Guess | None:
         """Whether the Reserve will likely answer decode_alone: the prompt extends one this
         router sent by fewer than the threshold's tokens beyond it and its answer. None: no
         guess (routing by keys or decode alone is off)."""
         if self.turns is None or not keys:
             return None
-        rest = self.turns.rest(keys, num_tokens)
-        return rest is not None and rest < self.threshold
+        found = self.turns.extends(keys, num_tokens)
+        if found is None:
+            return Guess(False, num_tokens, "")
+        rest, engine_id = found
+        return Guess(rest < self.threshold, rest, engine_id)
+
+    def served(self, keys: Sequence[int], engine_id: str) -> None:
+        """The Reserve chose ``engine_id`` for the prompt of ``keys`` (decode alone or P/D)."""
+        if self.turns is not None:
+            self.turns.served(keys, engine_id)
 
     def sent(self, keys: Sequence[int], num_tokens: int, max_tokens: int | None) -> None:
         """Remember a prompt sent on (to be served whichever way), and the most its answer

@@ -34,5 +34,6 @@ LOCAL_PREFILL = Counter("kvpush_router_local_prefill_total", "Conditional disagg
                         "(short_prompt)", ["reason"], registry=REGISTRY)
 TURN_GUESSES = Counter("kvpush_router_turn_guesses_total", "KV-aware routing: long prompts whose prefill request "
                        "waited for the Reserve's answer because they extend a turn this router sent (guess="
-                       "decode_alone) or left with it (guess=prefill), by what the Reserve answered (decode_alone, or "
-                       "pd for anything else)", ["guess", "answer"], registry=REGISTRY)
+                       "decode_alone; sent beside the Reserve to the decode engine that served that turn, where known) "
+                       "or left with it (guess=prefill), by what the Reserve answered (decode_alone, or pd for anything "
+                       "else: a request sent ahead is then taken back)", ["guess", "answer"], registry=REGISTRY)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import aiohttp
@@ -45,15 +46,24 @@ class Upstream:
     async def proxy(self, url: str, endpoint: str, body: dict, request: web.Request, path: str,
                     timings: dict | None = None) -> web.StreamResponse:
         """A whole answer from one engine, streamed or not, as the client gets it."""
+        return await self.relay(self.send(url, endpoint, body), request, path, timings)
+
+    def send(self, url: str, endpoint: str, body: dict) -> "Sent":
+        """POST now, before deciding to use the answer: the caller ``relay``s it to the
+        client or ``withdraw``s it."""
+        return Sent(self, url, endpoint, body)
+
+    async def relay(self, sent: "Sent", request: web.Request, path: str,
+                    timings: dict | None = None) -> web.StreamResponse:
+        """``sent``'s answer, streamed or not, as the client gets it."""
         timings = {} if timings is None else timings
-        started = time.perf_counter()
-        self.outstanding[url] = self.outstanding.get(url, 0) + 1
+        body = sent.body
         try:
-            async with self.session.post(f"{url}/v1/{path_of(endpoint)}", json=body) as upstream:
+            async with await sent.answer as upstream:
                 if not body.get("stream") or upstream.status != 200:
                     payload = await upstream.read()
                     timings["decode_done"] = time.perf_counter()
-                    metrics.TTFT.labels(path=path).observe(timings["decode_done"] - started)
+                    metrics.TTFT.labels(path=path).observe(timings["decode_done"] - sent.started)
                     return web.Response(body=payload, status=upstream.status,
                                         content_type=upstream.content_type or "application/json")
                 out = BoundedStream(self.write_timeout_s, status=upstream.status)
@@ -63,13 +73,40 @@ class Upstream:
                 async for chunk in upstream.content.iter_any():
                     if first:
                         timings["first_chunk"] = time.perf_counter()
-                        metrics.TTFT.labels(path=path).observe(timings["first_chunk"] - started)
+                        metrics.TTFT.labels(path=path).observe(timings["first_chunk"] - sent.started)
                         first = False
                     await out.write(chunk)
                 await out.write_eof()
                 return out
         finally:
-            self.outstanding[url] -= 1
+            sent.done()
+
+
+class Sent:
+    """A POST on its way to an engine (counted on it until ``done``); ``answer`` is its
+    response once the headers are in."""
+
+    def __init__(self, up: Upstream, url: str, endpoint: str, body: dict) -> None:
+        self.url, self.body = url, body
+        self.started = time.perf_counter()
+        self._outstanding = up.outstanding
+        self._outstanding[url] = self._outstanding.get(url, 0) + 1
+        self._counted = True
+        self.answer = asyncio.ensure_future(up.session.post(f"{url}/v1/{path_of(endpoint)}", json=body))
+
+    def done(self) -> None:
+        if self._counted:
+            self._counted = False
+            self._outstanding[self.url] -= 1
+
+    async def withdraw(self) -> None:
+        """Take the request back: its connection is closed, so the engine aborts it (vLLM
+        frees a request it held unstarted; one it began stops at its next step)."""
+        self.answer.cancel()
+        (got,) = await asyncio.gather(self.answer, return_exceptions=True)
+        if isinstance(got, aiohttp.ClientResponse):
+            got.close()
+        self.done()
 
 
 class Answering:

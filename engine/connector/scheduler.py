@@ -37,6 +37,14 @@ Decode (sidecar role decode, request role "decode"):
     An idle engine (its last step ran nothing) sleeps up to ``idle_wait_s``
     in that call for a landing rather than spin through empty steps.
 
+Decode alone, guessed (``AloneParams``): the router sent a conversation's next turn
+    to the decode engine that served the last one before its Reserve answered. If
+    the engine's own prefix cache holds at least ``min_cached_tokens`` of the prompt
+    the request is computed at once (the usual case: nothing waited for); otherwise it
+    is held ("not yet", nothing computed, no blocks) for the router to take back when
+    the Reserve answers otherwise, and computed here after ``hold_ms`` if it never
+    does. The engine's cache is the authority: the control plane's view of it lags.
+
 A request is served normally (no push, no load) when its params are missing or
 malformed, name a role this engine does not serve, name another engine or
 incarnation, or reserve more tokens than the prompt has (the push could never
@@ -56,7 +64,7 @@ from engine.connector.metadata import KVPushConnectorMetadata, LoadSpec, PushSpe
 from engine.connector.sidecar_link import SidecarInfo
 from kvpush.contract.states import DECODE, PREFILL, LandingState
 from kvpush.trace import Trace
-from kvpush.contract.transfer_params import AwaitParams, PushParams, TransferParamsError, push_report
+from kvpush.contract.transfer_params import AloneParams, AwaitParams, PushParams, TransferParamsError, push_report
 from engine.channel import ChannelError
 
 log = logging.getLogger(f"vllm.{__name__}")  # under "vllm": logged with the engine's own handlers
@@ -77,6 +85,13 @@ class _Awaiting:
     key: str          # the router's request id: the reservation arrives under it
     give_up: float    # monotonic: compute without a push if it has not arrived by then
     since: float      # monotonic
+
+
+@dataclasses.dataclass
+class _Alone:
+    min_cached: int   # the prompt tokens this engine must hold to compute the rest at once
+    give_up: float    # monotonic: compute it anyway if the router has not taken it back by then
+    short: bool = False  # it held less: waiting for the router
 
 
 @dataclasses.dataclass
@@ -124,6 +139,7 @@ class KVPushScheduler:
         self._awaiting: dict[str, _Awaiting] = {}
         self._reports: dict[str, str] = {}  # prefill request -> its reservation ("" none yet): answered on finish
         self._decode: dict[str, _Decode] = {}
+        self._alone: dict[str, _Alone] = {}
         self._meta = KVPushConnectorMetadata()
         self._last_step_tokens = 0  # tokens the last built step ran: 0 = the engine is idle
         self._waited = False  # this scheduling pass slept for a landing already
@@ -139,11 +155,21 @@ class KVPushScheduler:
     def on_new_request(self, request) -> None:
         rid = request.request_id
         try:
-            pending = AwaitParams.from_request(request.kv_transfer_params)
-            params = None if pending is not None else PushParams.from_request(request.kv_transfer_params)
+            alone = AloneParams.from_request(request.kv_transfer_params)
+            pending = None if alone is not None else AwaitParams.from_request(request.kv_transfer_params)
+            params = None if alone or pending else PushParams.from_request(request.kv_transfer_params)
         except TransferParamsError as exc:
             log.warning("request %s: kvpush params ignored: %s", rid, exc)
             self._count("bad_params")
+            return
+        if alone is not None:
+            if not self.consume:
+                log.warning("request %s: a guessed decode-alone request on an engine that does not load "
+                            "(sidecar role %s)", rid, self.sidecar.role)
+                self._count("role_ignored")
+                return
+            self._alone[rid] = _Alone(alone.min_cached_tokens, time.monotonic() + alone.hold_ms / 1000.0)
+            self._count("alone_guessed")
             return
         if pending is not None and self.produce and self.handover is not None:
             self._reports[rid] = ""
@@ -239,6 +265,31 @@ class KVPushScheduler:
         self._start_prefill(aw.request, params)
         return 0
 
+    # -- decode: a guessed decode-alone request ------------------------------------------------
+    def _alone_guessed(self, rid: str, al: _Alone, num_computed_tokens: int) -> int | None:
+        """0 (compute the rest here) when this engine holds enough of the prompt, or once
+        the hold is over; None ("not yet") while the router may still take it back."""
+        if num_computed_tokens >= al.min_cached:
+            del self._alone[rid]
+            self._count("alone_held_prefix")
+            return 0
+        if not al.short:
+            al.short = True
+            self._count("alone_short")
+        now = time.monotonic()
+        if now < al.give_up and self._may_wait():
+            # (nothing will wake it: the router's take-back arrives between steps)
+            self._waited = True
+            time.sleep(min(self.timing.idle_wait_s, al.give_up - now))
+            now = time.monotonic()
+        if now < al.give_up:
+            return None
+        del self._alone[rid]
+        log.warning("request %s: holds %d prompt tokens, not the %d guessed, and was not taken back; "
+                    "computing the rest here", rid, num_computed_tokens, al.min_cached)
+        self._count("alone_hold_expired")
+        return 0
+
     def _refreshed(self, params: PushParams) -> bool:
         """A reservation for this engine but another incarnation: if our sidecar's channel
         closed, it may have restarted (asked at most once a second: a stale reservation
@@ -260,6 +311,9 @@ class KVPushScheduler:
         aw = self._awaiting.get(request.request_id)
         if aw is not None:
             return self._await_reservation(aw), False
+        al = self._alone.get(request.request_id)
+        if al is not None:
+            return self._alone_guessed(request.request_id, al, num_computed_tokens), False
         st = self._decode.get(request.request_id)
         if st is None or st.decided:
             return 0, False
@@ -408,6 +462,8 @@ class KVPushScheduler:
             # decode can load the prompt or must compute it.
             pushed = st is not None and st.begun and st.pushed >= st.target
             report = push_report(self._reports.pop(rid), pushed)
+        if self._alone.pop(rid, None) is not None:
+            self._count("alone_taken_back")
         dst = self._decode.pop(rid, None)
         if dst is not None and not dst.decided:
             self._count("loads_abandoned")
@@ -416,4 +472,4 @@ class KVPushScheduler:
 
     @property
     def tracked(self) -> int:
-        return len(self._prefill) + len(self._decode) + len(self._awaiting) + len(self._reports)
+        return len(self._prefill) + len(self._decode) + len(self._awaiting) + len(self._reports) + len(self._alone)

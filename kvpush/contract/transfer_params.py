@@ -132,6 +132,44 @@ class AwaitParams:
             raise TransferParamsError(f"kvpush.await: {exc}") from None
 
 
+@dataclasses.dataclass(frozen=True)
+class AloneParams:
+    """A decode request the router sent before its Reserve answered, guessing that this
+    engine holds all but a short rest of the prompt: ``{"kvpush": {"role": "decode",
+    "alone": {"min_cached_tokens", "hold_ms"}}}``. If the engine's own prefix cache holds
+    at least ``min_cached_tokens`` of the prompt the connector lets it compute the rest at
+    once; otherwise it holds the request ("not yet", nothing computed) for the router to
+    take back once the Reserve has answered otherwise, and computes it after ``hold_ms``
+    if nobody did."""
+
+    min_cached_tokens: int
+    hold_ms: int
+
+    def __post_init__(self) -> None:
+        if self.min_cached_tokens < 1:
+            raise TransferParamsError("kvpush.alone.min_cached_tokens must be at least 1")
+        if not 0 < self.hold_ms <= 60_000:
+            raise TransferParamsError("kvpush.alone.hold_ms must be in 1..60000")
+
+    def as_kv_transfer_params(self) -> dict:
+        return {KEY: {"role": "decode", "alone": {"min_cached_tokens": self.min_cached_tokens,
+                                                  "hold_ms": self.hold_ms}}}
+
+    @classmethod
+    def from_request(cls, kv_transfer_params: dict | None) -> "AloneParams | None":
+        data = (kv_transfer_params or {}).get(KEY)
+        if not isinstance(data, dict) or "alone" not in data:
+            return None
+        if data.get("role") != "decode" or set(data) != {"role", "alone"}:
+            raise TransferParamsError("kvpush.alone goes with role 'decode' and nothing else")
+        spec = data["alone"]
+        if not isinstance(spec, dict) or set(spec) != {"min_cached_tokens", "hold_ms"}:
+            raise TransferParamsError("kvpush.alone must be {min_cached_tokens, hold_ms}")
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in spec.values()):
+            raise TransferParamsError("kvpush.alone: min_cached_tokens and hold_ms must be integers")
+        return cls(spec["min_cached_tokens"], spec["hold_ms"])
+
+
 def push_report(reservation_id: str, pushed: bool) -> dict:
     """What the prefill engine's answer carries back (vLLM returns it as the response's
     ``kv_transfer_params``): whether every reserved token was handed to the push."""

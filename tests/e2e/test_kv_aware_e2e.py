@@ -181,9 +181,10 @@ def test_without_a_held_prefix_the_freer_engine_is_chosen(system):
 @pytest.mark.parametrize("salt", ["", "tenant-a"])
 def test_a_short_follow_up_is_served_by_the_decode_engine_holding_the_conversation_alone(system, salt):
     """Turn 1 and its follow-up through the same router: the follow-up extends the turn it
-    sent by a short rest, so it sends the prefill engine nothing, not even a request to
-    take back. (A conversation with a cache_salt too: its blocks are held under the salt,
-    the router's keys are salted as the engines salt them.)"""
+    sent by a short rest, so it goes beside its Reserve to decode-0, which served turn 1,
+    finds it holds the prefix and computes the rest at once; the prefill engine gets
+    nothing, not even a request to take back. (A conversation with a cache_salt too: its
+    blocks are held under the salt, the router's keys are salted as the engines salt them.)"""
     stack, agg = system
     local = stack.add_router(f"router-local{salt}", extra=("--local-prefill-tokens", "64"))
     salted = {"cache_salt": salt} if salt else {}
@@ -205,10 +206,52 @@ def test_a_short_follow_up_is_served_by_the_decode_engine_holding_the_conversati
     after = {e: counters(stack, e) for e in ("decode-0", "decode-1", "prefill-0")}
     # the prefill engine's connector never held a request for its reservation
     assert after["prefill-0"].get("handover_awaited", 0) == before["prefill-0"].get("handover_awaited", 0)
-    # decode-0 computed the rest itself: nothing reserved, loaded or pushed, no prefill computed
-    assert after["decode-0"].get("requests_plain", 0) > before["decode-0"].get("requests_plain", 0)
+    # decode-0 computed the rest itself, as it was sent it (its connector found the prefix
+    # held): nothing reserved, loaded or pushed, no prefill computed, nothing taken back
+    for name, moved in (("alone_guessed", 1), ("alone_held_prefix", 1), ("alone_short", 0),
+                        ("alone_taken_back", 0), ("alone_hold_expired", 0)):
+        assert after["decode-0"].get(name, 0) - before["decode-0"].get(name, 0) == moved, (name, after["decode-0"])
     for e in ("decode-0", "decode-1"):
         assert after[e].get("loads_started", 0) == before[e].get("loads_started", 0)
     assert after["decode-1"].get("requests_plain", 0) == before["decode-1"].get("requests_plain", 0)
     assert after["prefill-0"].get("bytes_staged", 0) == before["prefill-0"].get("bytes_staged", 0)
+    settled(stack)
+
+
+def test_a_follow_up_guessed_alone_whose_prefix_decode_evicted_is_taken_back_and_served_by_pd(system):
+    """The router guesses the follow-up decode alone and sends it to decode-0, which served
+    turn 1; but decode-0 dropped its prefix cache meanwhile (an eviction) and the control
+    plane has heard so. Its connector holds the request unstarted; the Reserve reserves
+    (P/D); the router takes the request on decode-0 back and the turn is served by P/D,
+    its answer the aggregated engine's. Nothing stays reserved."""
+    stack, agg = system
+    local = stack.add_router("router-local-evicted", extra=("--local-prefill-tokens", "64"))
+    turn1 = prompt(150, seed=95)
+    answer, _ = first_turn_on_decode_0(stack, turn1, 24, router=local)
+    turn2 = turn1 + answer + prompt(20, seed=96)
+    wait_until_held(stack, turn2, (len(turn1) + len(answer) - 1) // engines.BLOCK_SIZE * engines.BLOCK_SIZE)
+    req = urllib.request.Request(f"{stack.urls['decode-0']}/reset_prefix_cache", method="POST")
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        assert resp.status == 200 and b"false" not in resp.read()
+    # The reset's event goes out with the engine's next step: a request straight to it.
+    complete(stack.urls["decode-0"], prompt(8, seed=97), 1)
+    deadline = time.monotonic() + 10
+    while overlap(stack, "decode-0", turn2) > 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    time.sleep(1.0)  # the report reaches the control plane within its 0.25 s interval
+    before = {e: counters(stack, e) for e in ("decode-0", "decode-1", "prefill-0")}
+    guesses = ("decode_alone", "pd")
+    guessed_before = router_counter(local, "kvpush_router_turn_guesses", "guess", "answer").get(guesses, 0)
+    got = complete(local, turn2, 16, return_token_ids=True)["choices"][0]["token_ids"]
+    assert got == complete(agg, turn2, 16, return_token_ids=True)["choices"][0]["token_ids"]
+    assert router_counter(local, "kvpush_router_turn_guesses", "guess", "answer")[guesses] == guessed_before + 1
+    complete(stack.urls["decode-0"], prompt(8, seed=98), 1)  # (counts ride an engine's next step)
+    after = {e: counters(stack, e) for e in ("decode-0", "decode-1", "prefill-0")}
+    for name, moved in (("alone_guessed", 1), ("alone_held_prefix", 0), ("alone_short", 1),
+                        ("alone_taken_back", 1), ("alone_hold_expired", 0)):
+        assert after["decode-0"].get(name, 0) - before["decode-0"].get(name, 0) == moved, (name, after["decode-0"])
+    # P/D served it: the prefill engine staged the prompt, a decode engine loaded it
+    assert after["prefill-0"].get("bytes_staged", 0) > before["prefill-0"].get("bytes_staged", 0)
+    assert sum(after[e].get("loads_started", 0) - before[e].get("loads_started", 0) for e in ("decode-0", "decode-1")) == 1
     settled(stack)

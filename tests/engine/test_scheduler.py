@@ -14,7 +14,7 @@ from kvpush.contract.target import PushTarget
 from engine.connector.scheduler import DecodeTiming, KVPushScheduler
 from engine.connector.sidecar_link import SidecarInfo
 from kvpush.contract.layout import KvLayout
-from kvpush.contract.transfer_params import AwaitParams, PushParams
+from kvpush.contract.transfer_params import AloneParams, AwaitParams, PushParams
 from engine.frames import StateEvent
 from engine.pool import PoolDescription
 
@@ -535,3 +535,69 @@ def test_malformed_await_params_are_ignored():
         assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
         assert sched.request_finished(r) == (False, None)
     assert ho.asked == [] and sched.tracked == 0
+
+
+# -- decode alone, guessed by the router (AloneParams) ---------------------------------------
+def alone(min_cached: int, hold_ms: int = 500) -> dict:
+    return AloneParams(min_cached, hold_ms).as_kv_transfer_params()
+
+
+def test_a_guessed_decode_alone_request_holding_enough_is_computed_at_once():
+    sched, _ = decode_sched()
+    r = Req("a", 200, alone(150))
+    sched.on_new_request(r)
+    # vLLM's block-aligned local hit: 160 of 200 tokens, at least the 150 guessed
+    assert sched.get_num_new_matched_tokens(r, 160) == (0, False)
+    assert sched.tracked == 0  # decided: nothing left to answer for
+    meta = step(sched, [(r, 40)])
+    assert not meta.loads and meta.counts["alone_guessed"] == 1 and meta.counts["alone_held_prefix"] == 1
+    assert sched.request_finished(r) == (False, None)
+    assert "alone_taken_back" not in sched._meta.counts
+
+
+def test_a_guessed_decode_alone_request_holding_too_little_waits_to_be_taken_back():
+    sched, _ = decode_sched(timing=DecodeTiming(idle_wait_s=0.002))
+    r = Req("a", 200, alone(150))
+    sched.on_new_request(r)
+    step(sched, [])  # an idle engine: it may sleep a little per pass rather than spin
+    t0 = time.monotonic()
+    assert sched.get_num_new_matched_tokens(r, 96) == (None, False)  # not yet: nothing computed
+    assert 0.001 < time.monotonic() - t0 < 0.1
+    assert sched.get_num_new_matched_tokens(r, 96) == (None, False)  # (once a pass: no second sleep)
+    # The Reserve answered P/D: the router took it back (vLLM aborts it).
+    assert sched.request_finished(r) == (False, None)
+    meta = step(sched, [])
+    assert meta.counts["alone_short"] == 1 and meta.counts["alone_taken_back"] == 1
+    assert sched.tracked == 0
+
+
+def test_a_guessed_decode_alone_request_not_taken_back_is_computed_after_its_hold():
+    sched, _ = decode_sched()
+    r = Req("a", 200, alone(150, hold_ms=1))
+    sched.on_new_request(r)
+    time.sleep(0.005)
+    assert sched.get_num_new_matched_tokens(r, 64) == (0, False)  # the whole rest, here
+    meta = step(sched, [(r, 136)])
+    assert meta.counts["alone_short"] == 1 and meta.counts["alone_hold_expired"] == 1
+    assert sched.request_finished(r) == (False, None) and sched.tracked == 0
+
+
+def test_malformed_or_misplaced_alone_params_are_served_normally():
+    for bad in ({"kvpush": {"role": "prefill", "alone": {"min_cached_tokens": 5, "hold_ms": 5}}},
+                {"kvpush": {"role": "decode", "alone": {"min_cached_tokens": 0, "hold_ms": 5}}},
+                {"kvpush": {"role": "decode", "alone": {"min_cached_tokens": 5, "hold_ms": 0}}},
+                {"kvpush": {"role": "decode", "alone": {"min_cached_tokens": "5", "hold_ms": 5}}},
+                {"kvpush": {"role": "decode", "alone": {"min_cached_tokens": 5}}},
+                {"kvpush": {"role": "decode", "alone": {"min_cached_tokens": 5, "hold_ms": 5}, "x": 1}}):
+        sched, _ = decode_sched()
+        r = Req("a", 40, bad)
+        sched.on_new_request(r)
+        assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+        assert step(sched, []).counts["bad_params"] == 1
+        assert sched.request_finished(r) == (False, None) and sched.tracked == 0
+    # On a prefill engine (it never loads): served normally, counted.
+    sched, _ = prefill_sched()
+    r = Req("a", 40, alone(8))
+    sched.on_new_request(r)
+    assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert step(sched, []).counts["role_ignored"] == 1 and sched.tracked == 0

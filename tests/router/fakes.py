@@ -30,6 +30,10 @@ class FakeEngine:
         self.handover = None    # async (router's request id) -> reservation id, for awaited reservations
         self.chunk_delay = 0.0  # seconds between streamed token chunks (token_ids mode)
         self.chunks, self.chunk_bytes = 3, 0  # the plain stream: how many chunks, each of this much text
+        # Requests guessed decode alone (kvpush "alone") wait for this, as a connector holds
+        # one whose prompt its prefix cache lacks.
+        self.holds_alone = asyncio.Event()
+        self.holds_alone.set()
 
     async def _with_token_ids(self, request: web.Request, body: dict):
         base = {"id": f"cmpl-{self.name}", "created": 1, "model": "tiny"}
@@ -72,6 +76,8 @@ class FakeEngine:
                 return web.json_response(payload, status=status)
             try:
                 await self.stall.wait()
+                if "alone" in ((body.get("kv_transfer_params") or {}).get("kvpush") or {}):
+                    await self.holds_alone.wait()
                 if "token_ids" in self.mode:
                     return await self._with_token_ids(request, body)
                 if not body.get("stream"):

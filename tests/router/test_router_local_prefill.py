@@ -15,6 +15,7 @@ from aiohttp.test_utils import TestServer
 
 from app.simulated import SimulatedEngine
 from kvpush.contract.block_hash import BlockHasher
+from kvpush.contract.transfer_params import AloneParams
 from kvpush.contract.v1 import registry_pb2, types_pb2
 from router import metrics
 from router.app import build_app
@@ -96,12 +97,16 @@ def turn_guesses(guess: str, answer: str) -> float:
                                              {"guess": guess, "answer": answer}) or 0.0
 
 
-async def test_a_turn_extending_one_it_sent_by_a_short_rest_waits_for_the_reserve(stack, engine_client):
-    """The router remembers the prompts it sent: a turn that extends one by fewer new tokens
-    than the threshold, beyond what its answer may have added, sends no prefill request
-    ahead of the Reserve (decode alone serves it: nothing to take back); a longer rest still
-    sends it early; a wrong guess (decode evicted the prefix) costs only the overlap: the
-    prefill request goes once the Reserve has answered, and the turn is served by P/D."""
+async def test_a_turn_extending_one_it_sent_by_a_short_rest_goes_to_its_decode_engine_beside_the_reserve(
+        stack, engine_client):
+    """The router remembers the prompts it sent and where they were served: a turn that
+    extends one by fewer new tokens than the threshold, beyond what its answer may have
+    added, goes at once to the decode engine that served it (guarded: computed there only
+    if that engine holds all but the short rest) and sends no prefill request ahead of the
+    Reserve; decode alone serves it, nothing to take back. A longer rest still sends the
+    prefill request early. A wrong guess (decode evicted the prefix, so its engine holds
+    the request) costs only the overlap: the Reserve reserves, the request on decode is
+    taken back, the prefill request goes with the reservation, and P/D serves the turn."""
     s = stack
     prefill_sim = SimulatedEngine(engine_client, "prefill-0", num_blocks=8, model="tiny", role=types_pb2.PREFILL)
     await prefill_sim.register()
@@ -142,28 +147,43 @@ async def test_a_turn_extending_one_it_sent_by_a_short_rest_waits_for_the_reserv
         a1 = await turn(p1)
         assert len(s["prefill"].bodies) == 1 and guessed("prefill", "pd") == 1
         # Turn 2 adds the answer (3 tokens, at most max_tokens) and 5 new: 5 beyond turn 1
-        # and its answer, under the threshold. Decode-0 holds turn 1's blocks: decode alone,
-        # and the prefill engine never hears of it.
+        # and its answer, under the threshold. Decode-0 served turn 1 and holds its blocks:
+        # the turn goes there at once, guarded (it must hold 40 - 20 + 1 tokens), and the
+        # Reserve's decode_alone on decode-0 keeps it; the prefill engine never hears of it.
         p2 = p1 + a1 + [5, 6, 7, 8, 9]
         await holds(p1)
         decode_bodies = len(s["decode"].bodies)
         await turn(p2)
         assert len(s["prefill"].bodies) == 1 and s["prefill"].cancelled == 0
-        assert len(s["decode"].bodies) == decode_bodies + 1
-        assert s["decode"].bodies[-1]["prompt"] == p2 and "kv_transfer_params" not in s["decode"].bodies[-1]
+        assert len(s["decode"].bodies) == decode_bodies + 1 and s["decode"].cancelled == 0
+        assert s["decode"].bodies[-1]["prompt"] == p2
+        router_await_ms = int(cfg.reserve_timeout_s * 1000) + 250
+        assert s["decode"].bodies[-1]["kv_transfer_params"] == AloneParams(len(p2) - 20 + 1,
+                                                                           router_await_ms).as_kv_transfer_params()
         assert guessed("decode_alone", "decode_alone") == 1
         # Turn 3 adds 24 new tokens: a P/D turn, its prefill request sent early again.
         await holds(p2)
         await turn(p2 + [7, 8, 9] + list(range(300, 324)))
         assert len(s["prefill"].bodies) == 2 and guessed("prefill", "pd") == 2
         # A guess gone wrong: turn 2 again with other new tokens, but decode-0 evicted
-        # everything. Decode alone was guessed; the Reserve reserves (P/D): the prefill
-        # request goes after its answer, with the reservation it names.
+        # everything. Decode alone was guessed: the turn went to decode-0, which holds it
+        # (it lacks the prefix); the Reserve reserves (P/D): the request on decode-0 is taken
+        # back, and the prefill request goes after the answer, with the reservation it names.
         await holds([])
         s["prefill"].pushes = False  # (no sidecars here: its reservation is released, not left to a load)
+        s["decode"].holds_alone.clear()
+        decode_bodies = len(s["decode"].bodies)
         await turn(p1 + a1 + [50, 51, 52])
         assert len(s["prefill"].bodies) == 3 and guessed("decode_alone", "pd") == 1
         assert "await" not in s["prefill"].bodies[-1]["kv_transfer_params"]["kvpush"]
+        assert "alone" in s["decode"].bodies[decode_bodies]["kv_transfer_params"]["kvpush"]
+        for _ in range(100):
+            if s["decode"].cancelled:
+                break
+            await asyncio.sleep(0.02)
+        assert s["decode"].cancelled == 1  # taken back
+        # (the prefill engine did not push: decode computes the prompt, without kvpush params)
+        assert len(s["decode"].bodies) == decode_bodies + 2 and "kv_transfer_params" not in s["decode"].bodies[-1]
         report = await settle(s["etcd"].endpoint)
         assert not report.live, report.summary()
     finally:
