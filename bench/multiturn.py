@@ -2,7 +2,7 @@
 one aggregated engine with prefix caching, and the crossover that sets the default
 --local-prefill-tokens.
 
-    .venv/bin/python bench/multiturn.py --report   # ~15 minutes on 2 cores; writes the
+    .venv/bin/python bench/multiturn.py --report   # ~20 minutes on 2 cores; writes the
                                                    # "Multi-turn" and "Conditional
                                                    # disaggregation" sections of docs/BENCHMARKS.md
     .venv/bin/python bench/multiturn.py --quick    # a smoke run (fewer of everything, no report)
@@ -10,7 +10,11 @@ one aggregated engine with prefix caching, and the crossover that sets the defau
 One run, one machine, real parts: etcd, a control plane, a prefill and two decode vLLM
 engines with prefix caching (the decode engines publish their KV events, their sidecars
 follow them), and one aggregated vLLM engine beside them. Every configuration sees the
-same conversations, with every engine's prefix cache emptied before it:
+same conversations, with every engine's prefix cache emptied before it; the sequential
+phase runs in rounds (``--rounds``, 3), each round every configuration in turn with
+conversations of its own, so that a shared machine's drift falls on all of them alike,
+and the turns ≥ 2 ratio comes with a bootstrap interval (how far one run can sit from
+the truth):
 
   aggregated : the one plain engine, prefix caching on (vLLM's default);
   kvpush     : a router without KV-aware routing (kvpush before it): the decode engine
@@ -268,10 +272,11 @@ class Bench:
 
     # -------------------------------------------------------------- conversations
     def conversations(self, name: str, url: str, convs: int, turns: int, first: int, new: int,
-                      reference: dict | None) -> dict:
-        """Sequential: the conversations' turns round-robin, bytes staged read per request."""
+                      reference: dict | None, round_: int = 0) -> dict:
+        """Sequential: the conversations' turns round-robin, bytes staged read per request.
+        Each round has conversations of its own (the same in every configuration)."""
         self.forget()
-        prompts = {c: ids(first, f"conv-{c}") for c in range(convs)}
+        prompts = {c: ids(first, f"conv-{c}" if not round_ else f"conv-{round_}-{c}") for c in range(convs)}
         rows: dict[int, list[dict]] = {t: [] for t in range(1, turns + 1)}
         answers: dict[tuple[int, int], list[int]] = {}
         meter = self.cpu_meter()
@@ -286,7 +291,7 @@ class Bench:
                                 "staged": self.staged() - before, "tokens": len(prompts[c]), "error": r["error"],
                                 "new": len(prompts[c]) if t == 1 else new + ANSWER_TOKENS})
                 answers[(c, t)] = r["token_ids"]
-                prompts[c] = prompts[c] + r["token_ids"] + ids(new, f"conv-{c}-turn-{t + 1}")
+                prompts[c] = prompts[c] + r["token_ids"] + ids(new, f"conv-{round_}-{c}-turn-{t + 1}")
         wall = time.perf_counter() - t_start
         cpu = meter.stop()
         wrong = sum(1 for k, v in answers.items() if reference is not None and reference.get(k) != v)
@@ -318,6 +323,30 @@ class Bench:
         return {"name": name, "rows": rows, "errors": errors}
 
 
+def merged(runs: list[dict]) -> dict:
+    """One configuration's rounds as one run (answers keyed by round too)."""
+    out = {"name": runs[0]["name"], "rows": {t: [] for t in runs[0]["rows"]}, "answers": {}, "wrong": 0,
+           "cpu": {}, "wall": 0.0}
+    for k, r in enumerate(runs):
+        for t, rows in r["rows"].items():
+            out["rows"][t] += rows
+        out["answers"].update({(k, *key): v for key, v in r["answers"].items()})
+        out["wrong"] += r["wrong"]
+        out["wall"] += r["wall"]
+        for proc, sec in r["cpu"].items():
+            out["cpu"][proc] = out["cpu"].get(proc, 0.0) + sec
+    return out
+
+
+def ratio_interval(xs: list[float], base: list[float], n: int = 5000, seed: int = 0) -> tuple[float, float]:
+    """A 95% bootstrap interval of p50(xs) / p50(base): the turns resampled with replacement
+    (how far this one run's ratio may sit from what more turns would show)."""
+    rng = np.random.default_rng(seed)
+    a, b = np.asarray(xs, dtype=float), np.asarray(base, dtype=float)
+    r = (np.median(rng.choice(a, (n, len(a))), axis=1) / np.median(rng.choice(b, (n, len(b))), axis=1))
+    return float(np.percentile(r, 2.5)), float(np.percentile(r, 97.5))
+
+
 def fmt(v: float) -> str:
     return "timeout" if not np.isfinite(v) else f"{v:.0f}"
 
@@ -325,8 +354,9 @@ def fmt(v: float) -> str:
 def report(cross: dict, seq: list[dict], poi: list[dict], meta: dict) -> tuple[str, str]:
     """The multi-turn section and the crossover section of docs/BENCHMARKS.md."""
     lines = [f"Measured {meta['date']} by `bench/multiturn.py` ({meta['cpus']} cores, one run; the tiny "
-             "float32 Llama of `app/tiny_model.py`, block size 32; {convs} conversations of {turns} turns, "
-             "turn 1 {first} tokens, each later turn +{new} new tokens and the previous answer's "
+             "float32 Llama of `app/tiny_model.py`, block size 32; {rounds} round(s) of {convs} conversations of "
+             "{turns} turns, each round every configuration in turn, with conversations of its own; turn 1 "
+             "{first} tokens, each later turn +{new} new tokens and the previous answer's "
              "{answer}).".format(answer=ANSWER_TOKENS, **meta), ""]
     lines += ["### Sequential: TTFT per turn (ms, p50 / p90 over the conversations), and what the prefill "
               "engine staged to push (p50)", "",
@@ -346,11 +376,15 @@ def report(cross: dict, seq: list[dict], poi: list[dict], meta: dict) -> tuple[s
         f"{sum(len(v) > 0 for v in r['answers'].values()) - r['wrong']} of {len(r['answers'])}" for r in seq) + " |")
     lines.append("| CPU seconds (all processes) / wall seconds | " + " | ".join(
         f"{sum(r['cpu'].values()):.0f} / {r['wall']:.0f}" for r in seq) + " |")
-    later = {r["name"]: pct([x["ttft_ms"] for t in turns if t > 1 for x in r["rows"][t]], 50) for r in seq}
+    later = {r["name"]: [x["ttft_ms"] for t in turns if t > 1 for x in r["rows"][t]] for r in seq}
     base = later.get("kvpush")
     if base:
-        lines += ["", "Turns ≥ 2, TTFT p50 against kvpush without KV-aware reservations: " + ", ".join(
-            f"{name} {v / base:.3f}x ({fmt(v)} ms)" for name, v in later.items()) + "."]
+        b50 = pct(base, 50)
+        lines += ["", f"Turns ≥ 2 ({len(base)} per configuration), TTFT p50 against kvpush without KV-aware "
+                  "reservations (95% bootstrap interval): " + ", ".join(
+                      f"{name} {pct(v, 50) / b50:.3f}x ({fmt(pct(v, 50))} ms; "
+                      "{:.3f}-{:.3f})".format(*ratio_interval(v, base))
+                      for name, v in later.items() if name != "kvpush") + f"; kvpush {fmt(b50)} ms."]
     lines += ["", f"### Poisson: conversations sending their next turn a random think time (mean "
               f"{meta['think_s']} s) after their answer; TTFT p50 / p90 (ms)", "",
               "| turn | " + " | ".join(r["name"] for r in poi) + " |", "|---|" + "---|" * len(poi)]
@@ -401,10 +435,14 @@ def main() -> None:
     p.add_argument("--local-prefill-tokens", type=int, default=None,
                    help="the kv-aware router's threshold (default: the crossover measured here)")
     p.add_argument("--skip-crossover", action="store_true")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of the sequential phase, each of every configuration in turn (drift on a shared "
+                        "machine then falls on all of them alike)")
     args = p.parse_args()
     quick = args.quick
     sizes = [32, 256] if quick else [16, 32, 64, 128, 256, 512]
     convs, turns, first, new = (2, 3, 600, 48) if quick else (4, 4, 1000, 64)
+    rounds = 1 if quick else args.rounds
     bench = Bench()
     try:
         bench.start()
@@ -418,17 +456,21 @@ def main() -> None:
         bench.routers["kv-aware"] = bench.stack.add_router("router-kv", extra=("--local-prefill-tokens",
                                                                                  str(threshold)))
         say(f"kv-aware router with --local-prefill-tokens {threshold}")
-        reference = bench.conversations("aggregated", bench.agg_url, convs, turns, first, new, None)
-        seq = [reference]
-        for name in ("kvpush", "kv-aware", "kv-aware P/D"):
-            seq.append(bench.conversations(name, bench.routers[name], convs, turns, first, new, reference["answers"]))
-            say(f"{name}: done, {seq[-1]['wrong']} answers differ")
+        runs: list[list[dict]] = [[] for _ in range(4)]
+        for k in range(rounds):
+            reference = bench.conversations("aggregated", bench.agg_url, convs, turns, first, new, None, k)
+            runs[0].append(reference)
+            for i, name in enumerate(("kvpush", "kv-aware", "kv-aware P/D"), start=1):
+                runs[i].append(bench.conversations(name, bench.routers[name], convs, turns, first, new,
+                                                   reference["answers"], k))
+                say(f"round {k + 1}: {name}: done, {runs[i][-1]['wrong']} answers differ")
+        seq = [merged(r) for r in runs]
         seq[-2]["name"] = f"kv-aware (local < {threshold})"
         poi = [bench.poisson(name, url, convs, turns, first, new, 1.0, seed=7)
                for name, url in (("aggregated", bench.agg_url), ("kvpush", bench.routers["kvpush"]),
                                  (f"kv-aware (local < {threshold})", bench.routers["kv-aware"]))]
-        meta = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "convs": convs, "turns": turns,
-                "first": first, "new": new, "think_s": 1.0}
+        meta = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "rounds": rounds, "convs": convs,
+                "turns": turns, "first": first, "new": new, "think_s": 1.0}
         multi, cross_text = report(cross or {"rows": {}, "threshold": None, "reps": 0, "background": 0},
                                    seq, poi, meta)
         print(cross_text + "\n\n" + multi)
