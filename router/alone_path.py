@@ -6,7 +6,6 @@ served the turn it extends (``router.kv_aware``). Part of ``router.dispatch.Disp
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import aiohttp
@@ -17,7 +16,6 @@ from kvpush.contract.transfer_params import AloneParams
 from router import ask as asks
 from router import metrics
 from router.errors import ApiError
-from router.kv_aware import Guess
 from router.upstream import Sent, nothing_sent
 
 _log = log.get("router")
@@ -34,33 +32,13 @@ class AlonePath:
                 return self._least_loaded(others)
         return None
 
-    async def _alone_ahead(self, ask: asks.Ask, request_id: str, prefill_url: str, prefill_id: str, keys,
-                           guess: Guess, url: str, request: web.Request, timings: dict,
-                           held: list) -> web.StreamResponse:
-        """A turn guessed to be decode alone goes now, beside its Reserve, to the decode
-        engine that served the turn it extends: that engine computes it as soon as it finds
-        it holds all but a rest under the threshold (else holds it, unstarted). Only a
-        Reserve answering decode_alone on that engine keeps it; any other answer takes it
-        back and is followed as it would have been."""
+    def _send_ahead(self, ask: asks.Ask, url: str) -> Sent:
+        """A turn guessed to be decode alone, sent now, beside its Reserve, to ``url``: the
+        decode engine that served the turn it extends. That engine computes it as soon as it
+        finds it holds all but a rest under the threshold, else holds it unstarted; the
+        caller keeps it only if the Reserve answers decode_alone on that engine."""
         kv = AloneParams(ask.num_tokens - self.cfg.local_prefill_tokens + 1, self.await_ms).as_kv_transfer_params()
-        sent = self.up.send(url, ask.endpoint, dict(ask.body, kv_transfer_params=kv))
-        try:
-            res, why = await self.reserve(request_id, ask, prefill_id, keys, preferred=guess.engine_id)
-        except BaseException:
-            await asyncio.shield(sent.withdraw())
-            raise
-        timings["reserved"] = time.perf_counter()
-        if res is not None and res.decode_alone and res.engine_id == guess.engine_id:
-            return await self._local_prefill(ask, res, request, timings, sent)
-        await sent.withdraw()
-        if res is None:
-            metrics.FALLBACKS.labels(reason=why).inc()
-            _log.info("serving without push", request_id=request_id, reason=why, num_tokens=ask.num_tokens)
-            return await self._decode_alone(ask.endpoint, ask.body, request)
-        if res.decode_alone:
-            return await self._local_prefill(ask, res, request, timings)
-        held.append(res)
-        return await self._first_token(ask, request_id, prefill_url, request, timings, held)
+        return self.up.send(url, ask.endpoint, dict(ask.body, kv_transfer_params=kv))
 
     async def _local_prefill(self, ask: asks.Ask, decision, request: web.Request,
                              timings: dict, sent: Sent | None = None) -> web.StreamResponse:

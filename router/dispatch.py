@@ -151,11 +151,9 @@ class Dispatcher(PushPath, AlonePath):
         guess = self.kv_aware.guess(keys, ask.num_tokens) if early else None
         ahead = self.engines.decode_url(guess.engine_id) if guess and guess.alone and guess.engine_id else None
         self.kv_aware.sent(keys, ask.num_tokens, ask.max_tokens)
+        sent = None  # a guessed decode-alone turn sent ahead of its Reserve: withdrawn if anything below fails
         try:
-            if ahead is not None:
-                response = await self._alone_ahead(ask, request_id, prefill_url, prefill_id, keys, guess, ahead,
-                                                   request, timings, held)
-            elif early and not (guess and guess.alone):
+            if early and not (guess and guess.alone):
                 # The Reserve and the prefill request's HTTP, tokenization and scheduling
                 # run at once: the reservation names the prefill engine, whose sidecar
                 # hears it by watch while its connector holds the request.
@@ -165,14 +163,23 @@ class Dispatcher(PushPath, AlonePath):
             else:
                 # Named on the push path too: its sidecar then holds the staged KV for a
                 # failover (and frees it at CONSUMED), and the layouts are checked now.
-                res, why = await self.reserve(request_id, ask, prefill_id, keys)
+                # A turn guessed decode alone goes at once, beside the Reserve, to the decode
+                # engine that served the turn it extends (``_send_ahead``); only an answer of
+                # decode_alone on that engine keeps it, any other takes it back.
+                sent = self._send_ahead(ask, ahead) if ahead is not None else None
+                res, why = await self.reserve(request_id, ask, prefill_id, keys,
+                                              guess.engine_id if sent is not None else "")
+                if sent is not None and not (res is not None and res.decode_alone
+                                             and res.engine_id == guess.engine_id):
+                    await sent.withdraw()
+                    sent = None
                 if res is None:
                     metrics.FALLBACKS.labels(reason=why).inc()
                     _log.info("serving without push", request_id=request_id, reason=why, num_tokens=ask.num_tokens)
                     return await self._decode_alone(endpoint, body, request)
                 timings["reserved"] = time.perf_counter()
                 if res.decode_alone:
-                    response = await self._local_prefill(ask, res, request, timings)
+                    response = await self._local_prefill(ask, res, request, timings, sent)
                 else:
                     held.append(res)
                     if ask.path == asks.PUSH:
@@ -182,6 +189,8 @@ class Dispatcher(PushPath, AlonePath):
                         response = await self._first_token(ask, request_id, prefill_url, request, timings, held)
         except BaseException:
             # Client gone or an engine failed: give the blocks back now, not at the deadline.
+            if sent is not None:
+                await asyncio.shield(sent.withdraw())
             if held:
                 await asyncio.shield(self.release(held[0].id, "client disconnected or an engine failed"))
             raise

@@ -89,15 +89,13 @@ class Sent:
     def __init__(self, up: Upstream, url: str, endpoint: str, body: dict) -> None:
         self.url, self.body = url, body
         self.started = time.perf_counter()
-        self._outstanding = up.outstanding
-        self._outstanding[url] = self._outstanding.get(url, 0) + 1
-        self._counted = True
+        self._answering: Answering | None = up.answering(url)
         self.answer = asyncio.ensure_future(up.session.post(f"{url}/v1/{path_of(endpoint)}", json=body))
 
     def done(self) -> None:
-        if self._counted:
-            self._counted = False
-            self._outstanding[self.url] -= 1
+        if self._answering is not None:
+            self._answering.done()
+            self._answering = None
 
     async def withdraw(self) -> None:
         """Take the request back: its connection is closed, so the engine aborts it (vLLM

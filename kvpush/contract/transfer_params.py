@@ -118,14 +118,9 @@ class AwaitParams:
 
     @classmethod
     def from_request(cls, kv_transfer_params: dict | None) -> "AwaitParams | None":
-        data = (kv_transfer_params or {}).get(KEY)
-        if not isinstance(data, dict) or "await" not in data:
+        spec = _nested(kv_transfer_params, "await", "prefill", ("request_id", "wait_ms"))
+        if spec is None:
             return None
-        if data.get("role") != "prefill" or set(data) != {"role", "await"}:
-            raise TransferParamsError("kvpush.await goes with role 'prefill' and nothing else")
-        spec = data["await"]
-        if not isinstance(spec, dict) or set(spec) != {"request_id", "wait_ms"}:
-            raise TransferParamsError("kvpush.await must be {request_id, wait_ms}")
         try:
             return cls(str(spec["request_id"]), int(spec["wait_ms"]))
         except (TypeError, ValueError) as exc:
@@ -157,17 +152,26 @@ class AloneParams:
 
     @classmethod
     def from_request(cls, kv_transfer_params: dict | None) -> "AloneParams | None":
-        data = (kv_transfer_params or {}).get(KEY)
-        if not isinstance(data, dict) or "alone" not in data:
+        spec = _nested(kv_transfer_params, "alone", "decode", ("min_cached_tokens", "hold_ms"))
+        if spec is None:
             return None
-        if data.get("role") != "decode" or set(data) != {"role", "alone"}:
-            raise TransferParamsError("kvpush.alone goes with role 'decode' and nothing else")
-        spec = data["alone"]
-        if not isinstance(spec, dict) or set(spec) != {"min_cached_tokens", "hold_ms"}:
-            raise TransferParamsError("kvpush.alone must be {min_cached_tokens, hold_ms}")
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in spec.values()):
             raise TransferParamsError("kvpush.alone: min_cached_tokens and hold_ms must be integers")
         return cls(spec["min_cached_tokens"], spec["hold_ms"])
+
+
+def _nested(kv_transfer_params: dict | None, name: str, role: str, fields: tuple[str, ...]) -> dict | None:
+    """The object ``{"kvpush": {"role": role, name: {fields...}}}`` of a request holds under
+    ``name``; None when it has no ``name``; refused when anything else is beside it or in it."""
+    data = (kv_transfer_params or {}).get(KEY)
+    if not isinstance(data, dict) or name not in data:
+        return None
+    if data.get("role") != role or set(data) != {"role", name}:
+        raise TransferParamsError(f"kvpush.{name} goes with role {role!r} and nothing else")
+    spec = data[name]
+    if not isinstance(spec, dict) or set(spec) != set(fields):
+        raise TransferParamsError(f"kvpush.{name} must be {{{', '.join(fields)}}}")
+    return spec
 
 
 def push_report(reservation_id: str, pushed: bool) -> dict:
