@@ -21,7 +21,10 @@ the truth):
                is chosen by free blocks alone, the whole prompt is reserved and pushed;
   kv-aware   : a router sending each prompt's block keys, --local-prefill-tokens at the
                value measured in the crossover phase (or --local-prefill-tokens);
-  kv-aware P/D : the same, never decode alone (--local-prefill-tokens 0).
+  kv-aware P/D : the same, never decode alone (--local-prefill-tokens 0);
+  and, in each round, the engines' own share of the same turns: sent straight to a decode
+  engine holding the conversation and to the prefill engine holding the previous prompts
+  (no router, no push), so that the report says what each path adds to its engine's work.
 
 Conversations: turn 1 is a ~1,000-token prompt; each later turn is the previous prompt,
 its answer and a new message, up to ~1,700 tokens at turn 4. Sequential (the
@@ -62,6 +65,7 @@ from app.procs import ManagedProcess, http_ok  # noqa: E402
 from app.stack import Stack, StackSpec  # noqa: E402
 from app.tiny_model import DEFAULT_DIR, ensure_model  # noqa: E402
 from bench.common import CpuMeter, pct, update_section  # noqa: E402
+from bench.multiturn_report import merged, report  # noqa: E402
 
 T0 = time.monotonic()
 MODEL = "tiny"
@@ -297,6 +301,36 @@ class Bench:
         wrong = sum(1 for k, v in answers.items() if reference is not None and reference.get(k) != v)
         return {"name": name, "rows": rows, "answers": answers, "wrong": wrong, "cpu": cpu, "wall": wall}
 
+    def limit(self, convs: int, turns: int, first: int, new: int, round_: int = 0) -> dict:
+        """The engines' own share of a later turn, no router and no push: each turn straight to
+        a decode engine that holds the conversation (its previous prompts and the answers it
+        computed: what decode alone computes) and straight to the prefill engine holding only
+        the previous prompts (what kvpush without KV-aware routing computes before its first
+        token), on engines of the same setting: what each configuration's path adds to its
+        engine's own work (router, Reserve, push) is its TTFT less these."""
+        self.forget()
+        decode, prefill = self.stack.urls[DECODES[0]], self.stack.urls["prefill-0"]
+        rows: dict[str, list[float]] = {"decode": [], "prefill": []}
+        errors: list[str] = []
+        for c in range(convs):
+            prompt = ids(first, f"limit-{round_}-{c}")
+            for t in range(1, turns + 1):
+                sides = ("decode", "prefill") if (c + t) % 2 == 0 else ("prefill", "decode")
+                answer: list[int] = []
+                for side in sides:
+                    # (decode answers in full, holding its answer as in a conversation; prefill
+                    # computes up to the first token, as the first-token path asks of it)
+                    r = ask(decode, prompt) if side == "decode" else ask(prefill, prompt, max_tokens=1)
+                    if r["error"]:
+                        errors.append(f"{side}: {r['error']}")
+                    elif t > 1:
+                        rows[side].append(r["ttft_s"] * 1e3)
+                    if side == "decode":
+                        answer = r["token_ids"]
+                    time.sleep(0.3)
+                prompt = prompt + answer + ids(new, f"limit-{round_}-{c}-turn-{t + 1}")
+        return {"rows": rows, "errors": errors}
+
     def poisson(self, name: str, url: str, convs: int, turns: int, first: int, new: int, think_s: float,
                 seed: int) -> dict:
         """Each conversation sends its next turn an exponential think time after its answer."""
@@ -321,111 +355,6 @@ class Bench:
         for th in threads:
             th.join(TIMEOUT_S * turns)
         return {"name": name, "rows": rows, "errors": errors}
-
-
-def merged(runs: list[dict]) -> dict:
-    """One configuration's rounds as one run (answers keyed by round too)."""
-    out = {"name": runs[0]["name"], "rows": {t: [] for t in runs[0]["rows"]}, "answers": {}, "wrong": 0,
-           "cpu": {}, "wall": 0.0}
-    for k, r in enumerate(runs):
-        for t, rows in r["rows"].items():
-            out["rows"][t] += rows
-        out["answers"].update({(k, *key): v for key, v in r["answers"].items()})
-        out["wrong"] += r["wrong"]
-        out["wall"] += r["wall"]
-        for proc, sec in r["cpu"].items():
-            out["cpu"][proc] = out["cpu"].get(proc, 0.0) + sec
-    return out
-
-
-def ratio_interval(xs: list[float], base: list[float], n: int = 5000, seed: int = 0) -> tuple[float, float]:
-    """A 95% bootstrap interval of p50(xs) / p50(base): the turns resampled with replacement
-    (how far this one run's ratio may sit from what more turns would show)."""
-    rng = np.random.default_rng(seed)
-    a, b = np.asarray(xs, dtype=float), np.asarray(base, dtype=float)
-    r = (np.median(rng.choice(a, (n, len(a))), axis=1) / np.median(rng.choice(b, (n, len(b))), axis=1))
-    return float(np.percentile(r, 2.5)), float(np.percentile(r, 97.5))
-
-
-def fmt(v: float) -> str:
-    return "timeout" if not np.isfinite(v) else f"{v:.0f}"
-
-
-def report(cross: dict, seq: list[dict], poi: list[dict], meta: dict) -> tuple[str, str]:
-    """The multi-turn section and the crossover section of docs/BENCHMARKS.md."""
-    lines = [f"Measured {meta['date']} by `bench/multiturn.py` ({meta['cpus']} cores, one run; the tiny "
-             "float32 Llama of `app/tiny_model.py`, block size 32; {rounds} round(s) of {convs} conversations of "
-             "{turns} turns, each round every configuration in turn, with conversations of its own; turn 1 "
-             "{first} tokens, each later turn +{new} new tokens and the previous answer's "
-             "{answer}).".format(answer=ANSWER_TOKENS, **meta), ""]
-    lines += ["### Sequential: TTFT per turn (ms, p50 / p90 over the conversations), and what the prefill "
-              "engine staged to push (p50)", "",
-              "| turn | " + " | ".join(r["name"] for r in seq) + " |",
-              "|---|" + "---|" * len(seq)]
-    turns = sorted(seq[0]["rows"])
-    for t in turns:
-        cells = []
-        for r in seq:
-            ttft = [x["ttft_ms"] for x in r["rows"][t]]
-            cells.append(f"{fmt(pct(ttft, 50))} / {fmt(pct(ttft, 90))}")
-        lines.append(f"| {t} | " + " | ".join(cells) + " |")
-    for t in turns:
-        lines.append(f"| KiB staged, turn {t} (per token the turn added) | " + " | ".join(
-            staged_cell(r, t) for r in seq) + " |")
-    lines.append("| answers equal to the aggregated engine's | " + " | ".join(
-        f"{sum(len(v) > 0 for v in r['answers'].values()) - r['wrong']} of {len(r['answers'])}" for r in seq) + " |")
-    lines.append("| CPU seconds (all processes) / wall seconds | " + " | ".join(
-        f"{sum(r['cpu'].values()):.0f} / {r['wall']:.0f}" for r in seq) + " |")
-    later = {r["name"]: [x["ttft_ms"] for t in turns if t > 1 for x in r["rows"][t]] for r in seq}
-    base = later.get("kvpush")
-    if base:
-        b50 = pct(base, 50)
-        lines += ["", f"Turns ≥ 2 ({len(base)} per configuration), TTFT p50 against kvpush without KV-aware "
-                  "reservations (95% bootstrap interval): " + ", ".join(
-                      f"{name} {pct(v, 50) / b50:.3f}x ({fmt(pct(v, 50))} ms; "
-                      "{:.3f}-{:.3f})".format(*ratio_interval(v, base))
-                      for name, v in later.items() if name != "kvpush") + f"; kvpush {fmt(b50)} ms."]
-    lines += ["", f"### Poisson: conversations sending their next turn a random think time (mean "
-              f"{meta['think_s']} s) after their answer; TTFT p50 / p90 (ms)", "",
-              "| turn | " + " | ".join(r["name"] for r in poi) + " |", "|---|" + "---|" * len(poi)]
-    for t in turns:
-        lines.append(f"| {t} | " + " | ".join(f"{fmt(pct(r['rows'][t], 50))} / {fmt(pct(r['rows'][t], 90))}"
-                                              for r in poi) + " |")
-    lines.append("| errors | " + " | ".join(str(len(r["errors"])) for r in poi) + " |")
-    cross_lines = [f"Measured {meta['date']} by `bench/multiturn.py` ({meta['cpus']} cores): a 1,000-token "
-                   f"prompt and its {ANSWER_TOKENS}-token answer on a decode engine, then a turn adding N tokens, "
-                   "served by the P/D path (KV-aware: only the rest pushed) or by that decode engine alone, "
-                   f"alternating, {cross['reps']} of each per N with the engines otherwise idle, then "
-                   f"{2 * cross['reps']} of each with "
-                   f"{cross['background']} background stream(s) on each decode engine (their usual inter-token "
-                   f"gap: {cross.get('usual_gap', float('nan')):.1f} ms). TTFT p50 / p90 (ms). *Saves*: the P/D "
-                   "path's idle TTFT p50 less decode alone's. *Stall*: p50 over turns of the longest gap the "
-                   f"serving decode engine's background stream saw in the {STALL_WINDOW_S} s after the turn was "
-                   "sent, less its usual gap. *Direct*: the same turn sent straight to that decode engine, "
-                   "no router (decode alone's floor).", "",
-                   "| N | idle: P/D | idle: alone | idle: direct | busy: P/D | busy: alone | saves (ms) "
-                   "| stall, alone (ms) | stall, P/D (ms) | errors |",
-                   "|---|---|---|---|---|---|---|---|---|---|"]
-    for n, v in cross["rows"].items():
-        i, b = v["idle"], v["busy"]
-        cross_lines.append(
-            f"| {n} | {fmt(pct(i['pd'], 50))} / {fmt(pct(i['pd'], 90))} | {fmt(pct(i['alone'], 50))} / "
-            f"{fmt(pct(i['alone'], 90))} | {fmt(pct(i['direct'], 50))} / {fmt(pct(i['direct'], 90))} | "
-            f"{fmt(pct(b['pd'], 50))} / {fmt(pct(b['pd'], 90))} | "
-            f"{fmt(pct(b['alone'], 50))} / {fmt(pct(b['alone'], 90))} | {v['saved']:.1f} | {v['stall_alone']:.1f} "
-            f"| {v['stall_pd']:.1f} | {len(i['errors']) + len(b['errors'])} |")
-    cross_lines += ["", "Crossover (the smallest N from which on a local prefill stalls the decode engine's other "
-                    "streams longer than it saves the turn): "
-                    f"**{cross['threshold'] if cross['threshold'] is not None else 'none in the range'}**."]
-    return "\n".join(lines), "\n".join(cross_lines)
-
-
-def staged_cell(r: dict, t: int) -> str:
-    rows = r["rows"][t]
-    kib = pct([x["staged"] / 1024 for x in rows], 50)
-    if not kib:
-        return "0"
-    return f"{kib:.0f} ({pct([x['staged'] / x['new'] for x in rows], 50):.0f} B)"
 
 
 def main() -> None:
@@ -457,6 +386,7 @@ def main() -> None:
                                                                                  str(threshold)))
         say(f"kv-aware router with --local-prefill-tokens {threshold}")
         runs: list[list[dict]] = [[] for _ in range(4)]
+        limits: list[dict] = []
         for k in range(rounds):
             reference = bench.conversations("aggregated", bench.agg_url, convs, turns, first, new, None, k)
             runs[0].append(reference)
@@ -464,15 +394,20 @@ def main() -> None:
                 runs[i].append(bench.conversations(name, bench.routers[name], convs, turns, first, new,
                                                    reference["answers"], k))
                 say(f"round {k + 1}: {name}: done, {runs[i][-1]['wrong']} answers differ")
+            limits.append(bench.limit(convs, turns, first, new, k))
+            say(f"round {k + 1}: the engines' limit: done, {len(limits[-1]['errors'])} errors")
         seq = [merged(r) for r in runs]
         seq[-2]["name"] = f"kv-aware (local < {threshold})"
         poi = [bench.poisson(name, url, convs, turns, first, new, 1.0, seed=7)
                for name, url in (("aggregated", bench.agg_url), ("kvpush", bench.routers["kvpush"]),
                                  (f"kv-aware (local < {threshold})", bench.routers["kv-aware"]))]
         meta = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "rounds": rounds, "convs": convs,
-                "turns": turns, "first": first, "new": new, "think_s": 1.0}
+                "turns": turns, "first": first, "new": new, "think_s": 1.0, "answer": ANSWER_TOKENS,
+                "stall_window_s": STALL_WINDOW_S}
+        lim = {side: [x for r in limits for x in r["rows"][side]] for side in ("decode", "prefill")}
+        lim["errors"] = [e for r in limits for e in r["errors"]]
         multi, cross_text = report(cross or {"rows": {}, "threshold": None, "reps": 0, "background": 0},
-                                   seq, poi, meta)
+                                   seq, poi, meta, lim)
         print(cross_text + "\n\n" + multi)
         if args.report and not quick:
             update_section("multiturn", multi)

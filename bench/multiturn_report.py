@@ -1,0 +1,125 @@
+"""The report of ``bench/multiturn.py``: its rounds merged, the turns >= 2 ratios with
+bootstrap intervals, and the "Multi-turn" and "Conditional disaggregation" sections of
+docs/BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from bench.common import pct
+
+
+def merged(runs: list[dict]) -> dict:
+    """One configuration's rounds as one run (answers keyed by round too)."""
+    out = {"name": runs[0]["name"], "rows": {t: [] for t in runs[0]["rows"]}, "answers": {}, "wrong": 0,
+           "cpu": {}, "wall": 0.0}
+    for k, r in enumerate(runs):
+        for t, rows in r["rows"].items():
+            out["rows"][t] += rows
+        out["answers"].update({(k, *key): v for key, v in r["answers"].items()})
+        out["wrong"] += r["wrong"]
+        out["wall"] += r["wall"]
+        for proc, sec in r["cpu"].items():
+            out["cpu"][proc] = out["cpu"].get(proc, 0.0) + sec
+    return out
+
+
+def ratio_interval(xs: list[float], base: list[float], n: int = 5000, seed: int = 0) -> tuple[float, float]:
+    """A 95% bootstrap interval of p50(xs) / p50(base): the turns resampled with replacement
+    (how far this one run's ratio may sit from what more turns would show)."""
+    rng = np.random.default_rng(seed)
+    a, b = np.asarray(xs, dtype=float), np.asarray(base, dtype=float)
+    r = (np.median(rng.choice(a, (n, len(a))), axis=1) / np.median(rng.choice(b, (n, len(b))), axis=1))
+    return float(np.percentile(r, 2.5)), float(np.percentile(r, 97.5))
+
+
+def fmt(v: float) -> str:
+    return "timeout" if not np.isfinite(v) else f"{v:.0f}"
+
+
+def report(cross: dict, seq: list[dict], poi: list[dict], meta: dict, lim: dict | None = None) -> tuple[str, str]:
+    """The multi-turn section and the crossover section of docs/BENCHMARKS.md."""
+    lines = [f"Measured {meta['date']} by `bench/multiturn.py` ({meta['cpus']} cores, one run; the tiny "
+             "float32 Llama of `app/tiny_model.py`, block size 32; {rounds} round(s) of {convs} conversations of "
+             "{turns} turns, each round every configuration in turn, with conversations of its own; turn 1 "
+             "{first} tokens, each later turn +{new} new tokens and the previous answer's "
+             "{answer}).".format(**meta), ""]
+    lines += ["### Sequential: TTFT per turn (ms, p50 / p90 over the conversations), and what the prefill "
+              "engine staged to push (p50)", "",
+              "| turn | " + " | ".join(r["name"] for r in seq) + " |",
+              "|---|" + "---|" * len(seq)]
+    turns = sorted(seq[0]["rows"])
+    for t in turns:
+        cells = []
+        for r in seq:
+            ttft = [x["ttft_ms"] for x in r["rows"][t]]
+            cells.append(f"{fmt(pct(ttft, 50))} / {fmt(pct(ttft, 90))}")
+        lines.append(f"| {t} | " + " | ".join(cells) + " |")
+    for t in turns:
+        lines.append(f"| KiB staged, turn {t} (per token the turn added) | " + " | ".join(
+            staged_cell(r, t) for r in seq) + " |")
+    lines.append("| answers equal to the aggregated engine's | " + " | ".join(
+        f"{sum(len(v) > 0 for v in r['answers'].values()) - r['wrong']} of {len(r['answers'])}" for r in seq) + " |")
+    lines.append("| CPU seconds (all processes) / wall seconds | " + " | ".join(
+        f"{sum(r['cpu'].values()):.0f} / {r['wall']:.0f}" for r in seq) + " |")
+    later = {r["name"]: [x["ttft_ms"] for t in turns if t > 1 for x in r["rows"][t]] for r in seq}
+    base = later.get("kvpush")
+    if base:
+        b50 = pct(base, 50)
+        lines += ["", f"Turns ≥ 2 ({len(base)} per configuration), TTFT p50 against kvpush without KV-aware "
+                  "reservations (95% bootstrap interval): " + ", ".join(
+                      f"{name} {pct(v, 50) / b50:.3f}x ({fmt(pct(v, 50))} ms; "
+                      "{:.3f}-{:.3f})".format(*ratio_interval(v, base))
+                      for name, v in later.items() if name != "kvpush") + f"; kvpush {fmt(b50)} ms."]
+    alone = next((v for name, v in later.items() if name.startswith("kv-aware (local")), None)
+    if lim and lim["decode"] and lim["prefill"] and base and alone:
+        d50, p50, k50, a50 = pct(lim["decode"], 50), pct(lim["prefill"], 50), pct(base, 50), pct(alone, 50)
+        lines += ["", f"Where turns ≥ 2 spend their time (p50, ms; the engines' share measured in the same rounds, "
+                  f"{len(lim['decode'])} turns each, {len(lim['errors'])} errors): straight to an engine, no router "
+                  f"and no push, a decode engine holding the conversation computes the rest in {fmt(d50)} "
+                  f"(decode alone's own work) and the prefill engine holding the previous prompts computes its part "
+                  f"in {fmt(p50)} (the work before kvpush's first token; ratio {d50 / p50:.3f}x). kvpush's path "
+                  f"adds {k50 - p50:+.0f} to its engine's share (router, Reserve, push); the kv-aware path adds "
+                  f"{a50 - d50:+.0f} to decode's (router hop, the Reserve beside it). At 0.5x kvpush, the kv-aware "
+                  f"path would have {0.5 * k50 - d50:.0f} ms beyond decode's own work."]
+    lines += ["", f"### Poisson: conversations sending their next turn a random think time (mean "
+              f"{meta['think_s']} s) after their answer; TTFT p50 / p90 (ms)", "",
+              "| turn | " + " | ".join(r["name"] for r in poi) + " |", "|---|" + "---|" * len(poi)]
+    for t in turns:
+        lines.append(f"| {t} | " + " | ".join(f"{fmt(pct(r['rows'][t], 50))} / {fmt(pct(r['rows'][t], 90))}"
+                                              for r in poi) + " |")
+    lines.append("| errors | " + " | ".join(str(len(r["errors"])) for r in poi) + " |")
+    cross_lines = [f"Measured {meta['date']} by `bench/multiturn.py` ({meta['cpus']} cores): a 1,000-token "
+                   f"prompt and its {meta['answer']}-token answer on a decode engine, then a turn adding N tokens, "
+                   "served by the P/D path (KV-aware: only the rest pushed) or by that decode engine alone, "
+                   f"alternating, {cross['reps']} of each per N with the engines otherwise idle, then "
+                   f"{2 * cross['reps']} of each with "
+                   f"{cross['background']} background stream(s) on each decode engine (their usual inter-token "
+                   f"gap: {cross.get('usual_gap', float('nan')):.1f} ms). TTFT p50 / p90 (ms). *Saves*: the P/D "
+                   "path's idle TTFT p50 less decode alone's. *Stall*: p50 over turns of the longest gap the "
+                   f"serving decode engine's background stream saw in the {meta['stall_window_s']} s after the turn was "
+                   "sent, less its usual gap. *Direct*: the same turn sent straight to that decode engine, "
+                   "no router (decode alone's floor).", "",
+                   "| N | idle: P/D | idle: alone | idle: direct | busy: P/D | busy: alone | saves (ms) "
+                   "| stall, alone (ms) | stall, P/D (ms) | errors |",
+                   "|---|---|---|---|---|---|---|---|---|---|"]
+    for n, v in cross["rows"].items():
+        i, b = v["idle"], v["busy"]
+        cross_lines.append(
+            f"| {n} | {fmt(pct(i['pd'], 50))} / {fmt(pct(i['pd'], 90))} | {fmt(pct(i['alone'], 50))} / "
+            f"{fmt(pct(i['alone'], 90))} | {fmt(pct(i['direct'], 50))} / {fmt(pct(i['direct'], 90))} | "
+            f"{fmt(pct(b['pd'], 50))} / {fmt(pct(b['pd'], 90))} | "
+            f"{fmt(pct(b['alone'], 50))} / {fmt(pct(b['alone'], 90))} | {v['saved']:.1f} | {v['stall_alone']:.1f} "
+            f"| {v['stall_pd']:.1f} | {len(i['errors']) + len(b['errors'])} |")
+    cross_lines += ["", "Crossover (the smallest N from which on a local prefill stalls the decode engine's other "
+                    "streams longer than it saves the turn): "
+                    f"**{cross['threshold'] if cross['threshold'] is not None else 'none in the range'}**."]
+    return "\n".join(lines), "\n".join(cross_lines)
+
+
+def staged_cell(r: dict, t: int) -> str:
+    rows = r["rows"][t]
+    kib = pct([x["staged"] / 1024 for x in rows], 50)
+    if not kib:
+        return "0"
+    return f"{kib:.0f} ({pct([x['staged'] / x['new'] for x in rows], 50):.0f} B)"
