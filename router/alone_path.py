@@ -37,7 +37,8 @@ class AlonePath:
         decode engine that served the turn it extends. That engine computes it as soon as it
         finds it holds all but a rest under the threshold, else holds it unstarted; the
         caller keeps it only if the Reserve answers decode_alone on that engine."""
-        kv = AloneParams(ask.num_tokens - self.cfg.local_prefill_tokens + 1, self.await_ms).as_kv_transfer_params()
+        kv = AloneParams(ask.num_tokens - self.cfg.local_prefill_tokens + 1,
+                         self.kv_aware.hold.ms).as_kv_transfer_params()
         return self.up.send(url, ask.endpoint, dict(ask.body, kv_transfer_params=kv))
 
     async def _local_prefill(self, ask: asks.Ask, decision, request: web.Request,

@@ -74,12 +74,12 @@ class Dispatcher(PushPath, AlonePath):
         # One ReserveStream for all requests: cheaper than a call each, for the
         # router and the control plane, and concurrent requests share messages.
         self.reserver = StreamReserver(cp)
-        self.kv_aware = KvAware(cfg)
-        self.limits = ModelLimits(cfg, counter, session, self.engines)
-        self.failover = Failover(cp, self.engines, self.release, cfg.relocate, cfg.reserve_timeout_s + 0.5)
         # How long a prefill engine holds a request for its reservation: past the
         # Reserve's own timeout the router has given up on it (and taken the request back).
         self.await_ms = int(cfg.reserve_timeout_s * 1000) + 250
+        self.kv_aware = KvAware(cfg, self.await_ms)
+        self.limits = ModelLimits(cfg, counter, session, self.engines)
+        self.failover = Failover(cp, self.engines, self.release, cfg.relocate, cfg.reserve_timeout_s + 0.5)
 
     async def close(self) -> None:
         await self.reserver.close()
@@ -105,7 +105,8 @@ class Dispatcher(PushPath, AlonePath):
         except ReserveRefused as exc:
             return None, exc.code.name.lower()
         finally:
-            metrics.RESERVE_LATENCY.observe(time.perf_counter() - started)
+            metrics.RESERVE_LATENCY.observe(elapsed := time.perf_counter() - started)
+            self.kv_aware.hold.observe(elapsed)
         if self.engines.decode_url(res.engine_id) is None:
             if not res.decode_alone:  # (decode_alone: nothing is held)
                 await self.release(res.id, "router has no address for this decode engine")

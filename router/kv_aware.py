@@ -28,8 +28,9 @@ so a wrong guess costs that turn the overlap, never its answer.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Sequence
 
 from kvpush.contract.block_hash import BlockHasher
@@ -38,6 +39,7 @@ from router.config import RouterConfig
 
 RECENT_TURNS = 65_536  # prompts remembered by their last full block's key (14 MB measured, full)
 UNBOUNDED = 1 << 40
+HOLD_FLOOR_MS = 20  # a guessed turn's shortest hold: a withdrawal's way to the engine's scheduler, with room
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,12 +89,44 @@ class RecentTurns:
         return None
 
 
+class GuessHold:
+    """How long a decode engine holds a guessed turn it lacks the prefix of (``AloneParams``'
+    ``hold_ms``). Long enough for the router to take it back when the Reserve answers
+    otherwise, and no longer: when the control plane answered decode alone from a view that
+    had not yet heard of an eviction, nobody takes the turn back and it waits out the whole
+    hold before it is computed. So: twice the p99 of this router's recent Reserve round trips
+    (a wrong guess is taken back one round trip after it left), within [floor, ceiling]; the
+    ceiling (the Reserve's own timeout and a margin) until enough round trips are seen, and as
+    they grow (a slow control plane answers late, so it is waited for longer)."""
+
+    WINDOW = 256      # round trips remembered
+    MIN_SEEN = 32     # before that many, the ceiling
+    EVERY = 16        # round trips between two recomputations (a sort of the window)
+
+    def __init__(self, floor_ms: int, ceiling_ms: int) -> None:
+        self.floor_ms, self.ceiling_ms = floor_ms, max(floor_ms, ceiling_ms)
+        self._recent: deque[float] = deque(maxlen=self.WINDOW)
+        self._unsorted = 0
+        self.ms = self.ceiling_ms
+
+    def observe(self, seconds: float) -> None:
+        """One Reserve's round trip, whatever it answered (a timeout counts as its timeout)."""
+        self._recent.append(seconds)
+        self._unsorted += 1
+        if len(self._recent) >= self.MIN_SEEN and self._unsorted >= self.EVERY:
+            self._unsorted = 0
+            ordered = sorted(self._recent)
+            p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+            self.ms = int(min(self.ceiling_ms, max(self.floor_ms, round(2000 * p99))))
+
+
 class KvAware:
-    def __init__(self, cfg: RouterConfig) -> None:
+    def __init__(self, cfg: RouterConfig, hold_ceiling_ms: int) -> None:
         self.hasher = (BlockHasher(cfg.prefix_block_size, cfg.prefix_hash, cfg.prefix_hash_seed)
                        if cfg.prefix_block_size else None)
         self.threshold = cfg.local_prefill_tokens
         self.turns = RecentTurns() if self.hasher is not None and self.threshold else None
+        self.hold = GuessHold(HOLD_FLOOR_MS, hold_ceiling_ms)
 
     def keys(self, prompt_ids: Sequence[int], cache_salt: str | None = None) -> tuple[int, ...]:
         """The prompt's block keys (none when off or the prompt unknown); a salted

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvpush.contract.block_hash import BlockHasher
 from router.config import RouterConfig
-from router.kv_aware import Guess, KvAware, RecentTurns
+from router.kv_aware import Guess, GuessHold, KvAware, RecentTurns
 
 HASHER = BlockHasher(16)
 
@@ -53,7 +53,7 @@ def test_the_memory_is_bounded_and_keeps_the_recently_extended():
 
 
 def test_the_guess():
-    kv = KvAware(cfg())
+    kv = KvAware(cfg(), 750)
     first = list(range(100, 164))
     keys = kv.keys(first)
     assert alone(kv, first) is False                   # nothing sent yet: the prefill request leaves early
@@ -73,15 +73,15 @@ def test_the_guess():
 
 def test_no_guess_without_keys_or_decode_alone():
     for off in (cfg(prefix_block_size=0), cfg(local_prefill_tokens=0)):
-        kv = KvAware(off)
+        kv = KvAware(off, 750)
         keys = kv.keys(list(range(64))) or tuple(HASHER.keys(list(range(64))))
         kv.sent(keys, 64, 8)
         assert kv.guess(keys, 64) is None
-    assert KvAware(cfg()).guess((), 64) is None
+    assert KvAware(cfg(), 750).guess((), 64) is None
 
 
 def test_the_guess_names_the_engine_that_served_the_turn_it_extends():
-    kv = KvAware(cfg())
+    kv = KvAware(cfg(), 750)
     first = list(range(100, 164))
     keys = kv.keys(first)
     kv.sent(keys, 64, max_tokens=16)
@@ -94,3 +94,22 @@ def test_the_guess_names_the_engine_that_served_the_turn_it_extends():
     # Sent again (a retry, or the same prompt anew): who serves it is not known until it is.
     kv.sent(keys, 64, max_tokens=16)
     assert kv.guess(kv.keys(nxt), len(nxt)).engine_id == ""
+
+
+def test_a_guessed_turns_hold_follows_the_reserves_round_trips():
+    hold = GuessHold(floor_ms=20, ceiling_ms=750)
+    for _ in range(GuessHold.MIN_SEEN - 1):
+        hold.observe(0.004)
+    assert hold.ms == 750                               # too few seen: the Reserve's own timeout
+    hold.observe(0.004)
+    assert hold.ms == 20                                # 2 x p99 = 8 ms, under the floor
+    for _ in range(GuessHold.WINDOW):                   # the control plane slows: 30 ms round trips
+        hold.observe(0.030)
+    assert hold.ms == 60
+    for k in range(GuessHold.WINDOW):                   # a tail: 3 in 256 wait 0.2 s
+        hold.observe(0.2 if k % 100 == 0 else 0.010)
+    assert hold.ms == 400                               # (p99 is the tail's)
+    for k in range(GuessHold.WINDOW):                   # timeouts: the ceiling, not past it
+        hold.observe(0.5 if k % 2 else 0.010)
+    assert hold.ms == 750
+

@@ -18,8 +18,9 @@ from kvpush.contract.block_hash import BlockHasher
 from kvpush.contract.transfer_params import AloneParams
 from kvpush.contract.v1 import registry_pb2, types_pb2
 from router import metrics
-from router.app import build_app
+from router.app import DISPATCHER, build_app
 from router.config import DecodeEngine, RouterConfig
+from router.kv_aware import GuessHold
 from tests.controlplane.helpers import settle
 from tests.router.fakes import FakeEngine, WordTokenizer
 
@@ -173,10 +174,16 @@ async def test_a_turn_extending_one_it_sent_by_a_short_rest_goes_to_its_decode_e
         s["prefill"].pushes = False  # (no sidecars here: its reservation is released, not left to a load)
         s["decode"].holds_alone.clear()
         decode_bodies = len(s["decode"].bodies)
+        # By now the router has seen enough Reserve round trips (fed here: 15 ms each) to hold
+        # a guessed turn twice their p99, not the Reserve's whole timeout.
+        hold = router.app[DISPATCHER].kv_aware.hold
+        for _ in range(GuessHold.MIN_SEEN):
+            hold.observe(0.015)
         await turn(p1 + a1 + [50, 51, 52])
         assert len(s["prefill"].bodies) == 3 and guessed("decode_alone", "pd") == 1
         assert "await" not in s["prefill"].bodies[-1]["kv_transfer_params"]["kvpush"]
-        assert "alone" in s["decode"].bodies[decode_bodies]["kv_transfer_params"]["kvpush"]
+        assert s["decode"].bodies[decode_bodies]["kv_transfer_params"]["kvpush"]["alone"]["hold_ms"] == hold.ms
+        assert 30 <= hold.ms < router_await_ms  # (with the two real Reserves among them)
         for _ in range(100):
             if s["decode"].cancelled:
                 break
