@@ -73,15 +73,15 @@ def report(cross: dict, seq: list[dict], poi: list[dict], meta: dict, lim: dict 
                       for name, v in later.items() if name != "kvpush") + f"; kvpush {fmt(b50)} ms."]
     alone = next((v for name, v in later.items() if name.startswith("kv-aware (local")), None)
     if lim and lim["decode"] and lim["prefill"] and base and alone:
-        d50, p50, k50, a50 = pct(lim["decode"], 50), pct(lim["prefill"], 50), pct(base, 50), pct(alone, 50)
+        d50, p50, a50 = pct(lim["decode"], 50), pct(lim["prefill"], 50), pct(alone, 50)
         lines += ["", f"Where turns ≥ 2 spend their time (p50, ms; the engines' share measured in the same rounds, "
                   f"{len(lim['decode'])} turns each, {len(lim['errors'])} errors): straight to an engine, no router "
                   f"and no push, a decode engine holding the conversation computes the rest in {fmt(d50)} "
                   f"(decode alone's own work) and the prefill engine holding the previous prompts computes its part "
                   f"in {fmt(p50)} (the work before kvpush's first token; ratio {d50 / p50:.3f}x). kvpush's path "
-                  f"adds {k50 - p50:+.0f} to its engine's share (router, Reserve, push); the kv-aware path adds "
+                  f"adds {b50 - p50:+.0f} to its engine's share (router, Reserve, push); the kv-aware path adds "
                   f"{a50 - d50:+.0f} to decode's (router hop, the Reserve beside it). At 0.5x kvpush, the kv-aware "
-                  f"path would have {0.5 * k50 - d50:.0f} ms beyond decode's own work."]
+                  f"path would have {0.5 * b50 - d50:.0f} ms beyond decode's own work."]
     lines += ["", f"### Poisson: conversations sending their next turn a random think time (mean "
               f"{meta['think_s']} s) after their answer; TTFT p50 / p90 (ms)", "",
               "| turn | " + " | ".join(r["name"] for r in poi) + " |", "|---|" + "---|" * len(poi)]
