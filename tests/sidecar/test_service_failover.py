@@ -5,16 +5,13 @@ decode engine without the prefill engine staging anything twice."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 import numpy as np
 import pytest
 
 from kvpush.contract.states import State
 from kvpush.contract.v1 import scheduler_pb2
 from tests.sidecar.engines import DecodeEngine, PrefillEngine, wait_state
-from tests.sidecar.service_helpers import Etcd, Scheduler, record_of, settle
+from tests.sidecar.service_helpers import Etcd, Scheduler, record_of, settle, until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -25,13 +22,6 @@ async def relocate(sched: Scheduler, res_id: str):
     return await sched.tenant.scheduler.Relocate(
         scheduler_pb2.RelocateRequest(reservation_id=res_id, reason="decode engine died"),
         metadata=sched.tenant.metadata, timeout=10)
-
-
-async def until(predicate, timeout_s: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} not reached in {timeout_s} s"
-        await asyncio.sleep(0.05)
 
 
 async def test_a_moved_reservation_is_pushed_again_from_staging_and_freed_at_consumed(stack):
