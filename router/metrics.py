@@ -37,3 +37,7 @@ TURN_GUESSES = Counter("kvpush_router_turn_guesses_total", "KV-aware routing: lo
                        "decode_alone; sent beside the Reserve to the decode engine that served that turn, where known) "
                        "or left with it (guess=prefill), by what the Reserve answered (decode_alone, or pd for anything "
                        "else: a request sent ahead is then taken back)", ["guess", "answer"], registry=REGISTRY)
+GUESS_HOLD = Gauge("kvpush_router_guess_hold_seconds", "KV-aware routing: how long a decode engine holds a turn "
+                   "guessed decode alone that lacks its prefix before computing it anyway (twice the p99 of the "
+                   "router's recent Reserve round trips, bounded): what a stale view of that engine's cache costs "
+                   "such a turn", registry=REGISTRY)

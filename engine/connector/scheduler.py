@@ -91,6 +91,7 @@ class _Awaiting:
 class _Alone:
     min_cached: int   # the prompt tokens this engine must hold to compute the rest at once
     give_up: float    # monotonic: compute it anyway if the router has not taken it back by then
+    since: float      # monotonic: its arrival, when the hold began
     short: bool = False  # it held less: waiting for the router
 
 
@@ -168,7 +169,8 @@ class KVPushScheduler:
                             "(sidecar role %s)", rid, self.sidecar.role)
                 self._count("role_ignored")
                 return
-            self._alone[rid] = _Alone(alone.min_cached_tokens, time.monotonic() + alone.hold_ms / 1000.0)
+            now = time.monotonic()
+            self._alone[rid] = _Alone(alone.min_cached_tokens, now + alone.hold_ms / 1000.0, now)
             self._count("alone_guessed")
             return
         if pending is not None and self.produce and self.handover is not None:
@@ -288,6 +290,7 @@ class KVPushScheduler:
         log.warning("request %s: holds %d prompt tokens, not the %d guessed, and was not taken back; "
                     "computing the rest here", rid, num_computed_tokens, al.min_cached)
         self._count("alone_hold_expired")
+        self._count("alone_held_us_total", round((now - al.since) * 1e6))
         return 0
 
     def _refreshed(self, params: PushParams) -> bool:
@@ -462,8 +465,11 @@ class KVPushScheduler:
             # decode can load the prompt or must compute it.
             pushed = st is not None and st.begun and st.pushed >= st.target
             report = push_report(self._reports.pop(rid), pushed)
-        if self._alone.pop(rid, None) is not None:
+        al = self._alone.pop(rid, None)
+        if al is not None:
             self._count("alone_taken_back")
+            if al.short:  # (what a wrong guess cost it: the time until it was taken back)
+                self._count("alone_held_us_total", round((time.monotonic() - al.since) * 1e6))
         dst = self._decode.pop(rid, None)
         if dst is not None and not dst.decided:
             self._count("loads_abandoned")

@@ -19,6 +19,7 @@ decode engine holding the conversation alone (conditional disaggregation)."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import time
 import urllib.request
@@ -254,4 +255,70 @@ def test_a_follow_up_guessed_alone_whose_prefix_decode_evicted_is_taken_back_and
     # P/D served it: the prefill engine staged the prompt, a decode engine loaded it
     assert after["prefill-0"].get("bytes_staged", 0) > before["prefill-0"].get("bytes_staged", 0)
     assert sum(after[e].get("loads_started", 0) - before[e].get("loads_started", 0) for e in ("decode-0", "decode-1")) == 1
+    settled(stack)
+
+
+def router_gauge(url: str, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return next(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
+
+
+def reserve_buckets(url: str) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {s.labels.get("le"): s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples if s.name == "kvpush_router_reserve_seconds_bucket"}
+
+
+def test_a_follow_up_answered_alone_from_a_stale_view_waits_only_the_learned_hold(system):
+    """The control plane answers decode alone from a view that has not yet heard of decode-0's
+    eviction (its report goes out after the engine's next step, which is the turn itself):
+    nobody takes the guessed turn back, decode-0 holds it for the router's hold, then
+    computes the whole rest itself, and the answer is the aggregated engine's. The hold is
+    the one the router learned from its Reserves (twice their p99), not the Reserve's
+    timeout: a stale view costs a turn tens of milliseconds, not 750."""
+    stack, agg = system
+    local = stack.add_router("router-local-stale", extra=("--local-prefill-tokens", "64"))
+    ceiling = router_gauge(local, "kvpush_router_guess_hold_seconds")
+    # Its Reserves teach the router the round trip (short prompts: decode alone, each a Reserve;
+    # two tokens: one would be prefill-only, no Reserve).
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda i: complete(local, prompt(8, seed=1000 + i), 2), range(100)))
+    for attempt in range(3):  # (the view may catch up first: the report timer fired in the turn's few ms)
+        turn1 = prompt(150, seed=200 + attempt)
+        answer, _ = first_turn_on_decode_0(stack, turn1, 24, router=local)
+        turn2 = turn1 + answer + prompt(20, seed=210 + attempt)
+        wait_until_held(stack, turn2, (len(turn1) + len(answer) - 1) // engines.BLOCK_SIZE * engines.BLOCK_SIZE)
+        req = urllib.request.Request(f"{stack.urls['decode-0']}/reset_prefix_cache", method="POST")
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert resp.status == 200 and b"false" not in resp.read()
+        hold_s = router_gauge(local, "kvpush_router_guess_hold_seconds")
+        assert 0.02 <= hold_s <= 0.5 < ceiling, (hold_s, ceiling, reserve_buckets(local))  # learned, well under
+        before = {e: counters(stack, e) for e in ("decode-0", "decode-1", "prefill-0")}
+        guessed = router_counter(local, "kvpush_router_turn_guesses", "guess", "answer")
+        got = complete(local, turn2, 16, return_token_ids=True)["choices"][0]["token_ids"]
+        assert got == complete(agg, turn2, 16, return_token_ids=True)["choices"][0]["token_ids"]
+        answered = router_counter(local, "kvpush_router_turn_guesses", "guess", "answer")
+        if answered.get(("decode_alone", "decode_alone"), 0) > guessed.get(("decode_alone", "decode_alone"), 0):
+            break
+        assert answered[("decode_alone", "pd")] == guessed.get(("decode_alone", "pd"), 0) + 1
+        settled(stack)
+    else:
+        pytest.fail("the control plane heard of the eviction before every Reserve (3 tries): no stale view")
+    complete(stack.urls["decode-0"], prompt(8, seed=220), 1)  # (counts ride an engine's next step)
+    after = {e: counters(stack, e) for e in ("decode-0", "decode-1", "prefill-0")}
+    moved = {name: after["decode-0"].get(name, 0) - before["decode-0"].get(name, 0)
+             for name in ("alone_guessed", "alone_held_prefix", "alone_short", "alone_taken_back",
+                          "alone_hold_expired", "alone_held_us_total")}
+    assert {k: v for k, v in moved.items() if k != "alone_held_us_total"} == {
+        "alone_guessed": 1, "alone_held_prefix": 0, "alone_short": 1, "alone_taken_back": 0,
+        "alone_hold_expired": 1}, after["decode-0"]
+    # held for the hold the router sent, from its arrival, and then computed at once
+    assert 0.9 * hold_s * 1e6 <= moved["alone_held_us_total"] <= (hold_s + 0.25) * 1e6, (moved, hold_s)
+    for e in ("decode-0", "decode-1"):
+        assert after[e].get("loads_started", 0) == before[e].get("loads_started", 0)
+    assert after["prefill-0"].get("bytes_staged", 0) == before["prefill-0"].get("bytes_staged", 0)
     settled(stack)

@@ -568,6 +568,7 @@ def test_a_guessed_decode_alone_request_holding_too_little_waits_to_be_taken_bac
     assert sched.request_finished(r) == (False, None)
     meta = step(sched, [])
     assert meta.counts["alone_short"] == 1 and meta.counts["alone_taken_back"] == 1
+    assert 1_000 < meta.counts["alone_held_us_total"] < 1_000_000  # held until taken back
     assert sched.tracked == 0
 
 
@@ -579,6 +580,7 @@ def test_a_guessed_decode_alone_request_not_taken_back_is_computed_after_its_hol
     assert sched.get_num_new_matched_tokens(r, 64) == (0, False)  # the whole rest, here
     meta = step(sched, [(r, 136)])
     assert meta.counts["alone_short"] == 1 and meta.counts["alone_hold_expired"] == 1
+    assert meta.counts["alone_held_us_total"] >= 5_000  # from its arrival, the hold (1 ms) and past it
     assert sched.request_finished(r) == (False, None) and sched.tracked == 0
 
 
