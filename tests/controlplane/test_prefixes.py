@@ -5,8 +5,6 @@ view through its watch, gone with the engine; bad reports refused naming the fie
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 import pytest
 
@@ -17,6 +15,7 @@ from kvpush.contract.prefixes import MAX_KEYS, PrefixReport, PrefixReportError
 from kvpush.contract.v1 import registry_pb2, types_pb2
 from tests.conftest import ADMIN_TOKEN, ENGINE_TOKEN
 from tests.controlplane.helpers import expect_code
+from tests.polling import until
 
 
 def rep(seq, stored=(), removed=(), epoch=1, incarnation="i1", engine="d0", bs=16):
@@ -61,11 +60,6 @@ async def report(client, **fields):
                                                 metadata=client.metadata, timeout=5)
 
 
-async def until(predicate, timeout=10.0):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline
-        await asyncio.sleep(0.02)
 
 
 async def test_reports_live_in_etcd_with_the_engine_and_reach_every_replica(cp, engine_client, etcd):

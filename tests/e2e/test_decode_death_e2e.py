@@ -27,6 +27,7 @@ from app.stack import Stack, StackSpec
 from app.tiny_model import DEFAULT_DIR, ensure_model
 from sidecar.engine_presence import GONE
 from tests.e2e.test_router_e2e import counters, post, settled, streamed
+from tests.polling import wait_for
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -60,12 +61,6 @@ def health(url: str) -> dict:
         return json.loads(exc.read())
 
 
-def wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not (value := pred()):
-        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
-        time.sleep(0.1)
-    return value
 
 
 def ask(url: str, prompt: str, stream: bool) -> tuple[int, str, bool]:

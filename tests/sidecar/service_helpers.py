@@ -92,10 +92,3 @@ class Scheduler:
             if c is not None:
                 await c.close()
 
-
-async def until(predicate, timeout_s: float = 20.0, what: str = "condition"):
-    """Wait for ``predicate()`` (polled every 50 ms); fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} not reached in {timeout_s} s"
-        await asyncio.sleep(0.05)

@@ -12,16 +12,11 @@ from app.simulated import SimulatedEngine
 from tests.conftest import ENGINE_TOKEN
 from sidecar.membership import ChannelReplaced, ControlPlaneLink, Membership, ServiceConfig, guarded
 from sidecar.reservation_watch import ReservationWatch
+from tests.polling import until
 
 pytestmark = pytest.mark.timeout(60)
 
 
-async def until(predicate, timeout_s: float, what: str) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"{what}: not within {timeout_s} s")
-        await asyncio.sleep(0.02)
 
 
 async def test_guarded_turns_a_closed_channel_into_an_error_but_keeps_real_cancels():

@@ -11,7 +11,8 @@ import pytest
 from kvpush.contract.states import State
 from kvpush.contract.v1 import scheduler_pb2
 from tests.sidecar.engines import DecodeEngine, PrefillEngine, wait_state
-from tests.sidecar.service_helpers import Etcd, Scheduler, record_of, settle, until
+from tests.sidecar.service_helpers import Etcd, Scheduler, record_of, settle
+from tests.polling import until
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -15,6 +15,7 @@ from tests.controlplane.helpers import release
 from tests.sidecar.conftest import kvpush_segments
 from tests.sidecar.engines import DecodeEngine, PrefillEngine, wait_state
 from tests.sidecar.service_helpers import Etcd, Scheduler, layout_pb, record_of, settle
+from tests.polling import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -26,15 +27,6 @@ def service_stats(sp) -> dict:
         return client.admin("service")
 
 
-def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout_s} s")
-        time.sleep(interval_s)
 
 
 def push_and_land(prefill: PrefillEngine, decode: DecodeEngine, res, request_id: str, tokens: int) -> list[int]:

@@ -20,6 +20,7 @@ from controlplane.etcd import EtcdClient
 from controlplane.view import View, follow
 from kvpush.contract.block_hash import BlockHasher
 from tests.sidecar.test_kv_events import stored
+from tests.polling import until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -48,11 +49,6 @@ def blocks(tokens, parent=None):
     return stored(tokens, parent=parent, hasher=HASHER)
 
 
-async def until(predicate, timeout_s=15.0, what=""):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.05)
 
 
 async def test_the_control_planes_view_follows_the_engines_prefix_cache(stack, tmp_path):

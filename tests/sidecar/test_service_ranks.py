@@ -23,7 +23,8 @@ from kvpush.contract.layout import KvLayout
 from kvpush.contract.states import State
 from kvpush.contract.target import PushTarget
 from tests.sidecar.engines import wait_state
-from tests.sidecar.service_helpers import Etcd, Scheduler, layout_pb, settle, until
+from tests.sidecar.service_helpers import Etcd, Scheduler, layout_pb, settle
+from tests.polling import until
 
 pytestmark = pytest.mark.timeout(90)
 
