@@ -11,10 +11,10 @@ One run, one machine, real parts: etcd, a control plane, a prefill and two decod
 engines with prefix caching (the decode engines publish their KV events, their sidecars
 follow them), and one aggregated vLLM engine beside them. Every configuration sees the
 same conversations, with every engine's prefix cache emptied before it; the sequential
-phase runs in rounds (``--rounds``, 3), each round every configuration in turn with
+phase runs in rounds (``--rounds``, 5), each round every configuration in turn with
 conversations of its own, so that a shared machine's drift falls on all of them alike,
 and the turns ≥ 2 ratio comes with a bootstrap interval (how far one run can sit from
-the truth):
+the truth; a paired one: every configuration sees the same turns):
 
   aggregated : the one plain engine, prefix caching on (vLLM's default);
   kvpush     : a router without KV-aware routing (kvpush before it): the decode engine
@@ -69,7 +69,7 @@ from bench.multiturn_report import merged, report  # noqa: E402
 
 T0 = time.monotonic()
 MODEL = "tiny"
-ANSWER_TOKENS = 128  # a chat answer: the decode engine holds it, the prefill engine never computed it
+ANSWER_TOKENS = 128  # a chat answer (--answer-tokens): the decode engine holds it, the prefill engine never computed it
 TIMEOUT_S = 60.0
 DECODES = ("decode-0", "decode-1")
 STALL_WINDOW_S = 0.5  # after a turn is sent: its prefill, push, load and first steps on either path
@@ -84,7 +84,7 @@ def ids(n: int, seed) -> list[int]:
     return [rng.randrange(7, 1000) for _ in range(n)]
 
 
-def ask(url: str, prompt: list[int], max_tokens: int = ANSWER_TOKENS) -> dict:
+def ask(url: str, prompt: list[int], max_tokens: int) -> dict:
     """One streamed greedy completion: TTFT, the answer's token ids, gaps between chunks."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "return_token_ids": True}
@@ -157,7 +157,8 @@ class Background:
 
 
 class Bench:
-    def __init__(self) -> None:
+    def __init__(self, answer: int = ANSWER_TOKENS) -> None:
+        self.answer = answer  # every turn's answer, in tokens
         self.logs = tempfile.mkdtemp(prefix="kvpush-multiturn-")
         self.model = os.path.abspath(ensure_model(os.path.join(engines.ROOT, DEFAULT_DIR)))
         dev = {"VLLM_SERVER_DEV_MODE": "1"}  # /reset_prefix_cache between configurations
@@ -222,7 +223,7 @@ class Bench:
                 for mode in (modes if rep % 2 == 0 else modes[::-1]):
                     base = ids(1000, f"x-{n}-{rep}-{mode}-{time.monotonic_ns()}")
                     before = self.loads()
-                    first = ask(self.routers["kv-aware P/D"], base)  # a chat answer, held by decode only
+                    first = ask(self.routers["kv-aware P/D"], base, self.answer)  # a chat answer, held by decode only
                     time.sleep(0.6)  # the decode engine's events, its sidecar's report; counters written
                     served = [e for e, v in self.loads().items() if v > before[e]]
                     if first["error"] or len(served) != 1:
@@ -289,11 +290,11 @@ class Bench:
         for t in range(1, turns + 1):
             for c in range(convs):
                 before = self.staged()
-                r = ask(url, prompts[c])
+                r = ask(url, prompts[c], self.answer)
                 time.sleep(0.3)  # the connectors' counters reach their files; decode's events its sidecar
                 rows[t].append({"ttft_ms": r["ttft_s"] * 1e3 if r["ttft_s"] else float("inf"),
                                 "staged": self.staged() - before, "tokens": len(prompts[c]), "error": r["error"],
-                                "new": len(prompts[c]) if t == 1 else new + ANSWER_TOKENS})
+                                "new": len(prompts[c]) if t == 1 else new + self.answer})
                 answers[(c, t)] = r["token_ids"]
                 prompts[c] = prompts[c] + r["token_ids"] + ids(new, f"conv-{round_}-{c}-turn-{t + 1}")
         wall = time.perf_counter() - t_start
@@ -320,7 +321,7 @@ class Bench:
                 for side in sides:
                     # (decode answers in full, holding its answer as in a conversation; prefill
                     # computes up to the first token, as the first-token path asks of it)
-                    r = ask(decode, prompt) if side == "decode" else ask(prefill, prompt, max_tokens=1)
+                    r = ask(decode, prompt, self.answer) if side == "decode" else ask(prefill, prompt, max_tokens=1)
                     if r["error"]:
                         errors.append(f"{side}: {r['error']}")
                     elif t > 1:
@@ -343,7 +344,7 @@ class Bench:
             prompt = ids(first, f"pconv-{c}")
             time.sleep(rng.exponential(think_s))
             for t in range(1, turns + 1):
-                r = ask(url, prompt)
+                r = ask(url, prompt, self.answer)
                 if r["error"]:
                     errors.append(r["error"])
                 rows[t].append(r["ttft_s"] * 1e3 if r["ttft_s"] else float("inf"))
@@ -364,15 +365,18 @@ def main() -> None:
     p.add_argument("--local-prefill-tokens", type=int, default=None,
                    help="the kv-aware router's threshold (default: the crossover measured here)")
     p.add_argument("--skip-crossover", action="store_true")
-    p.add_argument("--rounds", type=int, default=3,
+    p.add_argument("--rounds", type=int, default=5,
                    help="rounds of the sequential phase, each of every configuration in turn (drift on a shared "
                         "machine then falls on all of them alike)")
+    p.add_argument("--answer-tokens", type=int, default=ANSWER_TOKENS,
+                   help="each turn's answer; another than the default writes its own section of the report (turn 4 "
+                        "and its answer must fit the engines' 2,048 tokens: at most 192 with the full run's turns)")
     args = p.parse_args()
     quick = args.quick
     sizes = [32, 256] if quick else [16, 32, 64, 128, 256, 512]
     convs, turns, first, new = (2, 3, 600, 48) if quick else (4, 4, 1000, 64)
     rounds = 1 if quick else args.rounds
-    bench = Bench()
+    bench = Bench(args.answer_tokens)
     try:
         bench.start()
         cross = None
@@ -402,15 +406,21 @@ def main() -> None:
                for name, url in (("aggregated", bench.agg_url), ("kvpush", bench.routers["kvpush"]),
                                  (f"kv-aware (local < {threshold})", bench.routers["kv-aware"]))]
         meta = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "rounds": rounds, "convs": convs,
-                "turns": turns, "first": first, "new": new, "think_s": 1.0, "answer": ANSWER_TOKENS,
+                "turns": turns, "first": first, "new": new, "think_s": 1.0, "answer": bench.answer,
                 "stall_window_s": STALL_WINDOW_S}
         lim = {side: [x for r in limits for x in r["rows"][side]] for side in ("decode", "prefill")}
         lim["errors"] = [e for r in limits for e in r["errors"]]
         multi, cross_text = report(cross or {"rows": {}, "threshold": None, "reps": 0, "background": 0},
                                    seq, poi, meta, lim)
         print(cross_text + "\n\n" + multi)
+        raw = os.path.join(bench.logs, "multiturn.json")  # every turn's figures, to look again without a rerun
+        with open(raw, "w") as f:
+            json.dump({"meta": meta, "threshold": threshold, "crossover": cross, "limit": lim, "poisson": poi,
+                       "sequential": [{k: v for k, v in r.items() if k != "answers"} for r in seq]}, f, default=str)
+        say(f"raw figures: {raw}")
         if args.report and not quick:
-            update_section("multiturn", multi)
+            update_section("multiturn" if bench.answer == ANSWER_TOKENS else f"multiturn-answer-{bench.answer}",
+                           multi)
             if cross:
                 update_section("local-prefill", cross_text)
     finally:

@@ -26,10 +26,16 @@ def merged(runs: list[dict]) -> dict:
 
 def ratio_interval(xs: list[float], base: list[float], n: int = 5000, seed: int = 0) -> tuple[float, float]:
     """A 95% bootstrap interval of p50(xs) / p50(base): the turns resampled with replacement
-    (how far this one run's ratio may sit from what more turns would show)."""
+    (how far this one run's ratio may sit from what more turns would show). Both lists hold
+    the same turns in the same order (the same prompts, each configuration in every round),
+    so a turn is drawn with both its measurements: what makes one turn slower than another
+    (its context, its place in the round) then falls on both sides of the ratio alike."""
     rng = np.random.default_rng(seed)
     a, b = np.asarray(xs, dtype=float), np.asarray(base, dtype=float)
-    r = (np.median(rng.choice(a, (n, len(a))), axis=1) / np.median(rng.choice(b, (n, len(b))), axis=1))
+    if len(a) != len(b):
+        raise ValueError(f"unpaired turns: {len(a)} against {len(b)}")
+    idx = rng.integers(0, len(a), (n, len(a)))
+    r = np.median(a[idx], axis=1) / np.median(b[idx], axis=1)
     return float(np.percentile(r, 2.5)), float(np.percentile(r, 97.5))
 
 
@@ -67,7 +73,7 @@ def report(cross: dict, seq: list[dict], poi: list[dict], meta: dict, lim: dict 
     if base:
         b50 = pct(base, 50)
         lines += ["", f"Turns ≥ 2 ({len(base)} per configuration), TTFT p50 against kvpush without KV-aware "
-                  "reservations (95% bootstrap interval): " + ", ".join(
+                  "reservations (95% paired bootstrap interval): " + ", ".join(
                       f"{name} {pct(v, 50) / b50:.3f}x ({fmt(pct(v, 50))} ms; "
                       "{:.3f}-{:.3f})".format(*ratio_interval(v, base))
                       for name, v in later.items() if name != "kvpush") + f"; kvpush {fmt(b50)} ms."]

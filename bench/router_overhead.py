@@ -39,7 +39,7 @@ from app import engines  # noqa: E402
 from app.stack import Stack, StackSpec  # noqa: E402
 from app.tiny_model import DEFAULT_DIR, ensure_model  # noqa: E402
 from bench.common import CpuMeter, pct, update_section  # noqa: E402
-from bench.multiturn import ask, ids  # noqa: E402
+from bench.multiturn import ANSWER_TOKENS, ask, ids  # noqa: E402
 
 T0 = time.monotonic()
 NEW = 64  # the turn's new tokens: decode alone computes them (and the answer's partial last block)
@@ -56,7 +56,7 @@ def pair(engine_url: str, router_url: str, reps: int, max_tokens: int, tag: str)
     for rep in range(reps):
         for mode in (("direct", "router") if rep % 2 == 0 else ("router", "direct")):
             base = ids(1000, f"{tag}-{rep}-{mode}-{time.monotonic_ns()}")
-            first = ask(engine_url, base)
+            first = ask(engine_url, base, ANSWER_TOKENS)
             if first["error"]:
                 out["errors"].append(first["error"])
                 continue
