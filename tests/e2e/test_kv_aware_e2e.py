@@ -129,15 +129,19 @@ def test_the_next_turn_goes_to_the_decode_engine_that_holds_the_conversation(sys
     settled(stack)
 
 
-def router_counter(url: str, name: str, *labels: str) -> dict:
-    """A router's counter ``name`` (without _total), by the value of ``labels`` (by a
-    tuple of their values when there are several)."""
+def router_samples(url: str):
+    """A router's /metrics, sample by sample."""
     from prometheus_client.parser import text_string_to_metric_families
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
         text = resp.read().decode()
+    return [(fam.name, s) for fam in text_string_to_metric_families(text) for s in fam.samples]
+
+
+def router_counter(url: str, name: str, *labels: str) -> dict:
+    """A router's counter ``name`` (without _total), by the value of ``labels`` (by a
+    tuple of their values when there are several)."""
     return {(s.labels[labels[0]] if len(labels) == 1 else tuple(s.labels[x] for x in labels)): s.value
-            for fam in text_string_to_metric_families(text)
-            if fam.name == name for s in fam.samples if s.name.endswith("_total")}
+            for fam, s in router_samples(url) if fam == name and s.name.endswith("_total")}
 
 
 def router_prefix_tokens(stack: Stack) -> dict[str, float]:
@@ -259,18 +263,12 @@ def test_a_follow_up_guessed_alone_whose_prefix_decode_evicted_is_taken_back_and
 
 
 def router_gauge(url: str, name: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    return next(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
+    return next(s.value for _, s in router_samples(url) if s.name == name)
 
 
 def reserve_buckets(url: str) -> dict:
-    from prometheus_client.parser import text_string_to_metric_families
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    return {s.labels.get("le"): s.value for fam in text_string_to_metric_families(text)
-            for s in fam.samples if s.name == "kvpush_router_reserve_seconds_bucket"}
+    return {s.labels.get("le"): s.value for _, s in router_samples(url)
+            if s.name == "kvpush_router_reserve_seconds_bucket"}
 
 
 def test_a_follow_up_answered_alone_from_a_stale_view_waits_only_the_learned_hold(system):
