@@ -108,7 +108,7 @@ class GuessHold:
         self._recent: deque[float] = deque(maxlen=self.WINDOW)
         self._unsorted = 0
         self.ms = self.ceiling_ms
-        metrics.GUESS_HOLD.set(self.ms / 1000)
+        metrics.GUESS_HOLD.set_function(lambda: self.ms / 1000)  # (read when scraped)
 
     def observe(self, seconds: float) -> None:
         """One Reserve's round trip, whatever it answered (a timeout counts as its timeout)."""
@@ -119,7 +119,6 @@ class GuessHold:
             ordered = sorted(self._recent)
             p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
             self.ms = int(min(self.ceiling_ms, max(self.floor_ms, round(2000 * p99))))
-            metrics.GUESS_HOLD.set(self.ms / 1000)
 
 
 class KvAware:

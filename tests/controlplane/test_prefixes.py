@@ -75,11 +75,11 @@ async def test_reports_live_in_etcd_with_the_engine_and_reach_every_replica(cp, 
         await report(engine_client, epoch=1, seq=1, stored=[14], removed=[12], **base)
         keys = [11, 12, 13, 14]
         assert cp.view.prefixes.overlap("decode-0", decode.incarnation, keys, 16) == 1
-        await until(lambda: other.view.prefixes.held_blocks("decode-0") == 3)  # by its watch: 11, 13, 14
+        await until(lambda: other.view.prefixes.held_blocks("decode-0") == 3, 10)  # by its watch: 11, 13, 14
         assert other.view.prefixes.overlap("decode-0", decode.incarnation, [11, 13, 14], 16) == 3
         await decode.stop()  # the stream closed: deregistered, its lease revoked and the report with it
         await until(lambda: other.view.prefixes.held_blocks("decode-0") == 0 and
-                    cp.view.prefixes.held_blocks("decode-0") == 0)
+                    cp.view.prefixes.held_blocks("decode-0") == 0, 10)
     finally:
         await other.stop(grace=0.1)
 

@@ -71,16 +71,16 @@ async def test_the_control_planes_view_follows_the_engines_prefix_cache(stack, t
                 pub.send(blocks(convo[:16]))
                 await asyncio.sleep(0.05)
         pub.send(blocks(convo[16:], parent=HASHER.hashes(convo)[0]))
-        await until(lambda: view.prefixes.overlap("D1", incarnation, keys, 16) == 4, what="stores reach the view")
+        await until(lambda: view.prefixes.overlap("D1", incarnation, keys, 16) == 4, 15, "stores reach the view")
 
         pub.send({"type": "BlockRemoved", "block_hashes": [HASHER.hashes(convo)[2]], "medium": "GPU"})
-        await until(lambda: view.prefixes.overlap("D1", incarnation, keys, 16) == 2, what="a removal reaches it")
+        await until(lambda: view.prefixes.overlap("D1", incarnation, keys, 16) == 2, 15, "a removal reaches it")
         assert view.prefixes.held_blocks("D1") == 3
 
         other = list(range(100, 132))
         pub.send(blocks(other), seq=pub.seq + 5)  # batches lost: removals may have been among them
         other_keys = HASHER.keys(other)
-        await until(lambda: view.prefixes.held_blocks("D1") == 2, what="a gap starts the view over")
+        await until(lambda: view.prefixes.held_blocks("D1") == 2, 15, "a gap starts the view over")
         assert view.prefixes.overlap("D1", incarnation, keys, 16) == 0
         assert view.prefixes.overlap("D1", incarnation, other_keys, 16) == 2
         with dec.client() as c:
@@ -94,7 +94,7 @@ async def test_the_control_planes_view_follows_the_engines_prefix_cache(stack, t
 
         assert dec.terminate() == 0  # deregisters: the engine and its report go
         await until(lambda: view.prefixes.held_blocks("D1") == 0 and view.engine("D1") is None,
-                    what="the report goes with the engine")
+                    15, "the report goes with the engine")
         assert await etcd.get(b"/kvpush/v1/prefixes/D1") is None
     finally:
         stop.set()
