@@ -23,6 +23,14 @@ counted by class (``reason_class``), so the label set stays small.
                                                   (counted in pool_units{state="used"} too)
     kvpush_sidecar_failover_total{event}          prefill: relocated (pushed again from staging into a moved
                                                   reservation), hold_expired, hold_evicted (room for a new push)
+    kvpush_sidecar_prefix_blocks_held             decode, following its engine's KV events (--kv-events): the
+                                                  prefix-cache blocks the engine holds, as KV-aware routing sees them
+    kvpush_sidecar_prefix_events_total{kind}      ... the events followed: stored, removed, cleared, gaps (batches
+                                                  lost: the view was cleared), verified and unchecked (blocks whose
+                                                  hash was, or could not be, recomputed), ignored, batches
+    kvpush_sidecar_prefix_usable                  ... 0 once the engine's hashes proved unmatchable (another hash
+                                                  algorithm or seed): routing then ignores its cache
+    kvpush_sidecar_prefix_reports_total{kind}     ... reports to the control plane: snapshots, deltas, failed
 """
 
 from __future__ import annotations
@@ -135,7 +143,27 @@ class _StateCollector:
             for reason, n in sorted(s["recomputes"].items()):
                 recomputes.add_metric([reason], n)
             yield recomputes
+        if "prefix_blocks_held" in s:
+            yield from _prefix_families(s)
         yield GaugeMetricFamily("kvpush_sidecar_engine_available", "1 while the engine beside the sidecar is connected",
                                 value=0 if s.get("engine_unavailable") else 1)
         yield CounterMetricFamily("kvpush_sidecar_engine_departures", "Times the engine's connections all went away",
                                   value=s.get("engine_departures", 0))
+
+
+def _prefix_families(s: dict):
+    """A decode sidecar following its engine's KV events: what KV-aware routing knows of it."""
+    yield GaugeMetricFamily("kvpush_sidecar_prefix_blocks_held", "Prefix-cache blocks the engine holds, from its "
+                            "KV events", value=s["prefix_blocks_held"])
+    events = CounterMetricFamily("kvpush_sidecar_prefix_events", "The engine's KV events followed, by kind",
+                                 labels=["kind"])
+    for kind, n in sorted(s.get("prefix_events", {}).items()):
+        events.add_metric([kind], n)
+    yield events
+    yield GaugeMetricFamily("kvpush_sidecar_prefix_usable", "0 once the engine's block hashes proved unmatchable "
+                            "(its cache is then ignored by routing)", value=0 if s.get("prefix_unusable") else 1)
+    reports = CounterMetricFamily("kvpush_sidecar_prefix_reports", "Reports of the held blocks to the control "
+                                  "plane, by kind", labels=["kind"])
+    for kind, n in sorted(s.get("prefix_reports", {}).items()):
+        reports.add_metric([kind], n)
+    yield reports

@@ -19,7 +19,9 @@ def exported() -> dict[str, set[str]]:
     sidecar = SidecarMetrics("prefill", lambda: {"staging_units": 4, "staging_free_units": 4, "connected": True})
     sidecar.failures.labels("prefill", "timeout").inc()
     decode = SidecarMetrics("decode", lambda: {"landing_blocks": 4, "landing_blocks_landed": 0,
-                                               "recomputes": {"timeout": 1}})
+                                               "recomputes": {"timeout": 1}, "prefix_blocks_held": 0,
+                                               "prefix_events": {"gaps": 0}, "prefix_unusable": "",
+                                               "prefix_reports": {"snapshots": 0}})
     router_metrics.FALLBACKS.labels("no_capacity")
     router_metrics.REQUESTS.labels("completions", "ok")
     out: dict[str, set[str]] = {}

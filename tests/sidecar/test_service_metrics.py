@@ -73,3 +73,23 @@ def test_failure_reasons_are_counted_by_class():
     assert reason_class("no landing within 60 s") == "timeout"
     assert reason_class("pusher aborted: staging failed") == "aborted"
     assert reason_class("layer 9 outside [0, 4)") == "other"
+
+
+def test_prefix_metrics_say_when_the_engines_hashes_cannot_be_matched():
+    from sidecar.metrics import SidecarMetrics
+
+    state = {"landing_blocks": 8, "landing_blocks_landed": 0, "prefix_blocks_held": 3,
+             "prefix_events": {"stored": 3, "gaps": 0}, "prefix_unusable": "", "prefix_reports": {"deltas": 2}}
+
+    def samples() -> dict:
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in SidecarMetrics("decode", lambda: state).registry.collect() for s in family.samples}
+
+    got = samples()
+    assert got[("kvpush_sidecar_prefix_usable", ())] == 1 and got[("kvpush_sidecar_prefix_blocks_held", ())] == 3
+    assert got[("kvpush_sidecar_prefix_reports_total", (("kind", "deltas"),))] == 2
+    state.update(prefix_blocks_held=0, prefix_unusable="the engine hashes with xxhash")
+    assert samples()[("kvpush_sidecar_prefix_usable", ())] == 0
+    # A sidecar not following KV events exports none of them.
+    del state["prefix_blocks_held"]
+    assert not any(name.startswith("kvpush_sidecar_prefix") for name, _ in samples())

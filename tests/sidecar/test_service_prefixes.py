@@ -16,10 +16,12 @@ import msgspec
 import pytest
 import zmq
 
+from app.etcd_server import free_port
 from controlplane.etcd import EtcdClient
 from controlplane.view import View, follow
 from kvpush.contract.block_hash import BlockHasher
 from tests.sidecar.test_kv_events import stored
+from tests.sidecar.test_service_metrics import scrape
 from tests.polling import until
 
 pytestmark = pytest.mark.timeout(90)
@@ -54,7 +56,9 @@ def blocks(tokens, parent=None):
 async def test_the_control_planes_view_follows_the_engines_prefix_cache(stack, tmp_path):
     endpoint = f"ipc://{tmp_path}/D1.kvevents"
     pub = Publisher(endpoint, "kv")
-    dec = stack.sidecar("decode", "D1", LAYOUT, 32, "m", "--kv-events", endpoint, "--kv-events-topic", "kv")
+    metrics_port = free_port()
+    dec = stack.sidecar("decode", "D1", LAYOUT, 32, "m", "--kv-events", endpoint, "--kv-events-topic", "kv",
+                        "--metrics-port", str(metrics_port))
     dec.ready()
     etcd = EtcdClient(stack.etcd.endpoint)
     view, stop = View(), asyncio.Event()
@@ -88,6 +92,13 @@ async def test_the_control_planes_view_follows_the_engines_prefix_cache(stack, t
             service = c.admin("service")
         assert stats["prefix_events"]["gaps"] == 1 and stats["prefix_blocks_held"] == 2
         assert service["prefix_reports"]["snapshots"] >= 2 and service["prefix_reports"]["failed"] == 0, service
+        # The same on its Prometheus endpoint, for dashboards and alerts.
+        scraped = scrape(metrics_port)
+        assert scraped[("kvpush_sidecar_prefix_blocks_held", ())] == 2
+        assert scraped[("kvpush_sidecar_prefix_events_total", (("kind", "gaps"),))] == 1
+        assert scraped[("kvpush_sidecar_prefix_events_total", (("kind", "stored"),))] >= 5
+        assert scraped[("kvpush_sidecar_prefix_usable", ())] == 1
+        assert scraped[("kvpush_sidecar_prefix_reports_total", (("kind", "snapshots"),))] >= 2
         # One report an interval, not one a batch: 5 batches here, a few reports.
         assert service["prefix_reports"]["snapshots"] + service["prefix_reports"]["deltas"] <= stats[
             "prefix_events"]["batches"], (service, stats)
