@@ -65,7 +65,7 @@ from app.procs import ManagedProcess, http_ok  # noqa: E402
 from app.stack import Stack, StackSpec  # noqa: E402
 from app.tiny_model import DEFAULT_DIR, ensure_model  # noqa: E402
 from bench.common import CpuMeter, pct, update_section  # noqa: E402
-from bench.multiturn_report import merged, report  # noqa: E402
+from bench.multiturn_report import kv_aware_label, merged, report  # noqa: E402
 
 T0 = time.monotonic()
 MODEL = "tiny"
@@ -401,13 +401,13 @@ def main() -> None:
             limits.append(bench.limit(convs, turns, first, new, k))
             say(f"round {k + 1}: the engines' limit: done, {len(limits[-1]['errors'])} errors")
         seq = [merged(r) for r in runs]
-        seq[-2]["name"] = f"kv-aware (local < {threshold})"
+        seq[-2]["name"] = kv_aware_label(threshold)
         poi = [bench.poisson(name, url, convs, turns, first, new, 1.0, seed=7)
                for name, url in (("aggregated", bench.agg_url), ("kvpush", bench.routers["kvpush"]),
-                                 (f"kv-aware (local < {threshold})", bench.routers["kv-aware"]))]
+                                 (kv_aware_label(threshold), bench.routers["kv-aware"]))]
         meta = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "rounds": rounds, "convs": convs,
                 "turns": turns, "first": first, "new": new, "think_s": 1.0, "answer": bench.answer,
-                "stall_window_s": STALL_WINDOW_S}
+                "threshold": threshold, "stall_window_s": STALL_WINDOW_S}
         lim = {side: [x for r in limits for x in r["rows"][side]] for side in ("decode", "prefill")}
         lim["errors"] = [e for r in limits for e in r["errors"]]
         multi, cross_text = report(cross or {"rows": {}, "threshold": None, "reps": 0, "background": 0},

@@ -94,6 +94,10 @@ class _Alone:
     since: float      # monotonic: its arrival, when the hold began
     short: bool = False  # it held less: waiting for the router
 
+    def held_us(self, now: float) -> int:
+        """How long it has been held, from its arrival (``alone_held_us_total``)."""
+        return round((now - self.since) * 1e6)
+
 
 @dataclasses.dataclass
 class _Decode:
@@ -290,7 +294,7 @@ class KVPushScheduler:
         log.warning("request %s: holds %d prompt tokens, not the %d guessed, and was not taken back; "
                     "computing the rest here", rid, num_computed_tokens, al.min_cached)
         self._count("alone_hold_expired")
-        self._count("alone_held_us_total", round((now - al.since) * 1e6))
+        self._count("alone_held_us_total", al.held_us(now))
         return 0
 
     def _refreshed(self, params: PushParams) -> bool:
@@ -469,7 +473,7 @@ class KVPushScheduler:
         if al is not None:
             self._count("alone_taken_back")
             if al.short:  # (what a wrong guess cost it: the time until it was taken back)
-                self._count("alone_held_us_total", round((time.monotonic() - al.since) * 1e6))
+                self._count("alone_held_us_total", al.held_us(time.monotonic()))
         dst = self._decode.pop(rid, None)
         if dst is not None and not dst.decided:
             self._count("loads_abandoned")
