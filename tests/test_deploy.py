@@ -137,6 +137,8 @@ def test_kv_aware_routing_is_wired_from_the_decode_engines_to_the_router(overlay
         assert _flag(pod["containers"][0]["args"], "--block-size") == str(router.prefix_block_size) == "16"
     # No --local-prefill-tokens: a short follow-up is served by decode alone, below the measured default.
     assert router.local_prefill_tokens is None
+    # A conversation's turns reach the router replica that remembers them (its guess).
+    assert find(docs, "Service", "router")["spec"]["sessionAffinity"] == "ClientIP"
 
     engine, sidecar = pods["decode"]["containers"][0], pods["decode"]["initContainers"][0]
     assert "--enable-prefix-caching" in engine["args"]
