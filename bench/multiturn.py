@@ -415,7 +415,7 @@ def main() -> None:
         print(cross_text + "\n\n" + multi)
         raw = os.path.join(bench.logs, "multiturn.json")  # every turn's figures, to look again without a rerun
         with open(raw, "w") as f:
-            json.dump({"meta": meta, "threshold": threshold, "crossover": cross, "limit": lim, "poisson": poi,
+            json.dump({"meta": meta, "crossover": cross, "limit": lim, "poisson": poi,
                        "sequential": [{k: v for k, v in r.items() if k != "answers"} for r in seq]}, f, default=str)
         say(f"raw figures: {raw}")
         if args.report and not quick:

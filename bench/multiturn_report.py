@@ -82,7 +82,7 @@ def report(cross: dict, seq: list[dict], poi: list[dict], meta: dict, lim: dict 
                       f"{name} {pct(v, 50) / b50:.3f}x ({fmt(pct(v, 50))} ms; "
                       "{:.3f}-{:.3f})".format(*ratio_interval(v, base))
                       for name, v in later.items() if name != "kvpush") + f"; kvpush {fmt(b50)} ms."]
-    alone = later.get(kv_aware_label(meta["threshold"])) if "threshold" in meta else None
+    alone = later.get(kv_aware_label(meta["threshold"]))
     if lim and lim["decode"] and lim["prefill"] and base and alone:
         d50, p50, a50 = pct(lim["decode"], 50), pct(lim["prefill"], 50), pct(alone, 50)
         lines += ["", f"Where turns ≥ 2 spend their time (p50, ms; the engines' share measured in the same rounds, "

@@ -25,9 +25,10 @@ counted by class (``reason_class``), so the label set stays small.
                                                   reservation), hold_expired, hold_evicted (room for a new push)
     kvpush_sidecar_prefix_blocks_held             decode, following its engine's KV events (--kv-events): the
                                                   prefix-cache blocks the engine holds, as KV-aware routing sees them
-    kvpush_sidecar_prefix_events_total{kind}      ... the events followed: stored, removed, cleared, gaps (batches
-                                                  lost: the view was cleared), verified and unchecked (blocks whose
-                                                  hash was, or could not be, recomputed), ignored, batches
+    kvpush_sidecar_prefix_blocks_total{change}    ... blocks the engine stored, removed
+    kvpush_sidecar_prefix_stream_total{event}     ... its event stream: batches followed, gaps (batches lost: the
+                                                  view was cleared), cleared, ignored
+    kvpush_sidecar_prefix_checks_total{result}    ... stored blocks whose hash was recomputed: verified, unchecked
     kvpush_sidecar_prefix_usable                  ... 0 once the engine's hashes proved unmatchable (another hash
                                                   algorithm or seed): routing then ignores its cache
     kvpush_sidecar_prefix_reports_total{kind}     ... reports to the control plane: snapshots, deltas, failed
@@ -151,15 +152,29 @@ class _StateCollector:
                                   value=s.get("engine_departures", 0))
 
 
+# HeldBlocks' counters by what they count, so that no family mixes units: blocks; the event
+# stream's batches and what happened to them; the hash checks of stored blocks.
+_PREFIX_COUNTERS = (
+    ("kvpush_sidecar_prefix_blocks", "Prefix-cache blocks the engine stored or removed, from its KV events",
+     "change", ("stored", "removed")),
+    ("kvpush_sidecar_prefix_stream", "The KV event stream: batches followed, gaps (batches lost: the view was "
+     "cleared), clears (a gap or the engine's own), events or batches ignored", "event",
+     ("batches", "gaps", "cleared", "ignored")),
+    ("kvpush_sidecar_prefix_checks", "Stored blocks whose hash was recomputed and matched (verified), or could "
+     "not be (unchecked: LoRA, multimodal, prompt embeddings)", "result", ("verified", "unchecked")),
+)
+
+
 def _prefix_families(s: dict):
     """A decode sidecar following its engine's KV events: what KV-aware routing knows of it."""
     yield GaugeMetricFamily("kvpush_sidecar_prefix_blocks_held", "Prefix-cache blocks the engine holds, from its "
                             "KV events", value=s["prefix_blocks_held"])
-    events = CounterMetricFamily("kvpush_sidecar_prefix_events", "The engine's KV events followed, by kind",
-                                 labels=["kind"])
-    for kind, n in sorted(s.get("prefix_events", {}).items()):
-        events.add_metric([kind], n)
-    yield events
+    counts = s.get("prefix_events", {})
+    for name, doc, label, kinds in _PREFIX_COUNTERS:
+        family = CounterMetricFamily(name, doc, labels=[label])
+        for kind in kinds:
+            family.add_metric([kind], counts.get(kind, 0))
+        yield family
     yield GaugeMetricFamily("kvpush_sidecar_prefix_usable", "0 once the engine's block hashes proved unmatchable "
                             "(its cache is then ignored by routing)", value=0 if s.get("prefix_unusable") else 1)
     reports = CounterMetricFamily("kvpush_sidecar_prefix_reports", "Reports of the held blocks to the control "

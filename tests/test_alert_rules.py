@@ -20,8 +20,9 @@ def exported() -> dict[str, set[str]]:
     sidecar.failures.labels("prefill", "timeout").inc()
     decode = SidecarMetrics("decode", lambda: {"landing_blocks": 4, "landing_blocks_landed": 0,
                                                "recomputes": {"timeout": 1}, "prefix_blocks_held": 0,
-                                               "prefix_events": {"gaps": 0}, "prefix_unusable": "",
+                                               "prefix_events": {}, "prefix_unusable": "",
                                                "prefix_reports": {"snapshots": 0}})
+    decode.landings.labels("CONSUMED")
     router_metrics.FALLBACKS.labels("no_capacity")
     router_metrics.REQUESTS.labels("completions", "ok")
     out: dict[str, set[str]] = {}
@@ -45,6 +46,7 @@ def test_every_metric_an_alert_names_is_exported_with_its_labels():
                     assert label in names[metric], f"{rule['alert']}: {metric} has no label {label}"
                 checked += 1
             for label in re.findall(r"by \(([\w, ]+)\)", rule["expr"]):
-                wanted = {x.strip() for x in label.split(",")} - {"le"}
+                # (instance and job: the target's labels, which Prometheus adds as it scrapes)
+                wanted = {x.strip() for x in label.split(",")} - {"le", "instance", "job"}
                 assert any(wanted <= names[m] for m in re.findall(r"\bkvpush_[a-z_]+\b", rule["expr"])), rule["alert"]
     assert checked >= 6

@@ -127,7 +127,7 @@ def test_kv_aware_routing_is_wired_from_the_decode_engines_to_the_router(overlay
     from kvpush.contract.block_hash import DEFAULT_SEED
     from sidecar.kv_events import source_from_args
     from sidecar.service import add_arguments, configs_from_args
-    from vllm.config import KVEventsConfig
+    from vllm.config import CacheConfig, KVEventsConfig
 
     docs = render(overlay)
     router_c = find(docs, "Deployment", "router")["spec"]["template"]["spec"]["containers"][0]
@@ -150,14 +150,20 @@ def test_kv_aware_routing_is_wired_from_the_decode_engines_to_the_router(overlay
     source = source_from_args(parsed)
     assert configs_from_args(parsed)[0].layout.block_size == router.prefix_block_size
     assert source is not None and source.endpoint == events.endpoint and source.topic == events.topic
-    assert events.endpoint.startswith("ipc:///run/kvpush/")  # the directory both containers mount
+    # The socket is in a directory both containers mount (the engine binds it, the sidecar connects).
+    mounts = [{m["name"]: m["mountPath"] for m in c["volumeMounts"]} for c in (engine, sidecar)]
+    assert any(events.endpoint.startswith(f"ipc://{path}/") and all(m.get(vol) == path for m in mounts)
+               for vol, path in mounts[0].items()), (events.endpoint, mounts)
     # Hashed alike: the engine's algorithm (vLLM's default unless it says) and seed (its
-    # PYTHONHASHSEED, else vLLM's fixed one) are the sidecar's and the router's.
-    algo = _flag(engine["args"], "--prefix-caching-hash-algo", "sha256")
+    # PYTHONHASHSEED, else vLLM's fixed one) are the sidecar's and the router's (their
+    # --prefix-hash-seed, else their own PYTHONHASHSEED, else the same fixed one).
+    algo = _flag(engine["args"], "--prefix-caching-hash-algo", CacheConfig().prefix_caching_hash_algo)
     assert source.algorithm == router.prefix_hash == algo
-    seeds = {_env(c, "PYTHONHASHSEED") or DEFAULT_SEED for c in (engine, sidecar, router_c)}
-    assert len(seeds) == 1 and _flag(_args(sidecar), "--prefix-hash-seed") in (None, *seeds)
-    assert _flag(_args(router_c), "--prefix-hash-seed") in (None, *seeds)
+
+    def seed(container: dict, flag: str | None = None) -> str:
+        return (flag and _flag(_args(container), flag)) or _env(container, "PYTHONHASHSEED") or DEFAULT_SEED
+
+    assert seed(engine) == seed(sidecar, "--prefix-hash-seed") == seed(router_c, "--prefix-hash-seed")
     # The prefill engines publish nothing: nobody routes by what they hold.
     prefill = pods["prefill"]
     assert _flag(prefill["initContainers"][0]["args"], "--kv-events") is None

@@ -87,16 +87,17 @@ class _Awaiting:
     since: float      # monotonic
 
 
+def _us_since(t0: float, now: float | None = None) -> int:
+    """Microseconds from monotonic ``t0`` to ``now`` (default: now), as the counters keep time."""
+    return round(((time.monotonic() if now is None else now) - t0) * 1e6)
+
+
 @dataclasses.dataclass
 class _Alone:
     min_cached: int   # the prompt tokens this engine must hold to compute the rest at once
     give_up: float    # monotonic: compute it anyway if the router has not taken it back by then
     since: float      # monotonic: its arrival, when the hold began
     short: bool = False  # it held less: waiting for the router
-
-    def held_us(self, now: float) -> int:
-        """How long it has been held, from its arrival (``alone_held_us_total``)."""
-        return round((now - self.since) * 1e6)
 
 
 @dataclasses.dataclass
@@ -255,7 +256,7 @@ class KVPushScheduler:
             return None
         del self._awaiting[rid]
         self.handover.forget(aw.key)
-        self._count("handover_wait_us_total", round((time.monotonic() - aw.since) * 1e6))
+        self._count("handover_wait_us_total", _us_since(aw.since))
         if data is None:
             log.warning("request %s: no reservation arrived for %s; computing it without a push", rid, aw.key)
             self._count("handover_timeout")
@@ -294,7 +295,7 @@ class KVPushScheduler:
         log.warning("request %s: holds %d prompt tokens, not the %d guessed, and was not taken back; "
                     "computing the rest here", rid, num_computed_tokens, al.min_cached)
         self._count("alone_hold_expired")
-        self._count("alone_held_us_total", al.held_us(now))
+        self._count("alone_held_us_total", _us_since(al.since, now))
         return 0
 
     def _refreshed(self, params: PushParams) -> bool:
@@ -338,7 +339,7 @@ class KVPushScheduler:
             t0 = time.monotonic()
             self.watch.wait_change(generation, min(self.timing.idle_wait_s, max(0.0, st.give_up - t0)))
             self._idle_waits += 1
-            self._idle_wait_us += round((time.monotonic() - t0) * 1e6)
+            self._idle_wait_us += _us_since(t0)
             state, landed = self.watch.state(res)
         if state == LandingState.LANDED:
             first = st.params.target.first_token
@@ -473,7 +474,7 @@ class KVPushScheduler:
         if al is not None:
             self._count("alone_taken_back")
             if al.short:  # (what a wrong guess cost it: the time until it was taken back)
-                self._count("alone_held_us_total", al.held_us(time.monotonic()))
+                self._count("alone_held_us_total", _us_since(al.since))
         dst = self._decode.pop(rid, None)
         if dst is not None and not dst.decided:
             self._count("loads_abandoned")

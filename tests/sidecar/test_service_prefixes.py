@@ -95,8 +95,11 @@ async def test_the_control_planes_view_follows_the_engines_prefix_cache(stack, t
         # The same on its Prometheus endpoint, for dashboards and alerts.
         scraped = scrape(metrics_port)
         assert scraped[("kvpush_sidecar_prefix_blocks_held", ())] == 2
-        assert scraped[("kvpush_sidecar_prefix_events_total", (("kind", "gaps"),))] == 1
-        assert scraped[("kvpush_sidecar_prefix_events_total", (("kind", "stored"),))] >= 5
+        assert scraped[("kvpush_sidecar_prefix_stream_total", (("event", "gaps"),))] == 1
+        assert scraped[("kvpush_sidecar_prefix_stream_total", (("event", "batches"),))] == stats["prefix_events"]["batches"]
+        assert scraped[("kvpush_sidecar_prefix_blocks_total", (("change", "stored"),))] >= 5
+        assert scraped[("kvpush_sidecar_prefix_blocks_total", (("change", "removed"),))] == 1
+        assert scraped[("kvpush_sidecar_prefix_checks_total", (("result", "verified"),))] >= 2
         assert scraped[("kvpush_sidecar_prefix_usable", ())] == 1
         assert scraped[("kvpush_sidecar_prefix_reports_total", (("kind", "snapshots"),))] >= 2
         # One report an interval, not one a batch: 5 batches here, a few reports.
