@@ -333,22 +333,25 @@ class Bench:
         return {"rows": rows, "errors": errors}
 
     def poisson(self, name: str, url: str, convs: int, turns: int, first: int, new: int, think_s: float,
-                seed: int) -> dict:
-        """Each conversation sends its next turn an exponential think time after its answer."""
+                seed: int, round_: int = 0) -> dict:
+        """Each conversation sends its next turn an exponential think time after its answer.
+        A round's conversations (and think times) are the same in every configuration, and
+        each turn keeps its conversation's place, so the rounds pair up like the sequential ones."""
         self.forget()
-        rows: dict[int, list[float]] = {t: [] for t in range(1, turns + 1)}
+        rows: dict[int, list[float]] = {t: [float("inf")] * convs for t in range(1, turns + 1)}
         errors: list[str] = []
 
         def run(c: int) -> None:
-            rng = np.random.default_rng([seed, c])
-            prompt = ids(first, f"pconv-{c}")
+            rng = np.random.default_rng([seed, round_, c])
+            prompt = ids(first, f"pconv-{round_}-{c}")
             time.sleep(rng.exponential(think_s))
             for t in range(1, turns + 1):
                 r = ask(url, prompt, self.answer)
                 if r["error"]:
                     errors.append(r["error"])
-                rows[t].append(r["ttft_s"] * 1e3 if r["ttft_s"] else float("inf"))
-                prompt = prompt + r["token_ids"] + ids(new, f"pconv-{c}-turn-{t + 1}")
+                elif r["ttft_s"]:
+                    rows[t][c] = r["ttft_s"] * 1e3
+                prompt = prompt + r["token_ids"] + ids(new, f"pconv-{round_}-{c}-turn-{t + 1}")
                 time.sleep(rng.exponential(think_s))
         threads = [threading.Thread(target=run, args=(c,), daemon=True) for c in range(convs)]
         for th in threads:
@@ -402,9 +405,17 @@ def main() -> None:
             say(f"round {k + 1}: the engines' limit: done, {len(limits[-1]['errors'])} errors")
         seq = [merged(r) for r in runs]
         seq[-2]["name"] = kv_aware_label(threshold)
-        poi = [bench.poisson(name, url, convs, turns, first, new, 1.0, seed=7)
-               for name, url in (("aggregated", bench.agg_url), ("kvpush", bench.routers["kvpush"]),
-                                 (kv_aware_label(threshold), bench.routers["kv-aware"]))]
+        # Poisson, in rounds too, each round the configurations in another order (drift and a
+        # warm machine fall on each alike).
+        configs = (("aggregated", bench.agg_url), ("kvpush", bench.routers["kvpush"]),
+                   (kv_aware_label(threshold), bench.routers["kv-aware"]))
+        poi_runs: dict[str, list[dict]] = {name: [] for name, _ in configs}
+        for k in range(rounds):
+            for name, url in configs[k % 3:] + configs[:k % 3]:
+                poi_runs[name].append(bench.poisson(name, url, convs, turns, first, new, 1.0, seed=7, round_=k))
+            say(f"poisson round {k + 1}: done")
+        poi = [{"name": name, "rows": {t: [x for r in runs_ for x in r["rows"][t]] for t in runs_[0]["rows"]},
+                "errors": [e for r in runs_ for e in r["errors"]]} for name, runs_ in poi_runs.items()]
         meta = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "rounds": rounds, "convs": convs,
                 "turns": turns, "first": first, "new": new, "think_s": 1.0, "answer": bench.answer,
                 "threshold": threshold, "stall_window_s": STALL_WINDOW_S}

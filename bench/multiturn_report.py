@@ -39,6 +39,20 @@ def ratio_interval(xs: list[float], base: list[float], n: int = 5000, seed: int 
     return float(np.percentile(r, 2.5)), float(np.percentile(r, 97.5))
 
 
+def later_ratios(phase: str, later: dict[str, list[float]], paired_by: str) -> list[str]:
+    """The report's line for turns >= 2: each configuration's TTFT p50 against kvpush
+    without KV-aware reservations (``later``: name -> its turns, paired across names)."""
+    base = later.get("kvpush")
+    if not base:
+        return []
+    b50 = pct(base, 50)
+    return ["", f"{phase}, turns ≥ 2 ({len(base)} per configuration), TTFT p50 against kvpush without KV-aware "
+            f"reservations (95% paired bootstrap interval: {paired_by}): " + ", ".join(
+                f"{name} {pct(v, 50) / b50:.3f}x ({fmt(pct(v, 50))} ms; "
+                "{:.3f}-{:.3f})".format(*ratio_interval(v, base))
+                for name, v in later.items() if name != "kvpush") + f"; kvpush {fmt(b50)} ms."]
+
+
 def fmt(v: float) -> str:
     return "timeout" if not np.isfinite(v) else f"{v:.0f}"
 
@@ -75,13 +89,8 @@ def report(cross: dict, seq: list[dict], poi: list[dict], meta: dict, lim: dict 
         f"{sum(r['cpu'].values()):.0f} / {r['wall']:.0f}" for r in seq) + " |")
     later = {r["name"]: [x["ttft_ms"] for t in turns if t > 1 for x in r["rows"][t]] for r in seq}
     base = later.get("kvpush")
-    if base:
-        b50 = pct(base, 50)
-        lines += ["", f"Turns ≥ 2 ({len(base)} per configuration), TTFT p50 against kvpush without KV-aware "
-                  "reservations (95% paired bootstrap interval): " + ", ".join(
-                      f"{name} {pct(v, 50) / b50:.3f}x ({fmt(pct(v, 50))} ms; "
-                      "{:.3f}-{:.3f})".format(*ratio_interval(v, base))
-                      for name, v in later.items() if name != "kvpush") + f"; kvpush {fmt(b50)} ms."]
+    b50 = pct(base, 50) if base else float("nan")
+    lines += later_ratios("Sequential", later, "every configuration sees the same turns")
     alone = later.get(kv_aware_label(meta["threshold"]))
     if lim and lim["decode"] and lim["prefill"] and base and alone:
         d50, p50, a50 = pct(lim["decode"], 50), pct(lim["prefill"], 50), pct(alone, 50)
@@ -94,12 +103,16 @@ def report(cross: dict, seq: list[dict], poi: list[dict], meta: dict, lim: dict 
                   f"{a50 - d50:+.0f} to decode's (router hop, the Reserve beside it). At 0.5x kvpush, the kv-aware "
                   f"path would have {0.5 * b50 - d50:.0f} ms beyond decode's own work."]
     lines += ["", f"### Poisson: conversations sending their next turn a random think time (mean "
-              f"{meta['think_s']} s) after their answer; TTFT p50 / p90 (ms)", "",
+              f"{meta['think_s']} s) after their answer, all at once; {meta['rounds']} round(s) of {meta['convs']} "
+              "conversations, each round every configuration in turn (in a rotating order) with the same "
+              "conversations and think times; TTFT p50 / p90 (ms)", "",
               "| turn | " + " | ".join(r["name"] for r in poi) + " |", "|---|" + "---|" * len(poi)]
     for t in turns:
         lines.append(f"| {t} | " + " | ".join(f"{fmt(pct(r['rows'][t], 50))} / {fmt(pct(r['rows'][t], 90))}"
                                               for r in poi) + " |")
     lines.append("| errors | " + " | ".join(str(len(r["errors"])) for r in poi) + " |")
+    lines += later_ratios("Poisson", {r["name"]: [x for t in turns if t > 1 for x in r["rows"][t]] for r in poi},
+                          "conversations at the same place in each configuration's round")
     cross_lines = [f"Measured {meta['date']} by `bench/multiturn.py` ({meta['cpus']} cores): a 1,000-token "
                    f"prompt and its {meta['answer']}-token answer on a decode engine, then a turn adding N tokens, "
                    "served by the P/D path (KV-aware: only the rest pushed) or by that decode engine alone, "
