@@ -65,7 +65,7 @@ from app.procs import ManagedProcess, http_ok  # noqa: E402
 from app.stack import Stack, StackSpec  # noqa: E402
 from app.tiny_model import DEFAULT_DIR, ensure_model  # noqa: E402
 from bench.common import CpuMeter, pct, update_section  # noqa: E402
-from bench.multiturn_report import kv_aware_label, merged, report  # noqa: E402
+from bench.multiturn_report import first_divergence, kv_aware_label, merged, report  # noqa: E402
 
 T0 = time.monotonic()
 MODEL = "tiny"
@@ -284,12 +284,14 @@ class Bench:
         prompts = {c: ids(first, f"conv-{c}" if not round_ else f"conv-{round_}-{c}") for c in range(convs)}
         rows: dict[int, list[dict]] = {t: [] for t in range(1, turns + 1)}
         answers: dict[tuple[int, int], list[int]] = {}
+        asked: dict[tuple[int, int], list[int]] = {}
         meter = self.cpu_meter()
         meter.start()
         t_start = time.perf_counter()
         for t in range(1, turns + 1):
             for c in range(convs):
                 before = self.staged()
+                asked[(c, t)] = prompts[c]
                 r = ask(url, prompts[c], self.answer)
                 time.sleep(0.3)  # the connectors' counters reach their files; decode's events its sidecar
                 rows[t].append({"ttft_ms": r["ttft_s"] * 1e3 if r["ttft_s"] else float("inf"),
@@ -300,7 +302,29 @@ class Bench:
         wall = time.perf_counter() - t_start
         cpu = meter.stop()
         wrong = sum(1 for k, v in answers.items() if reference is not None and reference.get(k) != v)
-        return {"name": name, "rows": rows, "answers": answers, "wrong": wrong, "cpu": cpu, "wall": wall}
+        parted = []
+        for c in range(convs):  # where each conversation first parted from the aggregated engine's
+            t = next((t for t in range(1, turns + 1) if reference and reference.get((c, t)) != answers[(c, t)]), None)
+            if t is not None and answers[(c, t)]:
+                token = first_divergence(reference[(c, t)], answers[(c, t)])
+                parted.append({"conv": c, "turn": t, "token": token,
+                               "gap_nats": self.gap(asked[(c, t)], reference[(c, t)], answers[(c, t)], token)})
+        return {"name": name, "rows": rows, "answers": answers, "wrong": wrong, "cpu": cpu, "wall": wall,
+                "divergences": parted}
+
+    def gap(self, prompt: list[int], ref: list[int], got: list[int], token: int) -> float | None:
+        """How far apart the aggregated engine's logprobs put its token and the other one
+        where two answers part (None: the other one is not among its top 5)."""
+        if token >= min(len(ref), len(got)):
+            return None
+        body = {"model": MODEL, "prompt": prompt + ref[:token], "max_tokens": 1, "temperature": 0.0,
+                "logprobs": 5, "return_tokens_as_token_ids": True}
+        req = urllib.request.Request(f"{self.agg_url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=TIMEOUT_S) as resp:
+            top = json.loads(resp.read())["choices"][0]["logprobs"]["top_logprobs"][0]
+        mine, other = top.get(f"token_id:{ref[token]}"), top.get(f"token_id:{got[token]}")
+        return abs(mine - other) if mine is not None and other is not None else None
 
     def limit(self, convs: int, turns: int, first: int, new: int, round_: int = 0) -> dict:
         """The engines' own share of a later turn, no router and no push: each turn straight to
@@ -400,7 +424,8 @@ def main() -> None:
             for i, name in enumerate(("kvpush", "kv-aware", "kv-aware P/D"), start=1):
                 runs[i].append(bench.conversations(name, bench.routers[name], convs, turns, first, new,
                                                    reference["answers"], k))
-                say(f"round {k + 1}: {name}: done, {runs[i][-1]['wrong']} answers differ")
+                say(f"round {k + 1}: {name}: done, {runs[i][-1]['wrong']} answers differ "
+                    f"{runs[i][-1]['divergences'] or ''}")
             limits.append(bench.limit(convs, turns, first, new, k))
             say(f"round {k + 1}: the engines' limit: done, {len(limits[-1]['errors'])} errors")
         seq = [merged(r) for r in runs]

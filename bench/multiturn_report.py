@@ -12,12 +12,13 @@ from bench.common import pct
 def merged(runs: list[dict]) -> dict:
     """One configuration's rounds as one run (answers keyed by round too)."""
     out = {"name": runs[0]["name"], "rows": {t: [] for t in runs[0]["rows"]}, "answers": {}, "wrong": 0,
-           "cpu": {}, "wall": 0.0}
+           "cpu": {}, "wall": 0.0, "divergences": []}
     for k, r in enumerate(runs):
         for t, rows in r["rows"].items():
             out["rows"][t] += rows
         out["answers"].update({(k, *key): v for key, v in r["answers"].items()})
         out["wrong"] += r["wrong"]
+        out["divergences"] += [{**d, "round": k + 1} for d in r.get("divergences", [])]
         out["wall"] += r["wall"]
         for proc, sec in r["cpu"].items():
             out["cpu"][proc] = out["cpu"].get(proc, 0.0) + sec
@@ -57,6 +58,37 @@ def fmt(v: float) -> str:
     return "timeout" if not np.isfinite(v) else f"{v:.0f}"
 
 
+# Two candidates this close are a float32 near-tie: a different order of the same sums
+# (another chunking of the prompt, KV computed by prefill rather than during decode) can
+# swap them. A transfer that corrupted KV would move the logits far more than this.
+NEAR_TIE_NATS = 1e-3
+
+
+def first_divergence(ref: list[int], got: list[int]) -> int | None:
+    """The index of the first token where two greedy answers part (None: equal)."""
+    for i, (a, b) in enumerate(zip(ref, got)):
+        if a != b:
+            return i
+    return None if len(ref) == len(got) else min(len(ref), len(got))
+
+
+def divergence_lines(seq: list[dict]) -> list[str]:
+    """What each answer that differs from the aggregated engine's says: where its
+    conversation first parted (later turns follow from different text) and how far apart
+    the aggregated engine's own logprobs put the two tokens there."""
+    lines = []
+    for r in seq:
+        for d in r.get("divergences", []):
+            gap = d.get("gap_nats")
+            why = ("a float32 near-tie" if gap is not None and gap < NEAR_TIE_NATS else
+                   "**not a near-tie: look into it**")
+            said = f"{gap:.1e} nats apart" if gap is not None else "the other token not in its top 5"
+            lines.append(f"- {r['name']}: round {d['round']}, conversation {d['conv']}, from turn {d['turn']} "
+                         f"token {d['token']}, where the aggregated engine's two candidates were {said}: {why}")
+    return ["", "Answers that differ from the aggregated engine's (where each conversation first parted):",
+            *lines] if lines else []
+
+
 def kv_aware_label(threshold: int) -> str:
     """The name the report gives the kv-aware configuration (the router's threshold in it)."""
     return f"kv-aware (local < {threshold})"
@@ -87,6 +119,7 @@ def report(cross: dict, seq: list[dict], poi: list[dict], meta: dict, lim: dict 
         f"{sum(len(v) > 0 for v in r['answers'].values()) - r['wrong']} of {len(r['answers'])}" for r in seq) + " |")
     lines.append("| CPU seconds (all processes) / wall seconds | " + " | ".join(
         f"{sum(r['cpu'].values()):.0f} / {r['wall']:.0f}" for r in seq) + " |")
+    lines += divergence_lines(seq)
     later = {r["name"]: [x["ttft_ms"] for t in turns if t > 1 for x in r["rows"][t]] for r in seq}
     base = later.get("kvpush")
     b50 = pct(base, 50) if base else float("nan")
