@@ -13,8 +13,9 @@ follow them), and one aggregated vLLM engine beside them. Every configuration se
 same conversations, with every engine's prefix cache emptied before it; the sequential
 phase runs in rounds (``--rounds``, 5), each round every configuration in turn with
 conversations of its own, so that a shared machine's drift falls on all of them alike,
-and the turns ≥ 2 ratio comes with a bootstrap interval (how far one run can sit from
-the truth; a paired one: every configuration sees the same turns):
+and the turns ≥ 2 ratio comes with a bootstrap interval over conversations (how far
+this run's ratio may sit from what more conversations would show; a paired one: every
+configuration sees the same turns):
 
   aggregated : the one plain engine, prefix caching on (vLLM's default);
   kvpush     : a router without KV-aware routing (kvpush before it): the decode engine
@@ -30,8 +31,9 @@ Conversations: turn 1 is a ~1,000-token prompt; each later turn is the previous 
 its answer and a new message, up to ~1,700 tokens at turn 4. Sequential (the
 conversations' turns interleaved round-robin, one request at a time: bytes pushed are
 read per request) and Poisson (each conversation sends its next turn a random think time
-after its answer). Greedy answers are compared token for token with the aggregated
-engine's.
+after its answer). The sequential phase's greedy answers are compared token for token
+with the aggregated engine's; where a conversation parts, the report says where and how
+close the two tokens' logprobs were.
 
 Crossover: with a conversation's prefix on a decode engine, turns adding N new tokens
 served by that engine alone and by the P/D path (alternating), for a range of N, while the
@@ -302,29 +304,36 @@ class Bench:
         wall = time.perf_counter() - t_start
         cpu = meter.stop()
         wrong = sum(1 for k, v in answers.items() if reference is not None and reference.get(k) != v)
+        equal = sum(1 for k, v in answers.items() if v and (reference is None or reference.get(k) == v))
         parted = []
         for c in range(convs):  # where each conversation first parted from the aggregated engine's
             t = next((t for t in range(1, turns + 1) if reference and reference.get((c, t)) != answers[(c, t)]), None)
-            if t is not None and answers[(c, t)]:
-                token = first_divergence(reference[(c, t)], answers[(c, t)])
-                parted.append({"conv": c, "turn": t, "token": token,
-                               "gap_nats": self.gap(asked[(c, t)], reference[(c, t)], answers[(c, t)], token)})
-        return {"name": name, "rows": rows, "answers": answers, "wrong": wrong, "cpu": cpu, "wall": wall,
-                "divergences": parted}
+            if t is not None:
+                ref, got = reference[(c, t)], answers[(c, t)]
+                token = first_divergence(ref, got)
+                parted.append({"conv": c, "turn": t, "token": token, **self.gap(asked[(c, t)], ref, got, token)})
+        return {"name": name, "rows": rows, "answers": answers, "wrong": wrong, "equal": equal, "cpu": cpu,
+                "wall": wall, "divergences": parted}
 
-    def gap(self, prompt: list[int], ref: list[int], got: list[int], token: int) -> float | None:
-        """How far apart the aggregated engine's logprobs put its token and the other one
-        where two answers part (None: the other one is not among its top 5)."""
+    def gap(self, prompt: list[int], ref: list[int], got: list[int], token: int) -> dict:
+        """Where two answers part, the aggregated engine's logprob of its own token less the
+        other's, computed again now (its cache was emptied since, so in one prefill: close to,
+        not the same sums as, the answer's own decode steps; a tie may even turn over)."""
         if token >= min(len(ref), len(got)):
-            return None
+            return {"gap_nats": None, "why": "an answer ended early (its request failed)"}
         body = {"model": MODEL, "prompt": prompt + ref[:token], "max_tokens": 1, "temperature": 0.0,
                 "logprobs": 5, "return_tokens_as_token_ids": True}
         req = urllib.request.Request(f"{self.agg_url}/v1/completions", data=json.dumps(body).encode(),
                                      headers={"content-type": "application/json"})
-        with urllib.request.urlopen(req, timeout=TIMEOUT_S) as resp:
-            top = json.loads(resp.read())["choices"][0]["logprobs"]["top_logprobs"][0]
+        try:
+            with urllib.request.urlopen(req, timeout=TIMEOUT_S) as resp:
+                top = json.loads(resp.read())["choices"][0]["logprobs"]["top_logprobs"][0]
+        except Exception as exc:  # one explanation lost, not the run
+            return {"gap_nats": None, "why": f"the logprobs request failed ({type(exc).__name__}: {exc})"}
         mine, other = top.get(f"token_id:{ref[token]}"), top.get(f"token_id:{got[token]}")
-        return abs(mine - other) if mine is not None and other is not None else None
+        if mine is None or other is None:
+            return {"gap_nats": None, "why": "a token not among the aggregated engine's top 5"}
+        return {"gap_nats": mine - other, "why": ""}
 
     def limit(self, convs: int, turns: int, first: int, new: int, round_: int = 0) -> dict:
         """The engines' own share of a later turn, no router and no push: each turn straight to
@@ -382,6 +391,8 @@ class Bench:
             th.start()
         for th in threads:
             th.join(TIMEOUT_S * turns)
+        errors += [f"conversation {c} still running when the round ended" for c, th in enumerate(threads)
+                   if th.is_alive()]  # it would write into the next configuration's round
         return {"name": name, "rows": rows, "errors": errors}
 
 
@@ -421,7 +432,9 @@ def main() -> None:
         for k in range(rounds):
             reference = bench.conversations("aggregated", bench.agg_url, convs, turns, first, new, None, k)
             runs[0].append(reference)
-            for i, name in enumerate(("kvpush", "kv-aware", "kv-aware P/D"), start=1):
+            pushed = ("kvpush", "kv-aware", "kv-aware P/D")
+            for name in pushed[k % 3:] + pushed[:k % 3]:  # the reference first, then a rotating order
+                i = 1 + pushed.index(name)
                 runs[i].append(bench.conversations(name, bench.routers[name], convs, turns, first, new,
                                                    reference["answers"], k))
                 say(f"round {k + 1}: {name}: done, {runs[i][-1]['wrong']} answers differ "

@@ -12,12 +12,13 @@ from bench.common import pct
 def merged(runs: list[dict]) -> dict:
     """One configuration's rounds as one run (answers keyed by round too)."""
     out = {"name": runs[0]["name"], "rows": {t: [] for t in runs[0]["rows"]}, "answers": {}, "wrong": 0,
-           "cpu": {}, "wall": 0.0, "divergences": []}
+           "equal": 0, "cpu": {}, "wall": 0.0, "divergences": []}
     for k, r in enumerate(runs):
         for t, rows in r["rows"].items():
             out["rows"][t] += rows
         out["answers"].update({(k, *key): v for key, v in r["answers"].items()})
         out["wrong"] += r["wrong"]
+        out["equal"] += r["equal"]
         out["divergences"] += [{**d, "round": k + 1} for d in r.get("divergences", [])]
         out["wall"] += r["wall"]
         for proc, sec in r["cpu"].items():
@@ -25,33 +26,47 @@ def merged(runs: list[dict]) -> dict:
     return out
 
 
-def ratio_interval(xs: list[float], base: list[float], n: int = 5000, seed: int = 0) -> tuple[float, float]:
-    """A 95% bootstrap interval of p50(xs) / p50(base): the turns resampled with replacement
-    (how far this one run's ratio may sit from what more turns would show). Both lists hold
-    the same turns in the same order (the same prompts, each configuration in every round),
-    so a turn is drawn with both its measurements: what makes one turn slower than another
-    (its context, its place in the round) then falls on both sides of the ratio alike."""
+def ratio_interval(xs: list[float], base: list[float], convs: list[int], n: int = 5000,
+                   seed: int = 0) -> tuple[float, float]:
+    """A 95% bootstrap interval of p50(xs) / p50(base): how far this one run's ratio may sit
+    from what more conversations would show. Both lists hold the same turns in the same
+    order, so a turn is drawn with both its measurements (what makes one turn slower than
+    another falls on both sides of the ratio alike); ``convs`` names each turn's
+    conversation, and whole conversations are drawn (a conversation's turns share its
+    context and its place in the run, so they are not independent draws)."""
     rng = np.random.default_rng(seed)
-    a, b = np.asarray(xs, dtype=float), np.asarray(base, dtype=float)
-    if len(a) != len(b):
-        raise ValueError(f"unpaired turns: {len(a)} against {len(b)}")
-    idx = rng.integers(0, len(a), (n, len(a)))
+    a, b, g = np.asarray(xs, dtype=float), np.asarray(base, dtype=float), np.asarray(convs)
+    if not len(a) == len(b) == len(g):
+        raise ValueError(f"unpaired turns: {len(a)} against {len(b)}, {len(g)} conversation places")
+    members = [np.flatnonzero(g == c) for c in np.unique(g)]
+    if len({len(m) for m in members}) != 1:
+        raise ValueError("conversations with different numbers of turns")
+    places = np.stack(members)  # conversation x its turns
+    idx = places[rng.integers(0, len(places), (n, len(places)))].reshape(n, -1)
     r = np.median(a[idx], axis=1) / np.median(b[idx], axis=1)
     return float(np.percentile(r, 2.5)), float(np.percentile(r, 97.5))
 
 
-def later_ratios(phase: str, later: dict[str, list[float]], paired_by: str) -> list[str]:
+def later_turns(rows: dict[int, list]) -> tuple[list[float], list[int]]:
+    """A configuration's turns >= 2 (TTFT, ms) and each one's conversation place in its run."""
+    ttft = [x["ttft_ms"] if isinstance(x, dict) else x for t in sorted(rows) if t > 1 for x in rows[t]]
+    return ttft, [c for t in sorted(rows) if t > 1 for c in range(len(rows[t]))]
+
+
+def later_ratios(phase: str, runs: list[dict], paired_by: str) -> list[str]:
     """The report's line for turns >= 2: each configuration's TTFT p50 against kvpush
-    without KV-aware reservations (``later``: name -> its turns, paired across names)."""
-    base = later.get("kvpush")
-    if not base:
+    without KV-aware reservations (turns paired across configurations)."""
+    later = {r["name"]: later_turns(r["rows"]) for r in runs}
+    if "kvpush" not in later or not later["kvpush"][0]:
         return []
+    base, convs = later["kvpush"]
     b50 = pct(base, 50)
-    return ["", f"{phase}, turns ≥ 2 ({len(base)} per configuration), TTFT p50 against kvpush without KV-aware "
-            f"reservations (95% paired bootstrap interval: {paired_by}): " + ", ".join(
+    return ["", f"{phase}, turns ≥ 2 ({len(base)} per configuration, {len(set(convs))} conversations), TTFT p50 "
+            f"against kvpush without KV-aware reservations (95% paired bootstrap interval over conversations: "
+            f"{paired_by}): " + ", ".join(
                 f"{name} {pct(v, 50) / b50:.3f}x ({fmt(pct(v, 50))} ms; "
-                "{:.3f}-{:.3f})".format(*ratio_interval(v, base))
-                for name, v in later.items() if name != "kvpush") + f"; kvpush {fmt(b50)} ms."]
+                "{:.3f}-{:.3f})".format(*ratio_interval(v, base, convs))
+                for name, (v, _) in later.items() if name != "kvpush") + f"; kvpush {fmt(b50)} ms."]
 
 
 def fmt(v: float) -> str:
@@ -59,7 +74,7 @@ def fmt(v: float) -> str:
 
 
 # Two candidates this close are a float32 near-tie: a different order of the same sums
-# (another chunking of the prompt, KV computed by prefill rather than during decode) can
+# (another chunking of the prompt, KV computed in a prefill rather than during decode) can
 # swap them. A transfer that corrupted KV would move the logits far more than this.
 NEAR_TIE_NATS = 1e-3
 
@@ -74,19 +89,22 @@ def first_divergence(ref: list[int], got: list[int]) -> int | None:
 
 def divergence_lines(seq: list[dict]) -> list[str]:
     """What each answer that differs from the aggregated engine's says: where its
-    conversation first parted (later turns follow from different text) and how far apart
-    the aggregated engine's own logprobs put the two tokens there."""
+    conversation first parted (later turns follow from different text) and the two tokens'
+    logprobs there as the aggregated engine computes them again (``gap_nats``: its own
+    token's less the other's; ``why``: what kept the gap from being measured)."""
     lines = []
     for r in seq:
         for d in r.get("divergences", []):
-            gap = d.get("gap_nats")
-            why = ("a float32 near-tie" if gap is not None and gap < NEAR_TIE_NATS else
-                   "**not a near-tie: look into it**")
-            said = f"{gap:.1e} nats apart" if gap is not None else "the other token not in its top 5"
-            lines.append(f"- {r['name']}: round {d['round']}, conversation {d['conv']}, from turn {d['turn']} "
-                         f"token {d['token']}, where the aggregated engine's two candidates were {said}: {why}")
-    return ["", "Answers that differ from the aggregated engine's (where each conversation first parted):",
-            *lines] if lines else []
+            gap, where = d.get("gap_nats"), (f"round {d['round']}, conversation {d['conv'] + 1}, turn {d['turn']}"
+                                             + (f", token {d['token'] + 1}" if d.get("token") is not None else ""))
+            if gap is None:
+                lines.append(f"- {r['name']}: {where}: {d.get('why') or 'no gap measured'}: **look into it**")
+            else:
+                verdict = "a float32 near-tie" if abs(gap) < NEAR_TIE_NATS else "**not a near-tie: look into it**"
+                lines.append(f"- {r['name']}: {where}: the aggregated engine, computing it again, puts its own "
+                             f"token {gap:+.1e} nats from the other: {verdict}")
+    return ["", "Answers that differ from the aggregated engine's (where each conversation first parted; "
+            "places counted from 1):", *lines] if lines else []
 
 
 def kv_aware_label(threshold: int) -> str:
@@ -116,14 +134,14 @@ def report(cross: dict, seq: list[dict], poi: list[dict], meta: dict, lim: dict 
         lines.append(f"| KiB staged, turn {t} (per token the turn added) | " + " | ".join(
             staged_cell(r, t) for r in seq) + " |")
     lines.append("| answers equal to the aggregated engine's | " + " | ".join(
-        f"{sum(len(v) > 0 for v in r['answers'].values()) - r['wrong']} of {len(r['answers'])}" for r in seq) + " |")
+        f"{r['equal']} of {len(r['answers'])}" for r in seq) + " |")
     lines.append("| CPU seconds (all processes) / wall seconds | " + " | ".join(
         f"{sum(r['cpu'].values()):.0f} / {r['wall']:.0f}" for r in seq) + " |")
     lines += divergence_lines(seq)
-    later = {r["name"]: [x["ttft_ms"] for t in turns if t > 1 for x in r["rows"][t]] for r in seq}
+    later = {r["name"]: later_turns(r["rows"])[0] for r in seq}
     base = later.get("kvpush")
     b50 = pct(base, 50) if base else float("nan")
-    lines += later_ratios("Sequential", later, "every configuration sees the same turns")
+    lines += later_ratios("Sequential", seq, "every configuration sees the same turns")
     alone = later.get(kv_aware_label(meta["threshold"]))
     if lim and lim["decode"] and lim["prefill"] and base and alone:
         d50, p50, a50 = pct(lim["decode"], 50), pct(lim["prefill"], 50), pct(alone, 50)
@@ -144,8 +162,8 @@ def report(cross: dict, seq: list[dict], poi: list[dict], meta: dict, lim: dict 
         lines.append(f"| {t} | " + " | ".join(f"{fmt(pct(r['rows'][t], 50))} / {fmt(pct(r['rows'][t], 90))}"
                                               for r in poi) + " |")
     lines.append("| errors | " + " | ".join(str(len(r["errors"])) for r in poi) + " |")
-    lines += later_ratios("Poisson", {r["name"]: [x for t in turns if t > 1 for x in r["rows"][t]] for r in poi},
-                          "conversations at the same place in each configuration's round")
+    lines += later_ratios("Poisson", poi, "the same conversations and think times in each configuration's "
+                          "round; their arrivals, and so their queueing, differ")
     cross_lines = [f"Measured {meta['date']} by `bench/multiturn.py` ({meta['cpus']} cores): a 1,000-token "
                    f"prompt and its {meta['answer']}-token answer on a decode engine, then a turn adding N tokens, "
                    "served by the P/D path (KV-aware: only the rest pushed) or by that decode engine alone, "
