@@ -64,7 +64,7 @@ sys.path.insert(0, str(ROOT))
 from app import engines  # noqa: E402
 from app.etcd_server import free_port  # noqa: E402
 from app.procs import ManagedProcess, http_ok  # noqa: E402
-from app.stack import Stack, StackSpec  # noqa: E402
+from app.stack import Stack, StackSpec, complete  # noqa: E402
 from app.tiny_model import DEFAULT_DIR, ensure_model  # noqa: E402
 from bench.common import CpuMeter, pct, update_section  # noqa: E402
 from bench.multiturn_report import first_divergence, kv_aware_label, merged, report  # noqa: E402
@@ -84,6 +84,13 @@ def say(msg: str) -> None:
 def ids(n: int, seed) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(7, 1000) for _ in range(n)]
+
+
+def rotated(items, k: int) -> list:
+    """Round ``k``'s order of the configurations: each round starts one further along, so
+    that drift and a warming machine do not fall on one configuration's turn always."""
+    items = list(items)
+    return items[k % len(items):] + items[:k % len(items)]
 
 
 def ask(url: str, prompt: list[int], max_tokens: int) -> dict:
@@ -321,13 +328,9 @@ class Bench:
         not the same sums as, the answer's own decode steps; a tie may even turn over)."""
         if token >= min(len(ref), len(got)):
             return {"gap_nats": None, "why": "an answer ended early (its request failed)"}
-        body = {"model": MODEL, "prompt": prompt + ref[:token], "max_tokens": 1, "temperature": 0.0,
-                "logprobs": 5, "return_tokens_as_token_ids": True}
-        req = urllib.request.Request(f"{self.agg_url}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"content-type": "application/json"})
         try:
-            with urllib.request.urlopen(req, timeout=TIMEOUT_S) as resp:
-                top = json.loads(resp.read())["choices"][0]["logprobs"]["top_logprobs"][0]
+            top = complete(self.agg_url, prompt + ref[:token], 1, model=MODEL, timeout=TIMEOUT_S, logprobs=5,
+                           return_tokens_as_token_ids=True)["choices"][0]["logprobs"]["top_logprobs"][0]
         except Exception as exc:  # one explanation lost, not the run
             return {"gap_nats": None, "why": f"the logprobs request failed ({type(exc).__name__}: {exc})"}
         mine, other = top.get(f"token_id:{ref[token]}"), top.get(f"token_id:{got[token]}")
@@ -432,9 +435,8 @@ def main() -> None:
         for k in range(rounds):
             reference = bench.conversations("aggregated", bench.agg_url, convs, turns, first, new, None, k)
             runs[0].append(reference)
-            pushed = ("kvpush", "kv-aware", "kv-aware P/D")
-            for name in pushed[k % 3:] + pushed[:k % 3]:  # the reference first, then a rotating order
-                i = 1 + pushed.index(name)
+            # the reference first, then the others in this round's order
+            for i, name in rotated(enumerate(("kvpush", "kv-aware", "kv-aware P/D"), start=1), k):
                 runs[i].append(bench.conversations(name, bench.routers[name], convs, turns, first, new,
                                                    reference["answers"], k))
                 say(f"round {k + 1}: {name}: done, {runs[i][-1]['wrong']} answers differ "
@@ -449,7 +451,7 @@ def main() -> None:
                    (kv_aware_label(threshold), bench.routers["kv-aware"]))
         poi_runs: dict[str, list[dict]] = {name: [] for name, _ in configs}
         for k in range(rounds):
-            for name, url in configs[k % 3:] + configs[:k % 3]:
+            for name, url in rotated(configs, k):
                 poi_runs[name].append(bench.poisson(name, url, convs, turns, first, new, 1.0, seed=7, round_=k))
             say(f"poisson round {k + 1}: done")
         poi = [{"name": name, "rows": {t: [x for r in runs_ for x in r["rows"][t]] for t in runs_[0]["rows"]},
