@@ -56,6 +56,16 @@ def _args(container: dict) -> list[str]:
     return [a.replace("$(POD_NAME)", "pod-0") for a in container.get("args", [])]
 
 
+def _flag(args: list[str], name: str, default: str | None = None) -> str | None:
+    """A ``--name=value`` (or ``--name value``) flag's value in a container's arguments."""
+    for i, a in enumerate(args):
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+        if a == name and i + 1 < len(args):
+            return args[i + 1]
+    return default
+
+
 @needs_kubectl
 @pytest.mark.parametrize("overlay", ["cpu", "gpu"])
 def test_every_kvpush_command_line_parses_and_the_engines_carry_their_sidecar(overlay):
@@ -95,20 +105,9 @@ def test_every_kvpush_command_line_parses_and_the_engines_carry_their_sidecar(ov
             assert side.layout.dtype == "float32" and "--dtype=float32" in engine["args"]
         else:
             assert {"name": "gpu"} in engine["resources"]["claims"] and {"name": "gpu"} in sidecar["resources"]["claims"]
-        transfer = next(a for a in engine["args"] if a.startswith("--kv-transfer-config="))
-        ktc = KVTransferConfig(**json.loads(transfer.split("=", 1)[1]))
+        ktc = KVTransferConfig(**json.loads(_flag(engine["args"], "--kv-transfer-config")))
         assert ktc.kv_connector_extra_config["sidecar_socket"].startswith("/run/kvpush/")
         assert ktc.is_kv_producer == (role == "prefill")
-
-
-def _flag(args: list[str], name: str, default: str | None = None) -> str | None:
-    """A ``--name=value`` (or ``--name value``) flag's value in a container's arguments."""
-    for i, a in enumerate(args):
-        if a.startswith(name + "="):
-            return a.split("=", 1)[1]
-        if a == name and i + 1 < len(args):
-            return args[i + 1]
-    return default
 
 
 def _env(container: dict, name: str) -> str | None:

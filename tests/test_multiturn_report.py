@@ -2,13 +2,8 @@
 a conversation first parted, and whether the aggregated engine's own logprobs call it a
 float near-tie or something to look into (the bench itself needs engines; these parts do not)."""
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.multiturn_report import (NEAR_TIE_NATS, divergence_lines, first_divergence, later_turns,  # noqa: E402
-                                    merged, ratio_interval)
+from bench.multiturn_report import (NEAR_TIE_NATS, divergence_lines, first_divergence, later_turns, merged,
+                                    ratio_interval)
 
 
 def test_first_divergence_finds_where_two_answers_part():
