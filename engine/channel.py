@@ -47,6 +47,9 @@ class SidecarClient:
         self.on_event = on_event
         # (request id, PushParams dict), on the reader thread: a reservation AWAIT asked for
         self.on_reservation: Callable[[str, dict], None] | None = None
+        # On the reader thread, once, when the sidecar closed the channel (not after ``close``):
+        # whoever holds the client dials again without waiting for a request to need it.
+        self.on_closed: Callable[[], None] | None = None
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout_s)
         self._sock.connect(path)
@@ -148,6 +151,7 @@ class SidecarClient:
         with self._send_lock:
             self._closing = True
             self._send_lock.notify()
+        self._broken = self._broken or f"channel to {self.path} closed by this side"
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -256,13 +260,18 @@ class SidecarClient:
                         except Exception:
                             log.exception("event callback failed")
         except (OSError, ConnectionError, F.FrameError) as exc:
-            self._broken = f"channel to {self.path} closed: {exc}"
+            self._broken = self._broken or f"channel to {self.path} closed: {exc}"
         finally:
             for slot in list(self._pending.values()):
                 slot[1] = None
                 slot[0].set()
             with self._event_cv:
                 self._event_cv.notify_all()
+            if not self._closing and self.on_closed is not None:
+                try:
+                    self.on_closed()
+                except Exception:
+                    log.exception("channel-closed callback failed")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -109,8 +109,8 @@ class KVPushConnector(KVConnectorBase_V1):
             c = self.config
             info = hello_once(c.sidecar_socket, c.connect_timeout_s, c.channel_timeout_s, name="vllm-scheduler")
 
-            def channel():
-                return connect(c.sidecar_socket, 0.5, c.channel_timeout_s, name="vllm-scheduler")
+            def channel():  # one try: the sidecar answered just now, and later a Redialer retries
+                return connect(c.sidecar_socket, 0, c.channel_timeout_s, name="vllm-scheduler")
             if info.role == DECODE and ktc.is_kv_consumer:
                 # The decode scheduler admits a request once its KV has landed: it listens itself.
                 self._watch = LandingWatch(channel)

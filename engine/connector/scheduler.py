@@ -77,6 +77,7 @@ class _Prefill:
     target: int  # the prompt token after the last one to push (the reservation's end_token)
     pushed: int = 0  # prompt tokens [first_token, pushed) already handed to the worker
     begun: bool = False
+    epoch: int = 0  # the handover channel it started under: another one means the sidecar went away
 
 
 @dataclasses.dataclass
@@ -141,6 +142,7 @@ class KVPushScheduler:
         self.trace = trace or Trace.off()
         self.block_ids_of = block_ids_of
         self.handover = handover
+        self._epoch = watch.epoch if watch is not None else 0  # the watch's channel ``sidecar`` came from
         self._prefill: dict[str, _Prefill] = {}
         self._awaiting: dict[str, _Awaiting] = {}
         self._reports: dict[str, str] = {}  # prefill request -> its reservation ("" none yet): answered on finish
@@ -239,7 +241,7 @@ class KVPushScheduler:
             self._count("refused_short_prompt")
             return
         # Decode holds the prompt's first first_token tokens: only the rest is pushed.
-        self._prefill[rid] = _Prefill(request, params, t.end_token, pushed=t.first_token)
+        self._prefill[rid] = _Prefill(request, params, t.end_token, pushed=t.first_token, epoch=self._handover_epoch())
 
     # -- prefill: a request sent before its reservation was granted ---------------------------
     def _await_reservation(self, aw: _Awaiting) -> int | None:
@@ -299,13 +301,16 @@ class KVPushScheduler:
         return 0
 
     def _refreshed(self, params: PushParams) -> bool:
-        """A reservation for this engine but another incarnation: if our sidecar's channel
-        closed, it may have restarted (asked at most once a second: a stale reservation
-        must not cost a HELLO each)."""
-        if params.target.engine_id != self.sidecar.engine_id or not self.watch.broken:
+        """A reservation for this engine but another incarnation: our sidecar may have
+        restarted, and its new channel may be up already (or come up with one attempt now,
+        when the channel is down: at most one at a time, never a HELLO per stale reservation
+        while a channel is up)."""
+        if params.target.engine_id != self.sidecar.engine_id:
             return False
         before = self.sidecar.incarnation
-        return self._reconnected() and self.sidecar.incarnation != before
+        if self.watch.broken:
+            self.watch.redial()
+        return self._synced() and self.sidecar.incarnation != before
 
     def _decode_refusal(self, params: PushParams, prompt: int) -> str:
         if params.target.engine_id != self.sidecar.engine_id or params.target.incarnation != self.sidecar.incarnation:
@@ -326,7 +331,7 @@ class KVPushScheduler:
         if st is None or st.decided:
             return 0, False
         res = st.params.target.reservation_id
-        if self.watch.broken and not self._reconnected():
+        if not self._synced():
             self._recompute(st, "channel", "the sidecar's channel is closed")
             return 0, False
         if st.params.target.incarnation != self.sidecar.incarnation:
@@ -364,14 +369,16 @@ class KVPushScheduler:
             return 0, False
         return None, False  # not landed yet: ask again at the next step
 
-    def _reconnected(self) -> bool:
-        """The watch's channel closed: connect again (a restarted sidecar is a new incarnation;
-        requests waiting on the old one are recomputed, those on this one watched again)."""
-        try:
-            info = self.watch.reconnect()
-        except (ChannelError, OSError, KeyError) as exc:  # at most one attempt a second
-            log.debug("kvpush sidecar not back yet: %s", exc)
+    def _synced(self) -> bool:
+        """Whether the watch's channel is up, having caught up with a new one first: the
+        watch dials a closed channel again by itself; a restarted sidecar is a new
+        incarnation (requests waiting on the old one are recomputed, those on this one
+        subscribed again on the new channel: what was said on the old one may be lost)."""
+        if self.watch.broken:
             return False
+        if self.watch.epoch == self._epoch:
+            return True
+        epoch, info = self.watch.epoch, self.watch.info
         if info.incarnation != self.sidecar.incarnation:
             log.warning("kvpush sidecar %s is now incarnation %s (was %s)", info.engine_id, info.incarnation,
                         self.sidecar.incarnation)
@@ -382,7 +389,17 @@ class KVPushScheduler:
                     self.watch.watch(st.params.target.reservation_id)
                 except ChannelError:
                     return False
+        self._epoch = epoch
         return True
+
+    def _handover_epoch(self) -> int:
+        """The prefill sidecar's channel now: -1 while it is closed. The scheduler hands
+        each step's pushes to the worker and never hears how they went; a sidecar that went
+        away meanwhile took them with it, and the router must not send decode a load then
+        (decode would wait for bytes nobody sends until the control plane fails them)."""
+        if self.handover is None:
+            return 0
+        return -1 if self.handover.broken else self.handover.epoch
 
     def _may_wait(self) -> bool:
         """Sleep for a landing only when the engine has nothing else to run, once a pass."""
@@ -468,7 +485,9 @@ class KVPushScheduler:
         if rid in self._reports:
             # The router reads this from the prefill answer's kv_transfer_params: whether
             # decode can load the prompt or must compute it.
-            pushed = st is not None and st.begun and st.pushed >= st.target
+            pushed = st is not None and st.begun and st.pushed >= st.target and st.epoch == self._handover_epoch() != -1
+            if st is not None and st.begun and not pushed:
+                self._count("push_reported_lost")
             report = push_report(self._reports.pop(rid), pushed)
         al = self._alone.pop(rid, None)
         if al is not None:

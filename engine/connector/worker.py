@@ -33,13 +33,14 @@ import dataclasses
 import functools
 import logging
 import os
+import threading
 import time
 
 from engine.copier import CacheCopier, CopyError
 from engine.connector.config import ConnectorConfig
 from engine.connector.ordered_sends import OrderedSends
 from engine.connector.metadata import KVPushConnectorMetadata, LoadSpec, PushSpec
-from engine.connector.sidecar_link import SidecarInfo, connect
+from engine.connector.sidecar_link import Redialer, SidecarInfo, connect
 from kvpush.contract.states import DECODE, PREFILL
 from engine.connector.stats import Counters
 from kvpush.trace import Trace
@@ -112,7 +113,13 @@ class KVPushWorker:
         self._step: list[_StepPush] = []
         # decode
         self._load_errors: set[int] = set()  # vLLM block ids whose load failed in this step
-        self._next_reconnect = 0.0
+        self._parked: tuple[SidecarClient, SidecarInfo] | None = None  # dialed, not yet taken
+        self._parked_lock = threading.Lock()
+        self._redialer = Redialer(
+            lambda: connect(config.sidecar_socket, 0, config.channel_timeout_s, name=f"vllm-worker-{os.getpid()}",
+                            cuda_device=self.device, rank=rank),
+            self._vet, f"worker rank {rank}")
+        self._redialer.follow(client)
         self._traced_step = False
         self.counters.flush(force=True)
 
@@ -134,35 +141,41 @@ class KVPushWorker:
                  self.role, self.info.engine_id, self.info.incarnation, self.num_layers,
                  kv_caches[indexed[0][1]].shape[0], copier.block_size)
 
-    # -- the channel: a sidecar that restarted is reconnected ------------------------------------
-    def _reconnect(self, why: Exception) -> bool:
-        """The channel failed: connect again (at most once a second). A restarted sidecar is
-        a new incarnation with a new pool: whatever was under way with the old one is over
-        (pushes stop, loads fail and are recomputed). True when a new channel is up."""
-        now = time.monotonic()
-        if now < self._next_reconnect:
-            return False
-        self._next_reconnect = now + 1.0
-        try:
-            client, info = connect(self.config.sidecar_socket, 0.5, self.config.channel_timeout_s,
-                                   name=f"vllm-worker-{os.getpid()}", cuda_device=self.device, rank=self.rank)
-        except ChannelError as exc:
-            log.warning("kvpush sidecar channel down (%s); reconnecting failed: %s", why, exc)
-            return False
+    # -- the channel: a sidecar that restarted is dialed again, and its channel taken between steps ----
+    def _vet(self, client: SidecarClient, info: SidecarInfo) -> None:
+        """The redialer's thread: a channel to a sidecar that answered HELLO again. Kept
+        for the worker's own thread to take at its next step (the pool and the copier are
+        the forward pass's); a sidecar that came back as something else is refused."""
         if info.role != self.role or info.layout != self.info.layout:
-            log.error("the kvpush sidecar at %s came back as %s with layout %s (was %s, %s); not using it",
-                      self.config.sidecar_socket, info.role, info.layout, self.role, self.info.layout)
-            client.close()
+            raise ChannelError(f"it came back as {info.role} with layout {info.layout} (was {self.role}, "
+                               f"{self.info.layout})")
+        client.on_event = self._on_event
+        with self._parked_lock:
+            old, self._parked = self._parked, (client, info)
+        if old is not None:
+            old[0].close()
+
+    def _take_new_channel(self) -> bool:
+        """On the worker's thread: take the channel the redialer dialed (one attempt at once
+        if the channel is down and none is waiting). A restarted sidecar is a new
+        incarnation with a new pool: whatever was under way with the old one is over
+        (pushes stop, loads fail and are recomputed). True when a new channel is in use."""
+        if self._parked is None and self.client.broken:
+            self._redialer.dial_now()
+        with self._parked_lock:
+            parked, self._parked = self._parked, None
+        if parked is None:
             return False
+        client, info = parked
         old_client, old_pool = self.client, self.pool
         try:
             self.pool = attach_pool(info.pool, self.device)
         except (OSError, ValueError) as exc:  # gone, resized, or a memory kind this side cannot map
             log.warning("kvpush sidecar pool %s not mappable: %s", info.pool.share_handle, exc)
             client.close()
+            self._redialer.wake()
             return False
         self.client, self.info = client, info
-        client.on_event = self._on_event
         if self.copier is not None:
             self.copier.bind_pool(self.pool, info.pool)
         for rid in list(self._outbound):
@@ -170,7 +183,7 @@ class KVPushWorker:
         self._step = [sp for sp in self._step if sp.spec.req_id in self._outbound]
         self.counters.inc("sidecar_reconnects")
         self.counters.identity.update(incarnation=info.incarnation)
-        log.warning("kvpush: reconnected to sidecar %s, incarnation %s", info.engine_id, info.incarnation)
+        log.warning("kvpush: using sidecar %s again, incarnation %s", info.engine_id, info.incarnation)
         try:
             old_client.close()
         finally:
@@ -179,6 +192,8 @@ class KVPushWorker:
 
     # -- every step: before the forward ----------------------------------------------------------
     def bind(self, meta: KVPushConnectorMetadata) -> None:
+        if self._parked is not None:
+            self._take_new_channel()  # the sidecar came back while the engine worked or idled
         self.counters.merge(meta.counts)
         for name, value in meta.maxima.items():
             self.counters.maximum(name, value)
@@ -306,7 +321,7 @@ class KVPushWorker:
         try:
             if spec.target.engine_id == self.info.engine_id and spec.target.incarnation != self.info.incarnation \
                     and self._channel_broken():
-                self._reconnect(ChannelError("channel closed"))  # the sidecar restarted: a new incarnation
+                self._take_new_channel()  # the sidecar restarted: a new incarnation
             if spec.target.engine_id != self.info.engine_id or spec.target.incarnation != self.info.incarnation:
                 raise CopyError(f"the reservation is for {spec.target.engine_id}/{spec.target.incarnation}, this pool is "
                                  f"{self.info.engine_id}/{self.info.incarnation}")
@@ -364,7 +379,7 @@ class KVPushWorker:
         try:
             return call()
         except ChannelError as exc:
-            if not self._channel_broken() or not self._reconnect(exc):
+            if not self._channel_broken() or not self._take_new_channel():
                 raise
             if after_reconnect is not None:
                 after_reconnect()
@@ -378,6 +393,8 @@ class KVPushWorker:
             self.counters.flush()
 
     def _channel_broken(self) -> bool:
+        if self.client.broken:
+            return True
         try:
             self.client.ping()
             return False
@@ -396,6 +413,11 @@ class KVPushWorker:
             log.warning("CONSUMED for %s not sent: %s", reservation_id, exc)
 
     def close(self) -> None:
+        self._redialer.close()
+        with self._parked_lock:
+            parked, self._parked = self._parked, None
+        if parked is not None:
+            parked[0].close()
         self._sends.close()  # the frames still waiting on the GPU go out first
         self.counters.flush(force=True)
         self.trace.close()

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from engine.channel import ChannelError
 from engine.connector.landing_watch import LandingWatch
 from kvpush.contract.target import PushTarget
 from engine.connector.scheduler import DecodeTiming, KVPushScheduler
@@ -17,6 +18,7 @@ from kvpush.contract.layout import KvLayout
 from kvpush.contract.transfer_params import AloneParams, AwaitParams, PushParams
 from engine.frames import StateEvent
 from engine.pool import PoolDescription
+from tests.polling import wait_for
 
 BS = 32
 LAYOUT = KvLayout(num_layers=4, block_size=BS, num_kv_heads=2, head_dim=64)
@@ -398,13 +400,68 @@ def test_idle_decode_sleeps_for_the_landing_instead_of_spinning():
 
 def test_decode_without_its_sidecar_computes_locally():
     client = FakeClient()
-    sched, _ = decode_sched(client)
-    client.broken = True
-    sched.watch._next_connect = time.monotonic() + 60  # the reconnect attempt was just made
-    r = Req("d", 64, params("decode", 64))
-    sched.on_new_request(r)
-    assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
-    assert sched.build_connector_meta(Out({})).counts == {"refused_channel": 1}
+    dials = []
+
+    def connect():
+        dials.append(time.monotonic())
+        if len(dials) > 1:
+            raise ChannelError("no sidecar at the socket")
+        return client, info("decode")
+
+    watch = LandingWatch(connect)
+    watch.connect()
+    sched = KVPushScheduler(info("decode"), BS, produce=False, consume=True, block_ids_of=BlockTable(), watch=watch,
+                            timing=DecodeTiming(idle_wait_s=0))
+    try:
+        client.broken = True
+        client.on_closed()  # the sidecar went away (the reader thread saw the channel close)
+        r = Req("d", 64, params("decode", 64))
+        sched.on_new_request(r)
+        assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+        assert sched.build_connector_meta(Out({})).counts == {"refused_channel": 1}
+        # Nobody asks for the channel any more, yet it is dialed again, spaced out, not spun.
+        time.sleep(1.5)
+        tries = dials[1:]
+        assert 3 <= len(tries) <= 10, tries
+        assert all(b - a >= 0.05 for a, b in zip(tries[1:], tries[2:])), tries
+    finally:
+        watch.close()
+
+
+def test_a_closed_channel_is_dialed_again_with_no_request_needing_it():
+    """The sidecar restarted while the engine had nothing to do: the watch is back on the
+    new sidecar by itself (its HELLO is what makes the engine available again, and no
+    reservation, so no request, comes before that), and the first request of the new
+    incarnation is accepted without another HELLO."""
+    clients = [FakeClient(), FakeClient()]
+    down = threading.Event()
+
+    def connect():
+        if hellos and not down.is_set():
+            raise ChannelError("no sidecar at the socket yet")
+        hellos.append(1)
+        return clients[len(hellos) - 1], info("decode", incarnation=f"inc{len(hellos)}")
+
+    hellos = []
+    watch = LandingWatch(connect)
+    watch.connect()
+    sched = KVPushScheduler(info("decode"), BS, produce=False, consume=True, block_ids_of=BlockTable(),
+                            watch=watch, timing=DecodeTiming(idle_wait_s=0))
+    try:
+        clients[0].broken = True
+        clients[0].on_closed()
+        time.sleep(0.3)  # the sidecar is still starting: dialed in vain meanwhile
+        assert hellos == [1] and watch.broken
+        down.set()  # it serves again
+        wait_for(lambda: watch.epoch == 2, 5, "the watch dialing the restarted sidecar")
+        assert hellos == [1, 1] and not watch.broken
+        r = Req("r", 64, params("decode", 64, "res-9", incarnation="inc2"))
+        sched.on_new_request(r)
+        assert sched.sidecar.incarnation == "inc2" and clients[1].subscribed == ["res-9"]
+        assert sched.get_num_new_matched_tokens(r, 0) == (None, False)
+        assert hellos == [1, 1]
+    finally:
+        watch.close()
 
 
 def test_counts_are_shipped_once():
@@ -414,7 +471,7 @@ def test_counts_are_shipped_once():
     assert sched.build_connector_meta(Out({})).empty()
 
 
-def test_decode_asks_its_sidecar_again_when_a_reservation_names_a_newer_incarnation():
+def test_decode_learns_a_newer_incarnation_from_its_redialed_channel():
     hellos = []
     clients = [FakeClient(), FakeClient()]
 
@@ -426,25 +483,29 @@ def test_decode_asks_its_sidecar_again_when_a_reservation_names_a_newer_incarnat
     watch.connect()
     sched = KVPushScheduler(info("decode"), BS, produce=False, consume=True, block_ids_of=BlockTable(),
                             watch=watch, timing=DecodeTiming(idle_wait_s=0))
-    waiting = Req("waiting", 64, params("decode", 64, "res-0"))
-    sched.on_new_request(waiting)
-    new = Req("new", 64, params("decode", 64, incarnation="inc2"))
-    sched.on_new_request(new)  # the channel is up: no reason to ask (refused)
-    assert hellos == [1]
-    clients[0].broken = True  # the sidecar went away (the reader thread saw the channel close)
-    sched.on_new_request(Req("other", 64, params("decode", 64, engine_id="D9", incarnation="inc2")))
-    assert hellos == [1]  # another engine's reservation: no reason to ask
-    new = Req("new2", 64, params("decode", 64, "res-2", incarnation="inc2"))
-    sched.on_new_request(new)  # the sidecar restarted: asked once, then accepted
-    assert hellos == [1, 1] and sched.get_num_new_matched_tokens(new, 0) == (None, False)
-    assert clients[1].subscribed == ["res-2"]
-    for i in range(3):  # reservations of the old incarnation: refused, without asking each time
-        sched.on_new_request(Req(f"old{i}", 64, params("decode", 64, incarnation="inc1")))
-    assert hellos == [1, 1]
-    # The request that waited on the old incarnation is computed locally at once.
-    assert sched.get_num_new_matched_tokens(waiting, 0) == (0, False)
-    counts = sched.build_connector_meta(Out({})).counts
-    assert counts["refused_wrong_engine"] == 5 and counts["load_error_restarted"] == 1
+    try:
+        waiting = Req("waiting", 64, params("decode", 64, "res-0"))
+        sched.on_new_request(waiting)
+        new = Req("new", 64, params("decode", 64, incarnation="inc2"))
+        sched.on_new_request(new)  # the channel is up: no reason to ask (refused)
+        assert hellos == [1]
+        clients[0].broken = True  # the sidecar went away (the reader thread saw the channel close)
+        clients[0].on_closed()
+        wait_for(lambda: watch.epoch == 2, 5, "the watch dialing the restarted sidecar")
+        sched.on_new_request(Req("other", 64, params("decode", 64, engine_id="D9", incarnation="inc2")))
+        new = Req("new2", 64, params("decode", 64, "res-2", incarnation="inc2"))
+        sched.on_new_request(new)  # the sidecar restarted: learnt from the new channel, accepted
+        assert hellos == [1, 1] and sched.get_num_new_matched_tokens(new, 0) == (None, False)
+        assert clients[1].subscribed == ["res-2"]
+        for i in range(3):  # reservations of the old incarnation: refused, without asking each time
+            sched.on_new_request(Req(f"old{i}", 64, params("decode", 64, incarnation="inc1")))
+        assert hellos == [1, 1]
+        # The request that waited on the old incarnation is computed locally at once.
+        assert sched.get_num_new_matched_tokens(waiting, 0) == (0, False)
+        counts = sched.build_connector_meta(Out({})).counts
+        assert counts["refused_wrong_engine"] == 5 and counts["load_error_restarted"] == 1
+    finally:
+        watch.close()
 
 
 # -- prefill: a request sent before its Reserve answered -----------------------------------------
@@ -457,6 +518,8 @@ class FakeHandover:
         self.forgotten: list[str] = []
         self.generation = 0
         self.waits = 0
+        self.broken = False  # the handover channel (the prefill sidecar's): up
+        self.epoch = 1
 
     def expect(self, key):
         self.asked.append(key)
@@ -500,6 +563,26 @@ def test_request_waits_for_its_reservation_then_pushes():
     assert meta.counts["handover_awaited"] == 1 and meta.counts["handover_received"] == 1
     assert sched.request_finished(r) == (False, {"kvpush": {"reservation_id": "res-1", "pushed": True}})
     assert sched.tracked == 0
+
+
+@pytest.mark.parametrize("after", ["closed", "redialed"])
+def test_a_push_whose_sidecar_went_away_is_reported_not_pushed(after):
+    """The scheduler handed every layer to the worker, but the prefill sidecar's channel
+    closed (or came back: a new sidecar) before the request ended: the push went with the
+    old sidecar, so the router is told not to send decode a load."""
+    sched, table, ho = handover_sched()
+    r = Req("a", 70, awaiting("rt-9"))
+    sched.on_new_request(r)
+    ho.known["rt-9"] = params("prefill", 70)["kvpush"]
+    assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    table.tables["a"] = [7, 3, 9]
+    assert step(sched, [(r, 70)]).pushes[0].final
+    if after == "closed":
+        ho.broken = True
+    else:
+        ho.epoch += 1
+    assert sched.request_finished(r) == (False, {"kvpush": {"reservation_id": "res-1", "pushed": False}})
+    assert sched.build_connector_meta(Out({})).counts["push_reported_lost"] == 1
 
 
 def test_no_reservation_in_time_is_computed_without_a_push():
