@@ -19,7 +19,7 @@ from controlplane.etcd import KV, EtcdClient, EtcdLeaseNotFound, EtcdUnavailable
 from controlplane.group_commit import BATCH, GroupCommit
 from controlplane.leases import LeaseBuckets
 from controlplane.lifecycle_states import LEGAL, IllegalTransition, Move, decide
-from kvpush.contract.states import State
+from kvpush.contract.states import UNLANDED, State
 from controlplane.records import ReservationRecord, now_ms
 from controlplane.view import View
 from kvpush import log
@@ -228,13 +228,17 @@ class Lifecycle:
     async def fail_engine(self, engine_id: str, reason: str, keep_incarnation: str | None = None) -> int:
         """End FAILED every live reservation on ``engine_id`` (except those of
         ``keep_incarnation``, the engine's current life), and every reservation
-        ``engine_id`` was pushing into (its writes died with it). Returns how many ended."""
+        ``engine_id`` was to push or was pushing into, not yet landed: its writes died with
+        it, and the decode engine waiting for them must hear so now, not at the deadline.
+        (A push that had not reported PUSHING yet is as dead as one that had; its sidecar's
+        next life refuses to begin it: ``PushTarget.prefill_incarnation``.) Returns how many
+        ended."""
         doomed = [rec for rec in self._view.live_reservations(engine_id=engine_id)
                   if keep_incarnation is None or rec.incarnation != keep_incarnation]
         pushed = [rec for rec in self._view.live_reservations()
-                  if rec.prefill_engine_id == engine_id and rec.state == State.PUSHING and rec not in doomed
+                  if rec.prefill_engine_id == engine_id and rec.state in UNLANDED and rec not in doomed
                   and not (keep_incarnation and rec.prefill_incarnation == keep_incarnation)]
         count = await self.end_many(doomed, State.FAILED, reason)
         if pushed:
-            count += await self.end_many(pushed, State.FAILED, "prefill engine died or restarted mid-push")
+            count += await self.end_many(pushed, State.FAILED, "prefill engine died or restarted before its push landed")
         return count

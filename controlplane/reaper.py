@@ -9,7 +9,7 @@ import asyncio
 
 from controlplane import errors
 from controlplane.lifecycle import Lifecycle
-from kvpush.contract.states import State
+from kvpush.contract.states import UNLANDED, State
 from controlplane.view import EngineChange, ReservationChange, View
 from kvpush import log
 
@@ -80,7 +80,8 @@ class Reaper:
 
     async def sweep(self) -> int:
         """End FAILED each live reservation whose engine (this incarnation) is gone or
-        unavailable, and each one a gone prefill engine was pushing. It walks every live
+        unavailable, and each one not yet landed whose named prefill engine (that life)
+        is gone or unavailable. It walks every live
         reservation, a slice per loop turn: at 100,000 live one walk took the loop for
         over 100 ms, every sweep (docs/SCALING.md)."""
         view = self._view
@@ -93,7 +94,7 @@ class Reaper:
                 eng = view.engine(rec.engine_id)
                 if eng is None or eng.incarnation != rec.incarnation or eng.unavailable:
                     orphans.append(rec)
-                elif rec.state == State.PUSHING and (
+                elif rec.state in UNLANDED and rec.prefill_engine_id and (
                         (pre := view.engine(rec.prefill_engine_id)) is None or pre.unavailable
                         or (rec.prefill_incarnation and pre.incarnation != rec.prefill_incarnation)):
                     abandoned.append(rec)
@@ -101,7 +102,7 @@ class Reaper:
         if orphans:
             ended += await self._lifecycle.end_many(orphans, State.FAILED, "decode engine is gone or unavailable")
         if abandoned:
-            ended += await self._lifecycle.end_many(abandoned, State.FAILED, "prefill engine died mid-push")
+            ended += await self._lifecycle.end_many(abandoned, State.FAILED, "prefill engine died before its push landed")
         return ended
 
     async def _sweeper(self) -> None:

@@ -133,7 +133,7 @@ def encode_begin(b: BeginRequest) -> bytes:
     ids = np.asarray(t.block_ids, dtype="<u4")
     return (_s(b.request_id) + _s(t.reservation_id) + _s(t.engine_id) + _s(t.incarnation)
             + _BEGIN_NUMS.pack(t.block_size, t.num_tokens) + _U32.pack(len(ids)) + ids.tobytes()
-            + _U64.pack(max(0, t.deadline_unix_ms)) + _U16.pack(t.tp_size))
+            + _U64.pack(max(0, t.deadline_unix_ms)) + _U16.pack(t.tp_size) + _s(t.prefill_incarnation))
 
 
 def decode_begin(body: bytes) -> BeginRequest:
@@ -143,7 +143,10 @@ def decode_begin(body: bytes) -> BeginRequest:
     ids = r.u32s()
     (deadline,) = r.take(_U64)  # the sidecar refuses a push into a reservation past it
     (tp,) = r.take(_U16)
-    return BeginRequest(rid, PushTarget(res, eng, inc, ids, bs, nt, deadline_unix_ms=deadline, tp_size=tp))
+    # The sidecar refuses a push named for another life of itself (absent from older connectors).
+    prefill_inc = r.str() if r.pos < len(r.body) else ""
+    return BeginRequest(rid, PushTarget(res, eng, inc, ids, bs, nt, deadline_unix_ms=deadline, tp_size=tp,
+                                        prefill_incarnation=prefill_inc))
 
 
 def encode_push(p: PushPiece) -> bytes:

@@ -144,6 +144,12 @@ class PrefillSidecar(SidecarBase):
             self._request_owner[req.request_id] = conn
         try:
             target = req.target
+            if target.prefill_incarnation and target.prefill_incarnation != self.config.incarnation:
+                # Named for an earlier life of this sidecar, whose death the control plane
+                # answered by failing it: its landing blocks may be someone else's by now.
+                raise ValueError(f"reservation {target.reservation_id} was to be pushed by incarnation "
+                                 f"{target.prefill_incarnation} of {self.config.engine_id}, which ended (this is "
+                                 f"{self.config.incarnation}): not pushing")
             moved = self._moved_early.pop(target.reservation_id, None)
             if moved is not None:
                 moved[1].cancel()

@@ -35,6 +35,8 @@ State = _Lifecycle("State", [(name, value) for name, value in types_pb2.Reservat
                    module=__name__)
 
 LIVE = frozenset({State.RESERVED, State.PUSHING, State.LANDED})
+# Live and waiting for its pusher's bytes: the prefill engine's death ends these.
+UNLANDED = frozenset({State.RESERVED, State.PUSHING})
 TERMINAL = frozenset(State) - LIVE
 # Ends the control plane decides (a release, the deadline, a dead engine), as opposed
 # to CONSUMED, which the decode side reports.

@@ -29,6 +29,9 @@ class PushTarget:
     # it in its prefix cache when it was chosen (KV-aware routing; 0: the whole prompt).
     # Sidecars never see it: to them a push is num_tokens tokens from 0.
     first_token: int = 0
+    # The life of the prefill engine named to push it ("" when none was named): the control
+    # plane fails the reservation when that life ends, so a later life must not begin it.
+    prefill_incarnation: str = ""
 
     @property
     def end_token(self) -> int:
@@ -41,7 +44,8 @@ class PushTarget:
         return cls(reservation.id, reservation.engine_id, reservation.engine_incarnation,
                    tuple(reservation.block_ids), reservation.block_size,
                    reservation.num_tokens - reservation.cached_tokens, reservation.nixl_agent,
-                   reservation.deadline_unix_ms, reservation.decode_tp_size or 1, reservation.cached_tokens)
+                   reservation.deadline_unix_ms, reservation.decode_tp_size or 1, reservation.cached_tokens,
+                   reservation.prefill_engine_incarnation)
 
     def problem(self) -> str:
         """What makes this target unusable before any byte moves ("" if nothing)."""

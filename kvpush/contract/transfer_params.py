@@ -47,7 +47,8 @@ class PushParams:
                 "engine_incarnation": t.incarnation, "nixl_agent": t.nixl_agent, "block_ids": list(t.block_ids),
                 "block_size": t.block_size, "num_tokens": t.num_tokens, "deadline_unix_ms": t.deadline_unix_ms,
                 **({"tp_size": t.tp_size} if t.tp_size != 1 else {}),
-                **({"first_token": t.first_token} if t.first_token else {})}
+                **({"first_token": t.first_token} if t.first_token else {}),
+                **({"prefill_incarnation": t.prefill_incarnation} if t.prefill_incarnation else {})}
 
     def as_kv_transfer_params(self) -> dict:
         return {KEY: self.to_dict()}
@@ -62,17 +63,18 @@ class PushParams:
         unknown = set(data) - _WIRE_FIELDS
         if unknown:
             raise TransferParamsError(f"kvpush transfer params have unknown fields {sorted(unknown)}")
-        missing = (_WIRE_FIELDS - {"deadline_unix_ms", "tp_size", "first_token"}) - set(data)
+        missing = (_WIRE_FIELDS - _OPTIONAL_FIELDS) - set(data)
         if missing:
             raise TransferParamsError(f"kvpush transfer params lack {sorted(missing)}")
-        wrong = [name for name in _TEXT_FIELDS if not isinstance(data[name], str)]
+        wrong = [name for name in (*_TEXT_FIELDS, "prefill_incarnation") if not isinstance(data.get(name, ""), str)]
         if wrong:
             raise TransferParamsError(f"kvpush transfer params: {', '.join(wrong)} must be strings")
         try:
             target = PushTarget(data["reservation_id"], data["engine_id"], data["engine_incarnation"],
                                 tuple(int(b) for b in data["block_ids"]), int(data["block_size"]),
                                 int(data["num_tokens"]), data["nixl_agent"], int(data.get("deadline_unix_ms", 0)),
-                                int(data.get("tp_size", 1)), int(data.get("first_token", 0)))
+                                int(data.get("tp_size", 1)), int(data.get("first_token", 0)),
+                                data.get("prefill_incarnation", ""))
         except (TypeError, ValueError) as exc:
             raise TransferParamsError(f"kvpush transfer params: {exc}") from None
         return cls(data["role"], target)
@@ -90,8 +92,9 @@ class PushParams:
         return cls(role, PushTarget.from_proto(res))
 
 
+_OPTIONAL_FIELDS = {"deadline_unix_ms", "tp_size", "first_token", "prefill_incarnation"}
 _WIRE_FIELDS = {"role", "reservation_id", "engine_id", "engine_incarnation", "nixl_agent", "block_ids", "block_size",
-                "num_tokens", "deadline_unix_ms", "tp_size", "first_token"}  # required: all but the last three
+                "num_tokens"} | _OPTIONAL_FIELDS
 _TEXT_FIELDS = ("role", "reservation_id", "engine_id", "engine_incarnation", "nixl_agent")
 
 

@@ -3,6 +3,7 @@ illegal one refused, stale reports ignored."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
 import grpc
@@ -176,6 +177,47 @@ async def test_a_restarted_prefill_engine_fails_only_what_its_earlier_life_was_p
     assert "incarnation" in details
     assert (await cp.lifecycle.find(c.id)).state == State.RESERVED
     for res in (b, c):
+        await release(tenant, res.id)
+    await settle(etcd.endpoint, quiet=True)
+    await tenant.close()
+    await new.stop(), await decode.stop()
+
+
+async def test_a_prefill_engine_that_dies_before_its_push_began_fails_what_it_was_named_for(cp, admin, engine_client,
+                                                                                           etcd):
+    """A reservation names its prefill engine's life at Reserve. That life dying ends it
+    FAILED at once, PUSHING reported or not (a short push dies before its report), so the
+    decode engine waiting for it recomputes now instead of at the deadline; what a new life
+    was named for goes on, and a landed one is the decode engine's already."""
+    import time
+
+    from kvpush.contract.v1 import types_pb2
+    decode = SimulatedEngine(engine_client, "decode-0", num_blocks=32)
+    await decode.register()
+    old = SimulatedEngine(engine_client, "prefill-0", num_blocks=8, role=types_pb2.PREFILL)
+    await old.register()
+    tenant = await make_tenant(admin, cp.address, "acme")
+    named, landed = [await reserve(tenant, n, 16, prefill_engine_id="prefill-0") for n in ("named", "landed")]
+    unnamed = await reserve(tenant, "unnamed", 16)
+    assert named.prefill_engine_incarnation == old.incarnation
+    await engine_client.registry.ReportState(
+        registry_pb2.ReportStateRequest(reservation_id=landed.id, state=State.LANDED, engine_id="decode-0",
+                                        incarnation=decode.incarnation),
+        metadata=engine_client.metadata, timeout=5)
+    t0 = time.monotonic()
+    await old.crash()
+    while (await cp.lifecycle.find(named.id)).state != State.FAILED:
+        assert time.monotonic() - t0 < 2.0, "the named reservation outlived its prefill engine"
+        await asyncio.sleep(0.01)
+    assert "prefill" in (await cp.lifecycle.find(named.id)).reason
+    assert (await cp.lifecycle.find(landed.id)).state == State.LANDED
+    assert (await cp.lifecycle.find(unnamed.id)).state == State.RESERVED
+    new = SimulatedEngine(engine_client, "prefill-0", num_blocks=8, role=types_pb2.PREFILL)
+    await new.register()
+    fresh = await reserve(tenant, "fresh", 16, prefill_engine_id="prefill-0")
+    await cp.reaper.sweep()
+    assert (await cp.lifecycle.find(fresh.id)).state == State.RESERVED
+    for res in (landed, unnamed, fresh):
         await release(tenant, res.id)
     await settle(etcd.endpoint, quiet=True)
     await tenant.close()

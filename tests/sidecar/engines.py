@@ -48,10 +48,12 @@ class PrefillEngine:
         return reblock.gather_tokens(self.cache[layer], cache_ids, 0, num_tokens)
 
     def begin(self, request_id: str, reservation_id: str, record: dict, block_ids, num_tokens: int,
-              block_size: int | None = None, deadline_unix_ms: int = 0) -> StagingAllocation:
+              block_size: int | None = None, deadline_unix_ms: int = 0,
+              prefill_incarnation: str = "") -> StagingAllocation:
         return self.client.begin_push(F.BeginRequest(request_id, PushTarget(
             reservation_id, record["engine_id"], record["incarnation"], tuple(block_ids),
-            block_size or record["layout"]["block_size"], num_tokens, deadline_unix_ms=deadline_unix_ms)))
+            block_size or record["layout"]["block_size"], num_tokens, deadline_unix_ms=deadline_unix_ms,
+            prefill_incarnation=prefill_incarnation)))
 
     def stage(self, alloc: StagingAllocation, dest_block_size: int, num_tokens: int, cache_ids, layer: int,
               start: int = 0, end: int | None = None) -> None:

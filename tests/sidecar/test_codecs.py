@@ -25,6 +25,10 @@ def test_frames_round_trip():
     assert F.decode_begin(F.encode_begin(timed)) == timed  # the deadline travels (the sidecar checks it)
     tp = F.BeginRequest("req-3", PushTarget("res-3", "decode-0", "inc9", (1, 2), 16, 20, tp_size=4))
     assert F.decode_begin(F.encode_begin(tp)) == tp  # the decode TP: the prefill plans heads at BEGIN
+    named = F.BeginRequest("req-4", PushTarget("res-4", "decode-0", "inc9", (1, 2), 16, 20, prefill_incarnation="p7"))
+    assert F.decode_begin(F.encode_begin(named)) == named  # the pusher's life: a later life refuses it
+    older = F.encode_begin(F.BeginRequest("req-5", PushTarget("res-5", "decode-0", "inc9", (1, 2), 16, 20)))[:-2]
+    assert F.decode_begin(older).target.prefill_incarnation == ""  # a connector that does not say it
     piece = F.PushPiece("req-1", 31, 512, 1000)
     assert F.decode_push(F.encode_push(piece)) == piece
     end = F.EndRequest("req-1", True, "client went away")

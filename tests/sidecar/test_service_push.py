@@ -83,6 +83,25 @@ async def test_reblocking_through_the_control_plane_is_exact(stack, p_block, d_b
         await etcd.wait_state(res.id, State.LANDED)
 
 
+async def test_a_reservation_named_for_an_earlier_life_of_the_prefill_sidecar_is_not_pushed_into(stack):
+    """The control plane fails what a dead prefill life was named for, at once; its queued
+    requests reaching the sidecar's next life must write nothing into those blocks."""
+    from engine.channel import ChannelError
+    async with sidecar_pair(stack) as (pre, sched, etcd, prefill, decode):
+        res = await sched.reserve("named", 40, prefill_engine_id="P1")
+        mine = res.prefill_engine_incarnation
+        assert mine
+        with pytest.raises(ChannelError, match="which ended"):
+            prefill.begin("named", res.id, record_of(res), res.block_ids, 40, prefill_incarnation="an-earlier-life")
+        assert np.array_equal(decode.mem, decode.expected_image([]))  # not a byte written
+        assert pre.client().admin("service")["staging_allocations"] == 0
+        alloc = prefill.begin("named-2", res.id, record_of(res), res.block_ids, 40, prefill_incarnation=mine)
+        assert alloc is not None  # its own life's: begun
+        prefill.client.end_request("named-2", aborted=True, reason="test over")  # the push fails the reservation
+        await etcd.wait_state(res.id, State.FAILED)
+        await settle(stack.etcd.endpoint, quiet=True)
+
+
 async def test_a_reservation_that_expired_before_its_prefill_began_is_not_pushed_into(stack):
     """Its landing blocks go back to the pool at the deadline (after the quarantine,
     to other requests): a prefill that starts late must write nothing into them."""
