@@ -370,10 +370,9 @@ class KVPushScheduler:
         return None, False  # not landed yet: ask again at the next step
 
     def _synced(self) -> bool:
-        """Whether the watch's channel is up, having caught up with a new one first: the
-        watch dials a closed channel again by itself; a restarted sidecar is a new
-        incarnation (requests waiting on the old one are recomputed, those on this one
-        subscribed again on the new channel: what was said on the old one may be lost)."""
+        """Whether the watch's channel (dialed again by itself when closed) is up, having
+        caught up with a new one: a restarted sidecar is a new incarnation (requests waiting
+        on the old one are recomputed, those on this one subscribed again on it)."""
         if self.watch.broken:
             return False
         if self.watch.epoch == self._epoch:
@@ -393,13 +392,9 @@ class KVPushScheduler:
         return True
 
     def _handover_epoch(self) -> int:
-        """The prefill sidecar's channel now: -1 while it is closed. The scheduler hands
-        each step's pushes to the worker and never hears how they went; a sidecar that went
-        away meanwhile took them with it, and the router must not send decode a load then
-        (decode would wait for bytes nobody sends until the control plane fails them)."""
-        if self.handover is None:
-            return 0
-        return -1 if self.handover.broken else self.handover.epoch
+        """The prefill sidecar's channel now (-1: closed). A sidecar that went away took the
+        pushes handed to the worker with it: the router must not send decode a load then."""
+        return 0 if self.handover is None else -1 if self.handover.broken else self.handover.epoch
 
     def _may_wait(self) -> bool:
         """Sleep for a landing only when the engine has nothing else to run, once a pass."""
