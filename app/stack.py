@@ -1,7 +1,8 @@
 """A whole kvpush deployment on loopback: etcd, a control plane, a tenant, one
 sidecar per engine, a prefill and a decode vLLM engine with our connector, and
 the router. Used by the demo, the end-to-end tests and bench/e2e.py; every
-process logs to its own file and everything is stopped on exit.
+process logs to its own file and everything is stopped on exit, the shared memory
+of a sidecar killed meanwhile included.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Callable
 from app import engines
 from app.etcd_server import EmbeddedEtcd, EtcdCluster, free_port
 from app.procs import ManagedProcess, become_subreaper, file_exists, http_ok, python, sweep_semaphores
+from sidecar.pools import remove_dead_pools
 
 
 @dataclasses.dataclass
@@ -48,6 +50,26 @@ class StackSpec:
     # prompt's block keys with its Reserve (--prefix-block-size).
     kv_aware: bool = False
     router_args: tuple[str, ...] = ()    # extra flags for the stack's router ("router")
+    # False: etcd, the control plane and the sidecars only (no vLLM engine, no router): the
+    # sidecars stay registered as unavailable, waiting for their engines. The stack's own
+    # plumbing, cheap enough for unit tests.
+    engines: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class StackSidecar:
+    """One sidecar of the stack, as tests and the demo address it."""
+
+    engine_id: str
+    role: str
+    process: str       # its process's name (``restart``, ``live``)
+    socket: str        # the channel its engine connects to
+    metrics_port: int  # its --metrics-port, on 127.0.0.1
+
+    @property
+    def metrics_url(self) -> str:
+        """Its Prometheus endpoint, as docs/OPERATIONS.md scrapes it."""
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
 
 class Stack:
@@ -66,6 +88,7 @@ class Stack:
         self.urls: dict[str, str] = {}  # engine id -> its OpenAI server
         self._started_at = 0.0
         self.cp_metrics: list[str] = []  # each control-plane replica's Prometheus endpoint
+        self.sidecars: dict[str, StackSidecar] = {}  # engine id -> its sidecar
         self.stats_dir = os.path.join(self.run_dir, "stats")
         os.makedirs(self.stats_dir)
         self.ipc_dir = os.path.join(self.run_dir, "ipc")
@@ -138,36 +161,20 @@ class Stack:
         self.tenant_token = self._create_tenant()
 
         tps = {"prefill": spec.prefill_tp, "decode": spec.decode_tp}
-        sockets = {}
-        sidecars = []
-        # Each sidecar publishes its engine's URL (routers discover engines by it) and
-        # keeps the engine unavailable until vLLM's connector connects.
         members = [("decode", f"decode-{i}", spec.decode_blocks) for i in range(spec.decode_engines)]
         members.append(("prefill", "prefill-0", spec.staging_units))
         urls = self.urls = {engine_id: f"http://127.0.0.1:{free_port()}" for _, engine_id, _ in members}
         kv_events = {eid: f"ipc://{self.run_dir}/{eid}.kvevents" for role, eid, _ in members
                      if role == "decode" and spec.kv_aware}
-        for role, engine_id, blocks in members:
-            sockets[engine_id] = os.path.join(self.run_dir, f"{engine_id}.sock")
-            ready = os.path.join(self.run_dir, f"{engine_id}.sidecar.ready")
-            follow = ("--kv-events", kv_events[engine_id], "--kv-events-topic", "kvpush") if engine_id in kv_events else ()
-            sidecars.append((self._start(f"sidecar-{_name(engine_id)}", [
-                python(), "-m", "app.cli", "sidecar", "--role", role, "--engine-id", engine_id,
-                "--controlplane", self.controlplane, "--token", self.engine_token,
-                "--kv-layout", dataclasses.replace(self.layout, tp_size=tps[role]).describe(),
-                "--num-blocks", str(blocks), "--model", spec.served_model, "--socket", sockets[engine_id],
-                "--serving-url", urls[engine_id], "--wait-for-engine", "--probe-serving", "0.5",
-                "--ready-file", ready, *follow], env=spec.sidecar_env or None, ready=ready),
-                             ready))
-        for proc, ready in sidecars:
-            proc.wait_until(file_exists(ready), 60, "registered", self.say)
-        self.say("sidecars registered (decode landing pool, prefill staging pool)")
+        self._start_sidecars(members, tps, kv_events)
+        if not spec.engines:
+            return
 
         engine_procs = []
         for role, engine_id, _ in sorted(members, key=lambda m: m[0] != "prefill"):
             port = int(urls[engine_id].rsplit(":", 1)[1])
             kv_role, env = ("kv_producer", spec.prefill_env) if role == "prefill" else ("kv_consumer", spec.decode_env)
-            cfg = engines.kvpush_transfer_config(kv_role, sockets[engine_id], self.stats_dir, engine_id)
+            cfg = engines.kvpush_transfer_config(kv_role, self.sidecars[engine_id].socket, self.stats_dir, engine_id)
             tp = ("--tensor-parallel-size", str(tps[role])) if tps[role] > 1 else ()
             publish = engines.kv_events_args(kv_events[engine_id]) if engine_id in kv_events else ()
             self._engine_cmds[engine_id] = (engines.vllm_command(
@@ -183,6 +190,31 @@ class Stack:
 
         self.router_url = self.add_router("router", discover=spec.discover, extra=spec.router_args)
         self.say(f"router serving on {self.router_url}")
+
+    def _start_sidecars(self, members: list[tuple[str, str, int]], tps: dict[str, int],
+                        kv_events: dict[str, str]) -> None:
+        """A sidecar per (role, engine id, blocks) of ``members``; returns once all registered.
+        Each publishes its engine's URL (routers discover engines by it) and keeps the engine
+        unavailable until vLLM's connector connects."""
+        started = []
+        for role, engine_id, blocks in members:
+            sidecar = StackSidecar(engine_id, role, f"sidecar-{_name(engine_id)}",
+                                   os.path.join(self.run_dir, f"{engine_id}.sock"), free_port())
+            self.sidecars[engine_id] = sidecar
+            ready = os.path.join(self.run_dir, f"{engine_id}.sidecar.ready")
+            follow = ("--kv-events", kv_events[engine_id], "--kv-events-topic", "kvpush") if engine_id in kv_events else ()
+            started.append((self._start(sidecar.process, [
+                python(), "-m", "app.cli", "sidecar", "--role", role, "--engine-id", engine_id,
+                "--controlplane", self.controlplane, "--token", self.engine_token,
+                "--kv-layout", dataclasses.replace(self.layout, tp_size=tps[role]).describe(),
+                "--num-blocks", str(blocks), "--model", self.spec.served_model, "--socket", sidecar.socket,
+                "--serving-url", self.urls[engine_id], "--wait-for-engine", "--probe-serving", "0.5",
+                "--metrics-port", str(sidecar.metrics_port), "--ready-file", ready, *follow],
+                env=self.spec.sidecar_env or None, ready=ready), ready))
+        for proc, ready in started:
+            proc.wait_until(file_exists(ready), 60, "registered", self.say)
+        self.say("sidecars registered (decode landing pool, prefill staging pool); metrics on "
+                 + ", ".join(f"{s.engine_id} {s.metrics_url}" for s in self.sidecars.values()))
 
     def restart_engine(self, role: str, engine_id: str = "") -> ManagedProcess:
         """Start the ``role`` vLLM engine (``engine_id``, default its first) again after a
@@ -246,10 +278,12 @@ class Stack:
         return next(p for p in self.procs if p.name == name)
 
     def stop(self) -> None:
-        """Stop every process (last started first) and remove the run directory
-        (sockets, ready files, the connectors' counters: read ``stats()`` before)."""
+        """Stop every process (last started first), remove what a sidecar killed with -9
+        left in /dev/shm, and remove the run directory (sockets, ready files, the
+        connectors' counters: read ``stats()`` before)."""
         for proc in reversed(self.procs):
             proc.stop()
+        self._remove_dead_pools()
         self.procs.clear()
         if self.etcd is not None:
             self.etcd.stop()
@@ -257,6 +291,17 @@ class Stack:
         if self._started_at:
             sweep_semaphores(self._started_at)
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _remove_dead_pools(self) -> None:
+        """The pools of this stack's sidecars that died without removing them (killed by a
+        fault test, crashed), every start of each (``restart``); another stack's, even of
+        the same engine ids, are not ours."""
+        names = {sidecar.process for sidecar in self.sidecars.values()}
+        pids = {proc.pid for proc in self.procs if proc.name in names}
+        for engine_id in self.sidecars:
+            removed = remove_dead_pools(engine_id, owners=pids)
+            if removed:
+                self.say(f"removed {len(removed)} shared-memory pools left by a dead sidecar of {engine_id}")
 
     def __enter__(self) -> "Stack":
         return self.start()

@@ -6,18 +6,23 @@ same bytes by name, and NIXL registers it as DRAM. On a GPU it is device memory 
 the engine's GPU, registered as VRAM and mapped by the engine through a CUDA IPC
 handle (``DeviceMemory``; ``engine/device_memory.py``).
 
-Segment names embed the creating process id, so a sidecar that was killed
-(SIGKILL leaves its segments behind) can be cleaned up by the next one:
-``sweep_stale_segments`` unlinks segments whose owner is no longer alive.
+A segment's name says whose it is (``SegmentName``: the caller's tag, then the creating
+process's pid and start time), because a sidecar killed with SIGKILL leaves its segments
+behind: ``sweep_stale_segments`` unlinks those of ours whose owner is no longer alive, so
+the next sidecar of the same engine (``sidecar.pools.remove_dead_pools``) or whoever
+stopped it cleans up.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 import mmap
 import os
 import re
 import secrets
+import stat
+from typing import Callable
 
 import numpy as np
 
@@ -25,9 +30,11 @@ from engine.pool import PoolDescription
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "kvpush"
-# kvpush-<tag>-<pid>-<random>: tag is the caller's (engine id + role), sanitised.
-_NAME_RE = re.compile(rf"^{NAME_PREFIX}-(?P<tag>[A-Za-z0-9_.]+)-(?P<pid>\d+)-(?P<rand>[0-9a-f]+)$")
-_TAG_SAFE = re.compile(r"[^A-Za-z0-9_.]")
+# kvpush-<tag>-<pid>-<started>-<nonce>, read from the right: the tag may hold "-" (engine ids do).
+_NAME_RE = re.compile(
+    rf"^{NAME_PREFIX}-(?P<tag>[A-Za-z0-9_.:-]+)-(?P<pid>\d+)-(?P<started>\d+)-(?P<nonce>[0-9a-f]+)$")
+_TAG_UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]")
+_MAX_TAG = 200  # a file name has 255 bytes: the owner and the nonce need about 40 of them
 
 
 class PoolMemory(abc.ABC):
@@ -108,10 +115,9 @@ def _segment_path(name: str) -> str:
     return os.path.join(SHM_DIR, name)
 
 
-def make_segment_name(tag: str) -> str:
-    """A fresh segment name for ``tag``; unique, and recognisable by the sweeper."""
-    safe = _TAG_SAFE.sub("_", tag)[:120] or "pool"
-    return f"{NAME_PREFIX}-{safe}-{os.getpid()}-{secrets.token_hex(4)}"
+def safe_tag(tag: str) -> str:
+    """``tag`` as a segment name holds it (an engine id, ``[A-Za-z0-9._:-]``, unchanged)."""
+    return _TAG_UNSAFE.sub("_", tag)[:_MAX_TAG] or "pool"
 
 
 def pid_alive(pid: int) -> bool:
@@ -124,11 +130,88 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def sweep_stale_segments(tag_prefix: str = "") -> list[str]:
-    """Unlink kvpush segments whose creating process is dead.
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks after boot) of ``pid``; None: no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # The command name (field 2) may hold spaces and parentheses: count from the last ")".
+    fields = raw[raw.rindex(b")") + 2:].split()
+    return fields[0].decode(), int(fields[19])
 
-    Only names that match our own pattern (and ``tag_prefix``, when given) are
-    considered, so foreign segments are never touched.
+
+@dataclasses.dataclass(frozen=True)
+class SegmentOwner:
+    """The process that made a segment. Its start time tells it apart from a later process
+    the kernel gave the same pid (pids are reused, soonest in a container's small range)."""
+
+    pid: int
+    started: int  # clock ticks after boot; 0 where /proc cannot say (then the pid alone decides)
+
+    @classmethod
+    def this_process(cls) -> "SegmentOwner":
+        found = _proc_stat(os.getpid())
+        return cls(os.getpid(), found[1] if found else 0)
+
+    def alive(self) -> bool:
+        """Whether the owner still runs. A zombie does not: killed and not yet reaped by its
+        parent, it has no mappings left, and a restarted sidecar must not wait for the reaping."""
+        if not os.path.isdir("/proc/self"):
+            return pid_alive(self.pid)
+        found = _proc_stat(self.pid)
+        if found is None:
+            return False
+        state, started = found
+        return state not in ("Z", "X") and (not self.started or started == self.started)
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentName:
+    """A segment's file name in SHM_DIR, in its parts: the creator's tag (for a sidecar's
+    pools its engine id, role and pool: ``sidecar.pools.pool_tag``), its owner, a nonce."""
+
+    tag: str
+    owner: SegmentOwner
+    nonce: str
+
+    @classmethod
+    def fresh(cls, tag: str) -> "SegmentName":
+        return cls(safe_tag(tag), SegmentOwner.this_process(), secrets.token_hex(4))
+
+    @classmethod
+    def parse(cls, name: str) -> "SegmentName | None":
+        """The parts of ``name``, or None when it is not a kvpush segment's."""
+        m = _NAME_RE.match(name)
+        if m is None:
+            return None
+        return cls(m["tag"], SegmentOwner(int(m["pid"]), int(m["started"])), m["nonce"])
+
+    def __str__(self) -> str:
+        return f"{NAME_PREFIX}-{self.tag}-{self.owner.pid}-{self.owner.started}-{self.nonce}"
+
+
+def make_segment_name(tag: str) -> str:
+    """A fresh segment name for ``tag``, owned by this process; unique."""
+    return str(SegmentName.fresh(tag))
+
+
+def _ours(entry: str) -> bool:
+    """A regular file of our uid: what another user (or a symlink) put there is never ours."""
+    try:
+        st = os.lstat(_segment_path(entry))
+    except FileNotFoundError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid()
+
+
+def sweep_stale_segments(accept: Callable[[SegmentName], bool] = lambda _name: True) -> list[str]:
+    """Unlink the stale segments that ``accept`` picks, and return their names.
+
+    Stale: named as kvpush names segments, a regular file of our uid, and its owner no
+    longer alive (``SegmentOwner.alive``). A live process's segment, another user's file
+    and whatever else lies in SHM_DIR are never touched.
     """
     removed = []
     try:
@@ -136,16 +219,14 @@ def sweep_stale_segments(tag_prefix: str = "") -> list[str]:
     except FileNotFoundError:
         return removed
     for entry in entries:
-        match = _NAME_RE.match(entry)
-        if not match or not match.group("tag").startswith(_TAG_SAFE.sub("_", tag_prefix)):
-            continue
-        if pid_alive(int(match.group("pid"))):
+        name = SegmentName.parse(entry)
+        if name is None or not accept(name) or not _ours(entry) or name.owner.alive():
             continue
         try:
             os.unlink(_segment_path(entry))
-            removed.append(entry)
-        except FileNotFoundError:
-            pass
+        except FileNotFoundError:  # another sweeper was first
+            continue
+        removed.append(entry)
     return removed
 
 
@@ -189,7 +270,7 @@ class ShmMemory(PoolMemory):
 
     @classmethod
     def attach(cls, name: str, size: int | None = None) -> "ShmMemory":
-        if not _NAME_RE.match(name):
+        if SegmentName.parse(name) is None:
             raise ValueError(f"not a kvpush segment name: {name!r}")
         fd = os.open(_segment_path(name), os.O_RDWR)
         try:

@@ -21,7 +21,6 @@ from typing import Callable
 
 from engine import frames as F
 from engine.device_memory import check_pool_device
-from engine.memory import sweep_stale_segments
 from engine.pool import StagingAllocation
 from kvpush.contract.engine import EngineRecord
 from kvpush.contract.layout import KvLayout
@@ -31,7 +30,7 @@ from sidecar.channel_server import ChannelHandler, ChannelServer, Connection
 from sidecar.engine_presence import EnginePresence
 from sidecar.kv_events import KvEventsSource
 from sidecar.landing import LandingConfig
-from sidecar.pools import LayerMajorPool
+from sidecar.pools import LayerMajorPool, pool_tag, remove_dead_pools
 from sidecar.progress import PollPolicy, ProgressDriver
 from sidecar.push import PushConfig
 from sidecar.transport.base import Transport
@@ -138,12 +137,14 @@ class SidecarBase(ChannelHandler):
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
         c = self.config
-        swept = sweep_stale_segments()
-        if swept:
-            log.info("removed %d stale shared-memory segments of dead sidecars", len(swept))
+        # A predecessor killed with SIGKILL left its pools (the size of ours) in /dev/shm.
+        removed = remove_dead_pools(c.engine_id)
+        if removed:
+            log.warning("removed %d shared-memory pools left by dead sidecars of %s: %s", len(removed), c.engine_id,
+                        " ".join(sorted(removed)))
         try:
             for rank in range(c.layout.tp_size):
-                self.pools.append(self._make_pool(f"{c.engine_id}.{c.role}" + (f".r{rank}" if rank else ""), rank))
+                self.pools.append(self._make_pool(pool_tag(c.engine_id, c.role, rank), rank))
             self.transport = self.transport_factory(c)
             for pool in self.pools:
                 self.transport.register(pool.memory)

@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import re
+from typing import Collection
 
 import numpy as np
 
 from kvpush.contract.layout import KvLayout
-from engine.memory import PoolMemory, ShmMemory
+from kvpush.contract.states import DECODE, PREFILL
+from engine.memory import PoolMemory, SegmentName, ShmMemory, safe_tag, sweep_stale_segments
 from engine.pool import PoolDescription, StagingAllocation, StagingExtent
 
 
@@ -39,6 +42,29 @@ def make_pool_memory(tag: str, size: int, device: int | None) -> PoolMemory:
         return ShmMemory.create(tag, size)
     from engine.device_memory import CudaPoolMemory
     return CudaPoolMemory.create(tag, size, device)
+
+
+# <engine id>.<role>[.r<rank>].<landing|staging>, read from the right: engine ids may hold dots.
+_POOL_TAG = re.compile(rf"^(?P<engine>.+)\.(?:{PREFILL}|{DECODE})(?:\.r\d+)?\.(?:landing|staging)$")
+
+
+def pool_tag(engine_id: str, role: str, rank: int) -> str:
+    """The tag of a sidecar's pool of ``rank`` (the pool adds ``.landing`` or ``.staging``):
+    its segment's name begins with it, so the engine's next sidecar can find what is left."""
+    return f"{engine_id}.{role}" + (f".r{rank}" if rank else "")
+
+
+def remove_dead_pools(engine_id: str, owners: Collection[int] | None = None) -> list[str]:
+    """Unlink the shared-memory pools that sidecars of ``engine_id`` (either role) left when
+    they died without cleaning up (SIGKILL, OOM killer), and return their names. ``owners``:
+    only those made by these pids. A live sidecar's pools (another sidecar of the same engine
+    id included) and other engines' are kept: ``engine.memory.sweep_stale_segments``."""
+    engine = safe_tag(engine_id)
+
+    def accept(name: SegmentName) -> bool:
+        found = _POOL_TAG.match(name.tag)
+        return found is not None and found["engine"] == engine and (owners is None or name.owner.pid in owners)
+    return sweep_stale_segments(accept)
 
 
 class StagingFull(Exception):

@@ -8,7 +8,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import re
 import signal
 import subprocess
 import sys
@@ -22,23 +21,27 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from engine.channel import SidecarClient  # noqa: E402
-from engine.memory import SHM_DIR  # noqa: E402
+from engine.memory import SHM_DIR, SegmentName  # noqa: E402
 
-SEGMENT_RE = re.compile(r"^kvpush-.*-(?P<pid>\d+)-[0-9a-f]+$")
 # Processes of this test session (this one and every sidecar it starts): other
 # sessions on the same machine (another engineer's run) have segments of their own.
 OUR_PIDS: set[int] = {os.getpid()}
 
 
+def segment_owner(name: str) -> int:
+    """The pid that made the kvpush segment ``name``."""
+    return SegmentName.parse(name).owner.pid
+
+
 def kvpush_segments(ours_only: bool = False) -> set[str]:
-    return {n for n in os.listdir(SHM_DIR) if (m := SEGMENT_RE.match(n))
-            and (not ours_only or int(m.group("pid")) in OUR_PIDS)}
+    return {n for n in os.listdir(SHM_DIR) if (m := SegmentName.parse(n))
+            and (not ours_only or m.owner.pid in OUR_PIDS)}
 
 
 def remove_segments_of(pid: int) -> list[str]:
     gone = []
     for name in kvpush_segments():
-        if int(SEGMENT_RE.match(name).group("pid")) == pid:
+        if segment_owner(name) == pid:
             try:
                 os.unlink(os.path.join(SHM_DIR, name))
                 gone.append(name)

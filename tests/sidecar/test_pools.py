@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -16,7 +14,7 @@ from hypothesis import strategies as st
 from kvpush.contract.layout import KvLayout
 from engine import reblock
 from engine.geometry import DestGeometry
-from engine.memory import SHM_DIR, ShmMemory, attach_pool, sweep_stale_segments
+from engine.memory import SHM_DIR, ShmMemory, attach_pool
 from sidecar.pools import LandingPool, StagingFull, StagingPool
 
 LAYOUT = KvLayout(num_layers=3, block_size=16, num_kv_heads=2, head_dim=4, dtype="float16")
@@ -50,22 +48,6 @@ def test_the_engine_attaches_a_pool_from_its_description_and_refuses_a_kind_it_c
             attach_pool(dataclasses.replace(desc, memory_kind="VRAM"))
     finally:
         pool.close()
-
-
-def test_sweep_removes_only_segments_of_dead_processes():
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead_pid = int(dead.stdout)
-    stale = os.path.join(SHM_DIR, f"kvpush-t_sweep-{dead_pid}-deadbeef")
-    open(stale, "wb").close()
-    mine = ShmMemory.create("t_sweep", 4096)
-    try:
-        removed = sweep_stale_segments("t_sweep")
-        assert removed == [os.path.basename(stale)]
-        assert os.path.exists(os.path.join(SHM_DIR, mine.name))
-    finally:
-        mine.close()
-        if os.path.exists(stale):
-            os.unlink(stale)
 
 
 def test_attach_refuses_foreign_names():

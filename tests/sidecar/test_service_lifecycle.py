@@ -12,7 +12,7 @@ import pytest
 
 from kvpush.contract.states import State
 from tests.controlplane.helpers import release
-from tests.sidecar.conftest import kvpush_segments
+from tests.sidecar.conftest import kvpush_segments, segment_owner
 from tests.sidecar.engines import DecodeEngine, PrefillEngine, wait_state
 from tests.sidecar.service_helpers import Etcd, Scheduler, layout_pb, record_of, settle
 from tests.polling import wait_for
@@ -117,7 +117,7 @@ def test_bad_token_is_fatal_at_start(stack):
     dec = stack.sidecar("decode", "D1", LAYOUT, 16, "m", "--token", "not-the-engine-token")
     assert dec.proc.wait(timeout=15) == 1
     assert "UNAUTHENTICATED" in dec.log()
-    assert not [n for n in kvpush_segments() if f"-{dec.pid}-" in n]
+    assert not [n for n in kvpush_segments() if segment_owner(n) == dec.pid]
 
 
 async def test_sigterm_exits_cleanly_deregisters_and_leaves_nothing(stack):
@@ -133,14 +133,14 @@ async def test_sigterm_exits_cleanly_deregisters_and_leaves_nothing(stack):
         await etcd.wait_state(done.id, State.CONSUMED)
         pending = await sched.reserve("pending", 40, prefill_layout=layout_pb(LAYOUT))
         prefill.close(), decode.close()
-        segments = {sp.engine_id: [n for n in kvpush_segments() if f"-{sp.pid}-" in n] for sp in (dec, pre)}
+        segments = {sp.engine_id: [n for n in kvpush_segments() if segment_owner(n) == sp.pid] for sp in (dec, pre)}
         assert all(segments.values()), segments
         for sp in (pre, dec):
             t0 = time.monotonic()
             assert sp.terminate(10) == 0, sp.log()
             print(f"\n{sp.engine_id}: SIGTERM -> exit 0 in {(time.monotonic() - t0) * 1e3:.0f} ms")
             await etcd.wait_engine(sp.engine_id, present=False, timeout_s=5)
-            assert not [n for n in kvpush_segments() if f"-{sp.pid}-" in n], "shared memory left in /dev/shm"
+            assert not [n for n in kvpush_segments() if segment_owner(n) == sp.pid], "shared memory left in /dev/shm"
             assert not os.path.exists(sp.socket) and not os.path.exists(sp.ready_path)
             log = sp.log()
             assert "Traceback" not in log and "threads still running" not in log, log
