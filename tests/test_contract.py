@@ -56,6 +56,11 @@ def test_push_params_keep_their_wire_form():
     tp2 = PushParams.from_reservation(res, "decode")
     assert tp2.target.tp_size == 2 and tp2.to_dict()["tp_size"] == 2
     assert PushParams.from_dict(tp2.to_dict()) == tp2
+    # A reservation naming its prefill engine: the life named travels (its sidecar checks it).
+    res.prefill_engine_id, res.prefill_engine_incarnation = "prefill-0", "p1"
+    named = PushParams.from_reservation(res, "prefill")
+    assert named.target.prefill_incarnation == "p1" and named.to_dict()["prefill_incarnation"] == "p1"
+    assert PushParams.from_dict(named.to_dict()) == named
 
 
 @pytest.mark.parametrize("change, message", [
@@ -64,6 +69,7 @@ def test_push_params_keep_their_wire_form():
     ({"block_ids": [4]}, "cannot hold"),
     ({"tp_size": 0}, "tp_size must be in"),
     ({"role": "router"}, "kvpush.role"),
+    ({"prefill_incarnation": 7}, "prefill_incarnation must be"),
 ])
 def test_bad_push_params_are_refused_naming_the_field(change, message):
     good = PushParams("decode", PushTarget("r", "d", "i", (4, 5), 16, 20)).to_dict()
