@@ -109,8 +109,9 @@ async def test_relocate_an_engine_death_and_what_cannot_move(cp, admin, engine_c
     await restarted.register()
     details = await expect_code(grpc.StatusCode.FAILED_PRECONDITION, relocate(tenant, held.id))
     assert "restarted" in details or "gone" in details
-    for res in (plain, held):
-        await release(tenant, res.id)
+    # (The prefill life it was named for ended: so did the reservation, FAILED.)
+    assert (await get(tenant, held.id)).state == types_pb2.FAILED
+    await release(tenant, plain.id)
     await settle(etcd.endpoint, quiet=True)
     for e in (d0, d1, wide, restarted):
         await e.stop()
