@@ -124,12 +124,8 @@ def cmd_status(args) -> None:
     if args.json:
         print(json.dumps(status, indent=2))
         return
-    from app.table import render
-    engines = status.get("engines", [])
-    rows = [[e["engine_id"], e.get("role", ""), e.get("model", ""), e.get("pool", ""),
-             e.get("num_blocks", 0), e.get("free_blocks", 0), e.get("reserved_blocks", 0),
-             e.get("live_reservations", 0)] for e in engines]
-    print(render(["engine", "role", "model", "pool", "blocks", "free", "reserved", "live res."], rows))
+    from app.table import engines_table, render
+    print(engines_table(status.get("engines", [])))
     states = status.get("reservations_by_state", {})
     print()
     print(render(["state", "reservations"], sorted(states.items())) if states else "no reservations")
@@ -188,6 +184,7 @@ def cmd_router(args) -> None:
                        tls_key=args.tls_key, tls_server_name=args.tls_server_name,
                        http_tls_cert=args.http_tls_cert, http_tls_key=args.http_tls_key,
                        body_timeout_s=args.body_timeout, write_timeout_s=args.write_timeout,
+                       header_timeout_s=args.header_timeout, keepalive_timeout_s=args.keepalive_timeout,
                        relocate=not args.no_relocate, prefix_block_size=args.prefix_block_size,
                        prefix_hash=args.prefix_hash, prefix_hash_seed=args.prefix_hash_seed,
                        local_prefill_tokens=(args.local_prefill_tokens if args.local_prefill_tokens is not None
@@ -296,6 +293,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--write-timeout", type=float, default=30.0,
                    help="seconds a streaming client may leave a write untaken (a full buffer) before it is cut off "
                         "and its reservation released")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection may take to send a request's headers (from its start, or from the "
+                        "first byte after an idle spell); past it the connection is closed and counted in "
+                        "kvpush_router_connections_shed_total{reason=\"header_timeout\"}")
+    p.add_argument("--keepalive-timeout", type=float, default=75.0,
+                   help="seconds a keep-alive connection may sit idle between requests before it is closed "
+                        "(kvpush_router_connections_shed_total{reason=\"idle\"})")
     p.add_argument("--no-relocate", action="store_true",
                    help="when a decode engine fails before loading a request's KV, compute the prompt on another "
                         "(the baseline) instead of moving the reservation and pushing the staged KV again")

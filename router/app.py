@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import ssl
 import time
 
@@ -14,7 +13,8 @@ from prometheus_client import generate_latest
 from client.control_plane import ControlPlaneClient
 from kvpush import log
 from kvpush.aio import tune_gc, until_signalled, write_ready_file
-from router import metrics
+from router import connections, metrics
+from router.body import MAX_BODY, read as read_body
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.engines import EngineDirectory
@@ -23,7 +23,8 @@ from router.streams import ClientTooSlow
 from router.tokens import HFTokenCounter, TokenCounter
 
 _log = log.get("router")
-MAX_BODY = 8 << 20
+# The OpenAI endpoints (path: the endpoint label of their metrics).
+OPENAI = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 CFG = web.AppKey("cfg", RouterConfig)
 COUNTER = web.AppKey("counter", object)
 CP = web.AppKey("cp", ControlPlaneClient)
@@ -32,7 +33,8 @@ DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 
 
 def build_app(cfg: RouterConfig, counter: TokenCounter | None = None) -> web.Application:
-    app = web.Application(client_max_size=MAX_BODY)
+    app = web.Application(client_max_size=MAX_BODY, middlewares=[connections.middleware, account])
+    app.on_response_prepare.append(_answer_started)
     app[CFG] = cfg
     app[COUNTER] = counter or HFTokenCounter(cfg.tokenizer_dir)
 
@@ -55,48 +57,11 @@ def build_app(cfg: RouterConfig, counter: TokenCounter | None = None) -> web.App
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
 
-    def openai(endpoint: str):
-        async def handler(request: web.Request) -> web.StreamResponse:
-            metrics.IN_FLIGHT.inc()
-            outcome = "ok"
-            try:
-                try:
-                    # A body trickled in holds a handler and a connection: bounded. (No
-                    # reservation is made before the body is whole.)
-                    body = json.loads(await asyncio.wait_for(request.read(), cfg.body_timeout_s))
-                except asyncio.TimeoutError:
-                    raise ApiError(f"the request body did not arrive within {cfg.body_timeout_s:g} s", 408) from None
-                except web.HTTPRequestEntityTooLarge:
-                    raise ApiError(f"request body is larger than {MAX_BODY} bytes", 413) from None
-                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                    raise ApiError(f"body is not JSON: {exc}") from None
-                if not isinstance(body, dict):
-                    raise ApiError("body must be a JSON object")
-                if "kv_transfer_params" in body:
-                    raise ApiError("kv_transfer_params is set by the router, not by clients",
-                                   param="kv_transfer_params")
-                return await request.app[DISPATCHER].handle(endpoint, body, request)
-            except ApiError as exc:
-                outcome = "bad_request" if exc.status < 500 else "unavailable"
-                return exc.response()
-            except asyncio.CancelledError:
-                outcome = "client_gone"
-                raise
-            except ClientTooSlow:
-                # Its reservation is released and decode's request closed by now. The
-                # connection is aborted: this answer is never sent (aiohttp closes quietly
-                # on the ConnectionError its writer meets).
-                outcome = "client_too_slow"
-                if request.transport is not None:
-                    request.transport.abort()
-                return web.Response(status=408)
-            except aiohttp.ClientError as exc:
-                outcome = "upstream_error"
-                return json_error(f"engine unreachable: {exc}", 502)
-            finally:
-                metrics.IN_FLIGHT.dec()
-                metrics.REQUESTS.labels(endpoint=endpoint, outcome=outcome).inc()
-        return handler
+    async def openai(request: web.Request) -> web.StreamResponse:
+        body = await read_body(request, cfg.body_timeout_s)
+        if "kv_transfer_params" in body:
+            raise ApiError("kv_transfer_params is set by the router, not by clients", param="kv_transfer_params")
+        return await request.app[DISPATCHER].handle(OPENAI[request.path], body, request)
 
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
@@ -116,13 +81,75 @@ def build_app(cfg: RouterConfig, counter: TokenCounter | None = None) -> web.App
     async def prom(request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(metrics.REGISTRY), content_type="text/plain")
 
-    app.router.add_post("/v1/completions", openai("completions"))
-    app.router.add_post("/v1/chat/completions", openai("chat"))
+    for path in OPENAI:
+        app.router.add_post(path, openai)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/live", live)
     app.router.add_get("/metrics", prom)
     return app
+
+
+ANSWER_STARTED = web.RequestKey("answer_started", bool)
+
+
+async def _answer_started(request: web.Request, response: web.StreamResponse) -> None:
+    request[ANSWER_STARTED] = True
+
+
+@web.middleware
+async def account(request: web.Request, handler) -> web.StreamResponse:
+    """Every answer on an OpenAI endpoint, counted in kvpush_router_requests_total by
+    outcome, and every failure a JSON error object: refusals before the handler (a
+    method not allowed), in it (a body too large, not JSON), and failures nobody
+    foresaw (a 500, logged), none a plain-text page from aiohttp."""
+    endpoint = OPENAI.get(request.path)
+    if endpoint is None:
+        return await handler(request)
+    metrics.IN_FLIGHT.inc()
+    outcome = "client_gone"  # unless it ends otherwise: a cancelled handler's client went away
+    try:
+        response = await handler(request)
+        outcome = "ok"
+        return response
+    except Exception as exc:  # (not CancelledError: a BaseException)
+        outcome, response = _failed(request, endpoint, exc)
+        if request.get(ANSWER_STARTED) and request.transport is not None:
+            # Part of an answer is out: another cannot follow. The connection is aborted,
+            # so the client sees the answer break off (this one is never sent: aiohttp
+            # closes quietly on the ConnectionError its writer meets).
+            request.transport.abort()
+        return response
+    finally:
+        metrics.IN_FLIGHT.dec()
+        metrics.REQUESTS.labels(endpoint=endpoint, outcome=outcome).inc()
+
+
+def _failed(request: web.Request, endpoint: str, exc: Exception) -> tuple[str, web.StreamResponse]:
+    """(outcome, answer) for a request that failed with ``exc``."""
+    if isinstance(exc, ApiError):
+        return ("bad_request" if exc.status < 500 else "unavailable"), exc.response()
+    if isinstance(exc, ClientTooSlow):
+        # Its reservation is released and decode's request closed by now; its stream
+        # began, so the connection is aborted (below).
+        return "client_too_slow", web.Response(status=408)
+    if isinstance(exc, aiohttp.ClientError):
+        return "upstream_error", json_error(f"engine unreachable: {exc}", 502)
+    if isinstance(exc, asyncio.TimeoutError):  # an engine request past its timeout (upstream_timeout_s)
+        return "upstream_error", json_error("an engine did not answer in time", 504)
+    if isinstance(exc, web.HTTPException):  # aiohttp's refusals (405, ...)
+        return ("bad_request" if exc.status < 500 else "error"), _http_error(request, exc)
+    _log.exception("request failed unexpectedly", endpoint=endpoint, error=f"{type(exc).__name__}: {exc}")
+    return "error", json_error(f"the router failed: {type(exc).__name__}: {exc}", 500)
+
+
+def _http_error(request: web.Request, exc: web.HTTPException) -> web.Response:
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        response = json_error(f"method {request.method} is not allowed on {request.path}; use {allowed}", exc.status)
+        response.headers["Allow"] = allowed
+        return response
+    return json_error(exc.reason, exc.status)
 
 
 def http_ssl_context(cfg: RouterConfig) -> ssl.SSLContext | None:
@@ -138,12 +165,14 @@ async def start(cfg: RouterConfig, counter: TokenCounter | None = None) -> web.A
     app = build_app(cfg, counter)
     # handler_cancellation: a client that disconnects cancels its handler, which
     # aborts both engine requests and releases the reservation.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    guard = connections.ConnectionGuard(cfg.header_timeout_s, cfg.keepalive_timeout_s)
+    runner = connections.GuardedRunner(app, guard, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, cfg.listen_host, cfg.listen_port, ssl_context=http_ssl_context(cfg))
     await site.start()
     _log.info("router listening", host=cfg.listen_host, port=cfg.listen_port, model=cfg.model,
-              https=bool(cfg.http_tls_cert), controlplane_tls=bool(cfg.tls_ca or cfg.tls_cert))
+              https=bool(cfg.http_tls_cert), controlplane_tls=bool(cfg.tls_ca or cfg.tls_cert),
+              header_timeout_s=cfg.header_timeout_s, keepalive_timeout_s=cfg.keepalive_timeout_s)
     return runner
 
 

@@ -37,6 +37,8 @@ class RouterConfig:
     upstream_timeout_s: float = 600.0
     body_timeout_s: float = 30.0            # a client's whole request body must arrive within this
     write_timeout_s: float = 30.0           # ... and it must take each streamed write within this
+    header_timeout_s: float = 10.0          # a connection must finish a request's headers within this
+    keepalive_timeout_s: float = 75.0       # ... and may sit idle between requests this long
     relocate: bool = True                   # decode failover: move a failed decode's reservation (no 2nd prefill)
     max_model_len: int | None = None        # None: asked of the prefill engine (/v1/models)
     max_logprobs: int = 20                  # the engines' --max-logprobs
@@ -59,6 +61,10 @@ class RouterConfig:
     local_prefill_tokens: int = 0
 
     def __post_init__(self) -> None:
+        for flag, value in (("--header-timeout", self.header_timeout_s),
+                            ("--keepalive-timeout", self.keepalive_timeout_s)):
+            if not value > 0:  # (NaN too)
+                raise ValueError(f"{flag} must be a positive number of seconds, got {value}")
         if self.local_prefill_tokens < 0:
             raise ValueError("--local-prefill-tokens must not be negative")
         if self.prefix_block_size < 0:

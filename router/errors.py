@@ -8,9 +8,9 @@ import json
 
 from aiohttp import web
 
-_TYPES = {400: "BadRequestError", 404: "NotFoundError", 408: "RequestTimeoutError", 413: "RequestTooLargeError",
-          502: "BadGatewayError",
-          503: "ServiceUnavailableError"}
+_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError", 408: "RequestTimeoutError",
+          413: "RequestTooLargeError", 500: "InternalServerError", 502: "BadGatewayError",
+          503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}
 
 
 class ApiError(Exception):

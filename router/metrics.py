@@ -7,8 +7,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 REGISTRY = CollectorRegistry()
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
-REQUESTS = Counter("kvpush_router_requests_total", "Requests by endpoint and outcome", ["endpoint", "outcome"],
-                   registry=REGISTRY)
+REQUESTS = Counter("kvpush_router_requests_total", "Answers on the OpenAI endpoints by endpoint and outcome: ok, "
+                   "bad_request (a 4xx of the router's), unavailable (its 503), upstream_error (an engine unreachable or "
+                   "late), client_gone, client_too_slow, error (a failure nobody foresaw: a 500, logged)",
+                   ["endpoint", "outcome"], registry=REGISTRY)
 FALLBACKS = Counter("kvpush_router_fallbacks_total", "Requests served without push (decode prefilled itself)",
                     ["reason"], registry=REGISTRY)
 RELOCATIONS = Counter("kvpush_router_relocations_total",
@@ -41,3 +43,8 @@ GUESS_HOLD = Gauge("kvpush_router_guess_hold_seconds", "KV-aware routing: how lo
                    "guessed decode alone that lacks its prefix before computing it anyway (twice the p99 of the "
                    "router's recent Reserve round trips, bounded): what a stale view of that engine's cache costs "
                    "such a turn", registry=REGISTRY)
+CONNECTIONS_SHED = Counter("kvpush_router_connections_shed_total", "Client connections closed for sending no request "
+                           "in time: its headers not whole within --header-timeout (header_timeout), or nothing sent "
+                           "for --keepalive-timeout between requests (idle)", ["reason"], registry=REGISTRY)
+OPEN_CONNECTIONS = Gauge("kvpush_router_open_connections", "Client connections open now (each holds a file "
+                         "descriptor)", registry=REGISTRY)
