@@ -24,6 +24,11 @@ Three parts, each with its reference and its limit in the same run:
    throughput; beside it the same bytes as one WRITE after prefill (the pull-style
    baseline), and the bytes checked by CRC on both ends.
 
+Each part (``ipc``, ``copy``, ``nixl`` per request size) runs in its own process under its own
+timeout; each row and each part's ``PART`` line is printed when done, so one part that raises,
+hangs or dies is its line and the next still runs (``bench/gpu_check_run.py``). NIXL needs the
+build for torch's CUDA: ``nixl-cu13`` for CUDA 13, ``nixl-cu12`` for CUDA 12.
+
 On a CPU (``--device cpu``) the same code runs on host memory and DRAM registrations:
 that is the smoke test of this script (``tests/test_gpu_check.py``), and its figures are
 not GPU figures: it never writes them to the docs.
@@ -38,6 +43,7 @@ import json
 import os
 import pathlib
 import statistics
+import signal
 import subprocess
 import sys
 import time
@@ -58,6 +64,8 @@ from engine.pool import PoolDescription  # noqa: E402
 from engine.torch_copier import TorchCopier  # noqa: E402
 from kvpush.contract.layout import KvLayout  # noqa: E402
 from sidecar.pools import LandingPool, StagingPool, make_pool_memory  # noqa: E402
+from bench.gpu_check_run import (PARTS, TIMEOUTS, _parts, _timeouts, docs_to_write,  # noqa: E402,F401
+                                 run_all, write_docs)
 
 # vLLM's KVCacheLayout stride orders over the logical [layer, block, head, slot, content]
 # axes (vllm/v1/kv_cache_layout.py of the vLLM we pin); tests/test_gpu_check.py checks this
@@ -67,7 +75,8 @@ STRIDE_ORDERS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0
 # (layout dtype, torch storage dtype, vLLM --kv-cache-dtype)
 DTYPES = [("float16", torch.float16, "auto"), ("bfloat16", torch.bfloat16, "auto"),
           ("float32", torch.float32, "auto"), ("float8_e4m3fn", torch.uint8, "fp8")]
-MARK_BEGIN, MARK_END = "<!-- gpu_check:begin -->", "<!-- gpu_check:end -->"
+# Tests only, "PART=KIND,...": a part raises, hangs or dies (raise, hang, die), nixl's receiver exits (recv-die)
+FAULT_ENV = "KVPUSH_GPU_CHECK_FAULT"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +110,12 @@ class Clock:
                 fn()
                 samples.append(time.perf_counter() - t0)
         return statistics.median(samples)
+
+
+def use_device(device: torch.device) -> None:
+    """``device`` current for this thread (a new one starts on GPU 0, a context not its own)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def sync(device: torch.device) -> None:
@@ -142,6 +157,7 @@ def check_ipc(device: torch.device, size: int = 64 << 20) -> dict:
 
 def child_ipc(desc_json: str, device_name: str) -> None:
     device = torch.device(device_name)
+    use_device(device)
     desc = PoolDescription.from_dict(json.loads(desc_json))
     t0 = time.perf_counter()
     memory = attach_pool(desc, device.index if device.type == "cuda" else None)
@@ -163,12 +179,16 @@ def layer_views(order, shape: Shape, blocks: int, dtype, fill) -> list[torch.Ten
 
 
 def check_copies(device: torch.device, shape: Shape, tokens: int) -> list[dict]:
+    return list(iter_copies(device, shape, tokens))
+
+
+def iter_copies(device: torch.device, shape: Shape, tokens: int):
+    """Each layout and dtype's row, as it is measured."""
     nb = -(-tokens // shape.block)
     blocks = 2 * nb + 3
     gen = torch.Generator().manual_seed(7)
     src_ids = torch.randperm(blocks, generator=gen)[:nb].tolist()  # scattered, both ends
     dst_ids = torch.randperm(blocks, generator=gen)[:nb].tolist()
-    rows = []
     for dname, tdtype, cache_dtype in DTYPES:
         lo = KvLayout(num_layers=shape.layers, block_size=shape.block, num_kv_heads=shape.heads,
                       head_dim=shape.dim, dtype=dname)
@@ -176,12 +196,11 @@ def check_copies(device: torch.device, shape: Shape, tokens: int) -> list[dict]:
         landing = LandingPool.create("gpucheck.copy", lo, nb, parse_device(str(device)))
         try:
             for lname, order in STRIDE_ORDERS.items():
-                rows.append(_one_copy(device, shape, lo, tokens, blocks, src_ids, dst_ids, staging, landing,
-                                      lname, order, tdtype, cache_dtype))
+                yield _one_copy(device, shape, lo, tokens, blocks, src_ids, dst_ids, staging, landing,
+                                lname, order, tdtype, cache_dtype)
         finally:
             staging.close()
             landing.close()
-    return rows
 
 
 class _Fill:
@@ -254,7 +273,15 @@ def crc(t: torch.Tensor) -> int:
     return zlib.crc32(t.cpu().numpy().tobytes())
 
 
-def check_nixl(device: torch.device, shape: Shape, tokens: int, compute: bool = True) -> dict:
+def _from_receiver(recv: subprocess.Popen) -> dict:  # a receiver that exited is an error, not a hang
+    line = recv.stdout.readline()
+    if not line:
+        raise RuntimeError(f"the NIXL receiver exited (rc {recv.wait(5)}) without answering")
+    return json.loads(line)
+
+
+def check_nixl(device: torch.device, shape: Shape, tokens: int, compute: bool = True,
+               wait_s: float = 60.0) -> dict:
     from sidecar.transport.nixl import NixlConfig, NixlTransport
 
     lo = KvLayout(num_layers=shape.layers, block_size=shape.block, num_kv_heads=shape.heads, head_dim=shape.dim,
@@ -262,10 +289,11 @@ def check_nixl(device: torch.device, shape: Shape, tokens: int, compute: bool = 
     nb = -(-tokens // shape.block)
     recv = subprocess.Popen([sys.executable, __file__, "--child-recv", json.dumps(lo.to_dict()), str(nb),
                              str(device)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
-    staging = StagingPool.create("gpucheck.nixl", lo, nb, parse_device(str(device)))
-    agent = NixlTransport(NixlConfig(f"gpucheck-send-{os.getpid()}", ("UCX",)))
-    try:
-        hello = json.loads(recv.stdout.readline())
+    staging = agent = None
+    try:  # from here on, whatever fails (a backend that cannot be created too) ends the receiver
+        staging = StagingPool.create("gpucheck.nixl", lo, nb, parse_device(str(device)))
+        agent = NixlTransport(NixlConfig(f"gpucheck-send-{os.getpid()}", ("UCX",)))
+        hello = _from_receiver(recv)
         agent.register(staging.memory)
         peer = agent.add_remote(base64.b64decode(hello["metadata"]))
         blocks = 2 * nb
@@ -326,12 +354,15 @@ def check_nixl(device: torch.device, shape: Shape, tokens: int, compute: bool = 
                 rem = np.concatenate([p[1] for p in pairs])
                 handles.append(agent.post_write(loc, rem, peer, local_kind=kind, remote_kind=hello["kind"],
                                                 notif=b"landed")[0])
+            deadline = time.monotonic() + wait_s
             while any(agent.check(h) not in ("DONE", "ERR") for h in handles):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"NIXL WRITEs not done after {wait_s:.0f} s ({mode})")
                 time.sleep(100e-6)
             states = {agent.check(h) for h in handles}
             for h in handles:
                 agent.release(h)
-            got = json.loads(recv.stdout.readline())
+            got = _from_receiver(recv)
             want = [crc(pool_tensor(staging.memory)[alloc.extent_offset(alloc.extents[0], layer):][:span])
                     for layer in range(shape.layers)]
             results[mode] = {"exposed_ms": (got["t"] - t_ready) * 1e3, "span_ms": (got["t"] - t_first) * 1e3,
@@ -345,20 +376,26 @@ def check_nixl(device: torch.device, shape: Shape, tokens: int, compute: bool = 
     finally:
         if recv.poll() is None:
             recv.kill()
-        agent.close()
-        staging.close()
+            recv.wait(10)
+        if agent is not None:
+            agent.close()
+        if staging is not None:
+            staging.close()
 
 
 def child_recv(layout_json: str, nb: str, device_name: str) -> None:
     from sidecar.transport.nixl import NixlConfig, NixlTransport
 
     device = torch.device(device_name)
+    use_device(device)
     lo = KvLayout.from_dict(json.loads(layout_json))
     landing = LandingPool.create("gpucheck.recv", lo, int(nb), parse_device(device_name))
     agent = NixlTransport(NixlConfig(f"gpucheck-recv-{os.getpid()}", ("UCX",)))
     agent.register(landing.memory)
     print(json.dumps({"metadata": base64.b64encode(agent.metadata()).decode(), "base": landing.base_address,
                       "device": landing.memory.device_id, "kind": landing.memory.mem_kind}), flush=True)
+    if "recv-die" in _faults().get("nixl", ()):
+        os._exit(3)
     span = int(nb) * lo.block_layer_bytes
     for line in sys.stdin:
         if line.strip() != "wait":
@@ -377,39 +414,41 @@ def child_recv(layout_json: str, nb: str, device_name: str) -> None:
     landing.close()
 
 
-# -- the table ----------------------------------------------------------------------------------------
-def table(device: torch.device, ipc: dict, copies: list[dict], pushes: list) -> str:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke run, not GPU figures)"
-    out = [f"Device: {name}; torch {torch.__version__}; run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
-           "", "| IPC | pool | mapped by a 2nd process | map time | byte-exact both ways |", "|---|---|---|---|---|",
-           f"| {ipc.get('kind', '?')} | {ipc.get('mib', '?')} MiB | yes | {ipc.get('map_ms', float('nan')):.1f} ms | "
-           f"{'yes' if ipc['ok'] else 'NO: ' + ipc.get('why', '')} |", "",
-           "| layout | dtype | bytes | stage (all layers) | load | d2d copy (limit) | stage / limit | load / limit "
-           "| byte-exact, others untouched |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in copies:
-        out.append(f"| {r['layout']} | {r['dtype']} | {r['mib']:.1f} MiB | {r['stage_us']:.0f} us | "
-                   f"{r['load_us']:.0f} us | {r['limit_us']:.0f} us | {r['stage_us'] / r['limit_us']:.2f}x | "
-                   f"{r['load_us'] / r['limit_us']:.2f}x | {'yes' if r['exact'] else 'NO'} |")
-    out += ["", "| tokens | bytes | memory | layered: exposed after prefill | layered: GB/s | one WRITE after "
-            "prefill: exposed | its GB/s | exposed ratio | byte-exact |", "|---|---|---|---|---|---|---|---|---|"]
-    for p in pushes:
-        if "skipped" in p:
-            out.append(f"| {p['tokens']} | - | - | not run: {p['skipped']} | | | | | |")
-            continue
-        a, b = p["layered"], p["after"]
-        out.append(f"| {p['tokens']} | {p['mib']:.0f} MiB | {p['kind']} | {a['exposed_ms']:.2f} ms | "
-                   f"{a['gbps']:.1f} | {b['exposed_ms']:.2f} ms | {b['gbps']:.1f} | "
-                   f"{a['exposed_ms'] / b['exposed_ms']:.2f}x | {'yes' if a['exact'] and b['exact'] else 'NO'} |")
-    return "\n".join(out)
+# -- one part per process --------------------------------------------------------------------------------
+def _faults() -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for item in filter(None, os.environ.get(FAULT_ENV, "").split(",")):
+        part, _, kind = item.partition("=")
+        out.setdefault(part.strip(), set()).add(kind.strip())
+    return out
 
 
-def write_docs(text: str, path: pathlib.Path) -> None:
-    doc = path.read_text()
-    if MARK_BEGIN not in doc:
-        raise SystemExit(f"{path} has no {MARK_BEGIN} ... {MARK_END} section")
-    head, rest = doc.split(MARK_BEGIN, 1)
-    _, tail = rest.split(MARK_END, 1)
-    path.write_text(f"{head}{MARK_BEGIN}\n{text}\n{MARK_END}{tail}")
+def _emit(part: str, row: dict) -> None:
+    print("ROW " + json.dumps({"part": part, **row}), flush=True)
+
+
+def run_part(part: str, device: torch.device, shape: Shape, copy_tokens: int, tokens: int | None) -> None:
+    """``--run-part``: one part, each row printed the moment it is measured."""
+    use_device(device)
+    faults = _faults().get(part, set())
+    if "raise" in faults:
+        raise RuntimeError(f"fault injected into {part} ({FAULT_ENV})")
+    while "hang" in faults:
+        time.sleep(1)
+    if "die" in faults:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if part == "ipc":
+        _emit(part, check_ipc(device))
+    elif part == "copy":
+        for row in iter_copies(device, shape, copy_tokens):
+            _emit(part, row)
+    elif part == "nixl":
+        try:
+            _emit(part, check_nixl(device, shape, tokens))
+        except ImportError as exc:
+            _emit(part, {"tokens": tokens, "skipped": f"NIXL not importable ({exc})"})
+    else:
+        raise SystemExit(f"no part {part!r} (parts: {', '.join(PARTS)})")
 
 
 def main(argv=None) -> int:
@@ -420,40 +459,40 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--no-docs", action="store_true", help="print only (a CPU run never writes the docs)")
+    p.add_argument("--parts", help=f"the parts to run, comma-separated (default: all of {','.join(PARTS)})")
+    p.add_argument("--skip", help="parts not to run, comma-separated")
+    p.add_argument("--timeout", help="seconds per part's process: N for all, or PART=N,... (default: "
+                   + ",".join(f"{k}={v:.0f}" for k, v in TIMEOUTS.items()) + "; nixl: per request size)")
+    p.add_argument("--no-docs", action="store_true", help="print only (a CPU run, or one that runs only "
+                   "some parts, never writes the docs)")
+    p.add_argument("--run-part", help=argparse.SUPPRESS)
     p.add_argument("--child-ipc", nargs=2, help=argparse.SUPPRESS)
     p.add_argument("--child-recv", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.child_ipc:
-        child_ipc(*args.child_ipc)
-        return 0
-    if args.child_recv:
-        child_recv(*args.child_recv)
+    if args.child_ipc or args.child_recv:
+        child_ipc(*args.child_ipc) if args.child_ipc else child_recv(*args.child_recv)
         return 0
     device = torch.device(args.device)
+    shape = Shape(args.layers, args.heads, args.dim)
+    if args.run_part:
+        run_part(args.run_part, device, shape, args.copy_tokens,
+                 int(args.tokens) if args.run_part == "nixl" else None)
+        return 0
+    parts, timeouts = _parts(args.parts, args.skip), _timeouts(args.timeout)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here (torch.cuda.is_available() is False); nothing measured. "
               "Run it on a GPU machine, or --device cpu for the smoke run.", file=sys.stderr)
         return 2
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    shape = Shape(args.layers, args.heads, args.dim)
-    t0 = time.monotonic()
-    ipc = check_ipc(device)
-    copies = check_copies(device, shape, args.copy_tokens)
-    pushes = []
-    for n in (int(x) for x in args.tokens.split(",")):
-        try:
-            pushes.append(check_nixl(device, shape, n))
-        except ImportError as exc:
-            pushes.append({"tokens": n, "skipped": f"NIXL not importable ({exc})"})
-    text = table(device, ipc, copies, pushes) + f"\n\nWall time of the check: {time.monotonic() - t0:.0f} s."
-    print(text)
-    ok = ipc["ok"] and all(r["exact"] for r in copies) and all(
-        "skipped" in p or (p["layered"]["exact"] and p["after"]["exact"]) for p in pushes)
-    if device.type == "cuda" and not args.no_docs:
-        write_docs(text, ROOT / "docs" / "BENCHMARKS.md")
-    return 0 if ok else 1
+    # the parent opens no CUDA context while the parts run: each part sets its own device
+    child_argv = ["--device", args.device, "--copy-tokens", str(args.copy_tokens), "--layers", str(args.layers),
+                  "--heads", str(args.heads), "--dim", str(args.dim)]
+    text, failed = run_all(pathlib.Path(__file__).resolve(), device, child_argv, parts,
+                           [int(x) for x in args.tokens.split(",")], timeouts)
+    path = docs_to_write(device, args.no_docs, parts)
+    if path is not None:
+        write_docs(text, path)
+        print(f"gpu_check: table written to {path}", flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

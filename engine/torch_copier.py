@@ -74,10 +74,14 @@ class CudaFence:
     the calling thread, asleep (a blocking-sync event, no spinning), until they have run."""
 
     def __init__(self, device: torch.device):
+        self.device = device
         self._event = torch.cuda.Event(blocking=True)
         self._event.record(torch.cuda.current_stream(device))
 
     def wait(self) -> None:
+        # Called on the frames' sender thread, which starts on GPU 0: a worker on another
+        # GPU would make a context there (memory on a GPU that is not its own) to wait.
+        torch.cuda.set_device(self.device)
         self._event.synchronize()
 
 

@@ -239,3 +239,27 @@ def test_a_reservation_from_a_first_token_stages_and_loads_the_rest_only():
     finally:
         staging.close()
         landing.close()
+
+
+def test_a_cuda_fence_waits_on_its_own_device(monkeypatch):
+    """The frames' sender thread starts on GPU 0: waiting for a copy on cuda:1 must set that
+    device first (else a context, and memory, on another GPU). CUDA's calls stood in for."""
+    import engine.torch_copier as tc
+    calls = []
+
+    class Event:
+        def __init__(self, blocking):
+            calls.append(("event", blocking))
+
+        def record(self, stream):
+            calls.append(("record", stream))
+
+        def synchronize(self):
+            calls.append(("synchronize",))
+
+    monkeypatch.setattr(tc.torch.cuda, "Event", Event)
+    monkeypatch.setattr(tc.torch.cuda, "current_stream", lambda device: f"stream of {device}")
+    monkeypatch.setattr(tc.torch.cuda, "set_device", lambda device: calls.append(("set_device", str(device))))
+    fence = tc.CudaFence(tc.torch.device("cuda:1"))
+    fence.wait()
+    assert calls == [("event", True), ("record", "stream of cuda:1"), ("set_device", "cuda:1"), ("synchronize",)]
