@@ -5,7 +5,7 @@
     .venv/bin/python bench/e2e.py --quick    # a smoke run (fewer requests, no report)
     .venv/bin/python bench/e2e.py --configs aggregated,kvpush   # a subset (no report unless --report)
 
-Same tiny local model (app/tiny_model.py), same prompts, same machine, one
+Same tiny local model (kvpush/app/tiny_model.py), same prompts, same machine, one
 run; each configuration is started, measured and stopped in turn:
 
   aggregated : one plain vLLM engine, no connector;
@@ -14,7 +14,7 @@ run; each configuration is started, measured and stopped in turn:
                decode with the prefill answer's kv_transfer_params);
   push       : the same with vLLM's NixlPushConnector (decode registers its blocks with
                prefill by a NIXL notification, prefill WRITEs once prefill has finished);
-  kvpush     : app/stack.py: etcd, control plane, sidecars, both engines with
+  kvpush     : kvpush/app/stack.py: etcd, control plane, sidecars, both engines with
                KVPushConnector, and the router (reserve first, prefill and decode at once,
                layer-wise push);
   prefill alone: the limit, measured inside the kvpush stack: the same kind of request
@@ -46,9 +46,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import CpuMeter  # noqa: E402
-from app import engines  # noqa: E402
-from app.etcd_server import free_port  # noqa: E402
-from app.procs import ManagedProcess, ProcessFailed, file_exists, http_ok, python  # noqa: E402
+from kvpush.app import engines  # noqa: E402
+from kvpush.app.etcd_server import free_port  # noqa: E402
+from kvpush.app.procs import ManagedProcess, ProcessFailed, file_exists, http_ok, python  # noqa: E402
 
 from bench.e2e_report import build_tables, fmt, write_report  # noqa: E402
 from bench.loadgen import (CONFIGS, LENGTHS, MAX_TOKENS, MODEL, REQUEST_TIMEOUT_S, START_TIMEOUT_S, T0,  # noqa: E402
@@ -121,7 +121,7 @@ def start_nixl(dep: Deployment, model_dir: str, connector: str) -> None:
 
 
 def start_kvpush(dep: Deployment, model_dir: str) -> None:
-    from app.stack import Stack, StackSpec
+    from kvpush.app.stack import Stack, StackSpec
     dep.stack = Stack(StackSpec(model_dir=model_dir, log_dir=os.path.join(dep.log_dir, "kvpush")), progress=say)
     dep.stack.start()
     s = dep.stack
@@ -270,7 +270,7 @@ def main() -> None:
     rates = [float(r) for r in args.rates.split(",")]
     n_seq, n_poisson = (3, 6) if args.quick else (args.seq, args.poisson)
 
-    from app.tiny_model import DEFAULT_DIR, ensure_model
+    from kvpush.app.tiny_model import DEFAULT_DIR, ensure_model
     say("the tiny model (generated on first use) ...")
     model_dir = os.path.abspath(ensure_model(str(ROOT / DEFAULT_DIR)))
     prompts = {}

@@ -80,7 +80,7 @@ def write_report(results: dict, rates: list[float], ref_texts: dict, counts: dic
              f"Command: `{command}` ({wall_s:.0f} s wall on this machine: {os.cpu_count()} cores, no GPU; "
              "vLLM 0.32 CPU build, float32, block size 32, max-model-len 2048, enforce-eager). "
              "Each configuration was started, measured and stopped in turn, in one run, with the same prompts.", "",
-             f"Model: the tiny random-weight Llama (app/tiny_model.py: 4 layers, hidden 256, 2 KV heads x 64). "
+             f"Model: the tiny random-weight Llama (kvpush/app/tiny_model.py: 4 layers, hidden 256, 2 KV heads x 64). "
              f"Requests: {counts['seq']} sequential per prompt length, then {counts['poisson']} Poisson arrivals "
              f"per length at each of {', '.join(f'{r:g}/s' for r in rates)}; {MAX_TOKENS} output tokens each "
              "(greedy, ignore_eos), every prompt distinct (no prefix-cache hits), one warm-up request per length "
@@ -99,7 +99,7 @@ def write_report(results: dict, rates: list[float], ref_texts: dict, counts: dic
              "prefill engine answering max_tokens=1 directly (no transfer): the floor for P/D TTFT. "
              "The load-average column below shows how busy the 2 cores were around each configuration. "
              "Every P/D pair (pull, push, kvpush) runs its two engines with one unbound OpenMP thread each "
-             "(`app.engines.PD_PAIR_ENV`); the aggregated engine, alone on the machine, keeps vLLM's "
+             "(`kvpush.app.engines.PD_PAIR_ENV`); the aggregated engine, alone on the machine, keeps vLLM's "
              "default (one bound thread per core).", "",
              *rows, ""]
     # Targets

@@ -36,8 +36,8 @@ sys.path.insert(0, ROOT)
 
 from bench.common import CpuMeter, pct, update_section  # noqa: E402
 from bench.loadgen import make_prompts, stream_request  # noqa: E402
-from app.stack import Stack, StackSpec  # noqa: E402
-from app.tiny_model import ensure_model  # noqa: E402
+from kvpush.app.stack import Stack, StackSpec  # noqa: E402
+from kvpush.app.tiny_model import ensure_model  # noqa: E402
 
 NO_CACHE = "--no-enable-prefix-caching"
 MAX_TOKENS = 8
@@ -53,7 +53,7 @@ def counters(stack: Stack, engine: str) -> dict:
 
 def first_reservation(stack: Stack, found: dict, ready: threading.Event) -> None:
     """Follow the tenant's reservations; record the first new one granted."""
-    from client.control_plane import ControlPlaneClient
+    from kvpush.client.control_plane import ControlPlaneClient
     from kvpush.contract.v1 import scheduler_pb2
 
     async def follow():

@@ -5,8 +5,8 @@
 
 Three parts, each with its reference and its limit in the same run:
 
-1. **IPC.** A sidecar-owned pool (``sidecar.pools.make_pool_memory``: VRAM on the GPU) is
-   mapped by a second process from its description (``engine.memory.attach_pool``, the
+1. **IPC.** A sidecar-owned pool (``kvpush.sidecar.pools.make_pool_memory``: VRAM on the GPU) is
+   mapped by a second process from its description (``kvpush.channel.memory.attach_pool``, the
    CUDA IPC handle), which checks the bytes the first wrote and writes some back.
 2. **Device copies.** ``TorchCopier`` stages a request of scattered blocks from caches in
    each of vLLM's six ``KVCacheLayout`` stride orders and four dtypes (float16, bfloat16,
@@ -57,13 +57,13 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from engine.device_memory import parse_device  # noqa: E402
-from engine.geometry import DestGeometry  # noqa: E402
-from engine.memory import attach_pool  # noqa: E402
-from engine.pool import PoolDescription  # noqa: E402
-from engine.torch_copier import TorchCopier  # noqa: E402
+from kvpush.channel.device_memory import parse_device  # noqa: E402
+from kvpush.channel.geometry import DestGeometry  # noqa: E402
+from kvpush.channel.attach import attach_pool  # noqa: E402
+from kvpush.channel.pool import PoolDescription  # noqa: E402
+from kvpush.connector.copiers.torch_copier import TorchCopier  # noqa: E402
 from kvpush.contract.layout import KvLayout  # noqa: E402
-from sidecar.pools import LandingPool, StagingPool, make_pool_memory  # noqa: E402
+from kvpush.sidecar.pools import LandingPool, StagingPool, make_pool_memory  # noqa: E402
 from bench.gpu_check_run import (PARTS, TIMEOUTS, _parts, _timeouts, docs_to_write,  # noqa: E402,F401
                                  run_all, write_docs)
 
@@ -282,7 +282,7 @@ def _from_receiver(recv: subprocess.Popen) -> dict:  # a receiver that exited is
 
 def check_nixl(device: torch.device, shape: Shape, tokens: int, compute: bool = True,
                wait_s: float = 60.0) -> dict:
-    from sidecar.transport.nixl import NixlConfig, NixlTransport
+    from kvpush.sidecar.transport.nixl import NixlConfig, NixlTransport
 
     lo = KvLayout(num_layers=shape.layers, block_size=shape.block, num_kv_heads=shape.heads, head_dim=shape.dim,
                   dtype="bfloat16")
@@ -384,7 +384,7 @@ def check_nixl(device: torch.device, shape: Shape, tokens: int, compute: bool = 
 
 
 def child_recv(layout_json: str, nb: str, device_name: str) -> None:
-    from sidecar.transport.nixl import NixlConfig, NixlTransport
+    from kvpush.sidecar.transport.nixl import NixlConfig, NixlTransport
 
     device = torch.device(device_name)
     use_device(device)

@@ -61,11 +61,11 @@ import psutil
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from app import engines  # noqa: E402
-from app.etcd_server import free_port  # noqa: E402
-from app.procs import ManagedProcess, http_ok  # noqa: E402
-from app.stack import Stack, StackSpec, complete  # noqa: E402
-from app.tiny_model import DEFAULT_DIR, ensure_model  # noqa: E402
+from kvpush.app import engines  # noqa: E402
+from kvpush.app.etcd_server import free_port  # noqa: E402
+from kvpush.app.procs import ManagedProcess, http_ok  # noqa: E402
+from kvpush.app.stack import Stack, StackSpec, complete  # noqa: E402
+from kvpush.app.tiny_model import DEFAULT_DIR, ensure_model  # noqa: E402
 from bench.common import CpuMeter, pct, update_section  # noqa: E402
 from bench.multiturn_report import first_divergence, kv_aware_label, merged, report  # noqa: E402
 

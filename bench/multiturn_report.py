@@ -115,7 +115,7 @@ def kv_aware_label(threshold: int) -> str:
 def report(cross: dict, seq: list[dict], poi: list[dict], meta: dict, lim: dict | None = None) -> tuple[str, str]:
     """The multi-turn section and the crossover section of docs/BENCHMARKS.md."""
     lines = [f"Measured {meta['date']} by `bench/multiturn.py` ({meta['cpus']} cores, one run; the tiny "
-             "float32 Llama of `app/tiny_model.py`, block size 32; {rounds} round(s) of {convs} conversations of "
+             "float32 Llama of `kvpush/app/tiny_model.py`, block size 32; {rounds} round(s) of {convs} conversations of "
              "{turns} turns, each round every configuration in turn, with conversations of its own; turn 1 "
              "{first} tokens, each later turn +{new} new tokens and the previous answer's "
              "{answer}).".format(**meta), ""]

@@ -16,8 +16,8 @@ import time
 
 import numpy as np
 
-from sidecar.transport.nixl import NixlConfig, NixlTransport
-from sidecar.progress import ProgressDriver
+from kvpush.sidecar.transport.nixl import NixlConfig, NixlTransport
+from kvpush.sidecar.progress import ProgressDriver
 
 
 class ReadingNixlTransport(NixlTransport):

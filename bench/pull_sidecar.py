@@ -2,7 +2,7 @@
 (``bench/pull_baseline.py``), run inside a real sidecar over its own NIXL agent (a
 ``NixlTransport`` that can READ, given to the sidecar as its transport factory).
 The production sidecar has no such op; ``bench/push.py`` starts its decode side with
-``python -m bench.pull_sidecar`` instead of ``python -m sidecar.sidecar``."""
+``python -m bench.pull_sidecar`` instead of ``python -m kvpush.sidecar.sidecar``."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.pull_baseline import pull, reading_transport  # noqa: E402
 from kvpush.contract.states import DECODE  # noqa: E402
-from sidecar.decode import DecodeSidecar  # noqa: E402
-from sidecar.sidecar import main, make_sidecar  # noqa: E402
+from kvpush.sidecar.decode import DecodeSidecar  # noqa: E402
+from kvpush.sidecar.sidecar import main, make_sidecar  # noqa: E402
 
 
 class PullingDecodeSidecar(DecodeSidecar):

@@ -47,12 +47,13 @@ from bench.common import update_section  # noqa: E402
 from bench.push_tp import measure_sidecar_costs, run_tp_rows, tp_lines  # noqa: E402
 from kvpush.contract.layout import KvLayout  # noqa: E402
 from kvpush.contract.target import PushTarget  # noqa: E402
-from engine import frames as F  # noqa: E402
-from engine.channel import SidecarClient, measure_rtt  # noqa: E402
-from engine.geometry import DestGeometry  # noqa: E402
-from sidecar.descriptors import blocks_segment_map, pair_descriptors, staging_segment_map  # noqa: E402
-from engine.memory import attach_pool, sweep_stale_segments  # noqa: E402
-from engine.pool import PoolDescription  # noqa: E402
+from kvpush.channel import frames as F  # noqa: E402
+from kvpush.connector.sidecar_client import SidecarClient, measure_rtt  # noqa: E402
+from kvpush.channel.geometry import DestGeometry  # noqa: E402
+from kvpush.sidecar.descriptors import blocks_segment_map, pair_descriptors, staging_segment_map  # noqa: E402
+from kvpush.channel.memory import sweep_stale_segments  # noqa: E402
+from kvpush.channel.attach import attach_pool  # noqa: E402
+from kvpush.channel.pool import PoolDescription  # noqa: E402
 
 MODELS = {
     # name: (layout, prefill tokens/s). Rates: an 8B model at ~15k tokens/s is an
@@ -87,7 +88,7 @@ class Pair:
         for role, eid, blocks in (("decode", f"D-{tag}", landing_blocks), ("prefill", f"P-{tag}", staging_units)):
             log = open(workdir / f"{eid}.log", "w")
             # The decode side also answers the pull baseline's READ (bench/pull_sidecar.py).
-            module = "bench.pull_sidecar" if role == "decode" else "sidecar.sidecar"
+            module = "bench.pull_sidecar" if role == "decode" else "kvpush.sidecar.sidecar"
             cmd = [sys.executable, "-m", module, "--role", role, "--engine-id", eid, "--layout", layout,
                    "--blocks", str(blocks), "--socket", str(workdir / f"{eid}.sock"),
                    "--record-out", str(workdir / f"{eid}.json"), "--transfer-timeout", "10", *extra_args]

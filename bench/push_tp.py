@@ -28,10 +28,10 @@ import psutil
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine import frames as F  # noqa: E402
-from engine.channel import SidecarClient  # noqa: E402
-from engine.memory import attach_pool  # noqa: E402
-from engine.pool import PoolDescription  # noqa: E402
+from kvpush.channel import frames as F  # noqa: E402
+from kvpush.connector.sidecar_client import SidecarClient  # noqa: E402
+from kvpush.channel.attach import attach_pool  # noqa: E402
+from kvpush.channel.pool import PoolDescription  # noqa: E402
 from kvpush.contract.layout import KvLayout  # noqa: E402
 from kvpush.contract.target import PushTarget  # noqa: E402
 
@@ -43,7 +43,7 @@ TIMEOUT_S = 20.0
 
 def _start(workdir: pathlib.Path, role: str, eid: str, layout: str, blocks: int) -> subprocess.Popen:
     log = open(workdir / f"{eid}.log", "w")
-    cmd = [sys.executable, "-m", "sidecar.sidecar", "--role", role, "--engine-id", eid, "--layout", layout,
+    cmd = [sys.executable, "-m", "kvpush.sidecar.sidecar", "--role", role, "--engine-id", eid, "--layout", layout,
            "--blocks", str(blocks), "--socket", str(workdir / f"{eid}.sock"),
            "--record-out", str(workdir / f"{eid}.json"), "--transfer-timeout", "10"]
     return subprocess.Popen(cmd, cwd=str(ROOT), env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=log,

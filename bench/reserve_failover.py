@@ -1,6 +1,6 @@
 """Reserve while etcd's leader dies: ``bench/reserve.py --failover`` (about a minute).
 
-A control-plane process on a real 3-member etcd cluster (``app.etcd_server.EtcdCluster``,
+A control-plane process on a real 3-member etcd cluster (``kvpush.app.etcd_server.EtcdCluster``,
 fsync on), simulated decode engines, Reserve through the stream client in an open loop;
 the leader SIGKILLed mid-run and started again on its data. Reports latency and errors
 per phase, the stall, the CPU of each process, and the invariants checked in etcd.
@@ -15,14 +15,14 @@ import time
 import grpc
 import psutil
 
-from app.etcd_server import EtcdCluster
-from app.simulated import SimulatedEngine
-from app.table import markdown, render
+from kvpush.app.etcd_server import EtcdCluster
+from kvpush.app.simulated import SimulatedEngine
+from kvpush.app.table import markdown, render
 from bench.common import CpuMeter, pct, update_section
-from bench.reserve import ADMIN, BLOCKS_PER_ENGINE, ENGINES, Plane, _ids, closed_loop, paced, stream_call
-from client.control_plane import ControlPlaneClient
-from client.reserve_stream import ReserveRefused, StreamReserver
-from controlplane.invariants import check
+from bench.reserve_plane import ADMIN, BLOCKS_PER_ENGINE, ENGINES, Plane, _ids, closed_loop, paced, stream_call
+from kvpush.client.control_plane import ControlPlaneClient
+from kvpush.client.reserve_stream import ReserveRefused, StreamReserver
+from kvpush.controlplane.invariants import check
 from kvpush.contract.v1 import admin_pb2, scheduler_pb2
 
 
@@ -134,7 +134,7 @@ async def failover(rate: float, seconds: float, kill_at: float, back_at: float) 
 
 Command: `.venv/bin/python bench/reserve.py --failover`. Setup, on this machine's 2 cores:
 
-- a real 3-member etcd cluster on loopback (`app.etcd_server.EtcdCluster`, fsync on);
+- a real 3-member etcd cluster on loopback (`kvpush.app.etcd_server.EtcdCluster`, fsync on);
 - one control-plane process given all three endpoints (`--etcd a,b,c`, `--etcd-timeout 2`);
 - {ENGINES} simulated decode engines;
 - Reserve through the stream client in an open loop at {rate:.0f}/s for {seconds:g} s, no retries.

@@ -12,17 +12,17 @@ import time
 
 import psutil
 
-from app.etcd_server import EmbeddedEtcd
-from app.simulated import SimulatedEngine
-from app.table import markdown, render
+from kvpush.app.etcd_server import EmbeddedEtcd
+from kvpush.app.simulated import SimulatedEngine
+from kvpush.app.table import markdown, render
 from bench.common import CpuMeter, pct, update_section, wait_idle
-from bench.reserve import ADMIN, BLOCKS_PER_ENGINE, ENGINES, REFUSED, Plane, paced, wipe_registry
-from client.control_plane import ControlPlaneClient
-from client.report_stream import StreamReporter
-from client.reserve_stream import StreamReserver
-from controlplane import keys
-from controlplane.etcd import EtcdClient, op_delete_prefix
-from controlplane.invariants import check
+from bench.reserve_plane import ADMIN, BLOCKS_PER_ENGINE, ENGINES, REFUSED, Plane, paced, wipe_registry
+from kvpush.client.control_plane import ControlPlaneClient
+from kvpush.client.report_stream import StreamReporter
+from kvpush.client.reserve_stream import StreamReserver
+from kvpush.controlplane import keys
+from kvpush.controlplane.etcd import EtcdClient, op_delete_prefix
+from kvpush.controlplane.invariants import check
 from kvpush.aio import tune_gc
 from kvpush.contract.v1 import admin_pb2, registry_pb2, scheduler_pb2, types_pb2
 
@@ -178,9 +178,9 @@ async def lifecycle(seconds: float = 4.0, rate: float = 2000.0, write: bool = Tr
 Command: `.venv/bin/python bench/reserve.py --lifecycle` (one run, same etcd with fsync, same 2 cores;
 {ENGINES} simulated decode engines of {BLOCKS_PER_ENGINE} blocks). A lifecycle is a Reserve through the
 router's stream client, then the decode sidecar's CONSUMED report (with `landed`: LANDED and CONSUMED in one
-write) over the sidecars' `ReportStates` stream (`client/report_stream.py`), each timed on its own; the
+write) over the sidecars' `ReportStates` stream (`kvpush/client/report_stream.py`), each timed on its own; the
 "unary CONSUMED" row sends it as one `ReportState` call each, as sidecars did before. "ends group-committed" writes concurrent transitions in one
-etcd transaction (one nested compare-and-swap each, `controlplane/group_commit.py`); "1 txn / transition" is
+etcd transaction (one nested compare-and-swap each, `kvpush/controlplane/group_commit.py`); "1 txn / transition" is
 the same replica with `--no-group-commit`. CPU columns are cores used by the control plane, etcd and the load generator; "cp us / op"
 is the control plane's CPU per lifecycle (per Reserve in the "reserve only" row).
 

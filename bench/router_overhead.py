@@ -19,7 +19,7 @@ serves every turn whose decode engine holds all but a short rest by decode alone
                  alternately straight to decode-0 and through the router (its Reserve
                  answers decode_alone on decode-0: hop plus Reserve);
   Reserve      : decode-alone Reserves one at a time over the router's kind of stream
-                 (``client.reserve_stream.StreamReserver``) from this process.
+                 (``kvpush.client.reserve_stream.StreamReserver``) from this process.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from app import engines  # noqa: E402
-from app.stack import Stack, StackSpec  # noqa: E402
-from app.tiny_model import DEFAULT_DIR, ensure_model  # noqa: E402
+from kvpush.app import engines  # noqa: E402
+from kvpush.app.stack import Stack, StackSpec  # noqa: E402
+from kvpush.app.tiny_model import DEFAULT_DIR, ensure_model  # noqa: E402
 from bench.common import CpuMeter, pct, update_section  # noqa: E402
 from bench.multiturn import ANSWER_TOKENS, ask, ids  # noqa: E402
 
@@ -72,8 +72,8 @@ def pair(engine_url: str, router_url: str, reps: int, max_tokens: int, tag: str)
 
 
 async def reserve_rtts(stack: Stack, n: int) -> list[float]:
-    from client.control_plane import ControlPlaneClient
-    from client.reserve_stream import StreamReserver
+    from kvpush.client.control_plane import ControlPlaneClient
+    from kvpush.client.reserve_stream import StreamReserver
     from kvpush.contract.v1 import scheduler_pb2
     out = []
     async with ControlPlaneClient(stack.controlplane, stack.tenant_token) as cp:

@@ -5,7 +5,7 @@ etcd's keyspace per engine and per reservation.
     .venv/bin/python bench/scaling.py          # ~5 minutes; writes docs/BENCHMARKS.md (section "scaling")
     .venv/bin/python bench/scaling.py --quick  # a smoke run (no report)
 
-Simulated decode engines (app/simulated.py: they register and heartbeat as sidecars do,
+Simulated decode engines (kvpush/app/simulated.py: they register and heartbeat as sidecars do,
 lease TTL 10 s, one beat every 3.3 s each, and move no bytes), one control-plane replica
 (group commit), one etcd with fsync, all on this 2-core machine. At each point the
 registry is filled to the live count (one block each, long deadlines), then an open
@@ -31,16 +31,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from aetcd import rpc  # noqa: E402
 
-from app.etcd_server import EmbeddedEtcd  # noqa: E402
-from app.simulated import SimulatedEngine  # noqa: E402
-from app.table import markdown, render  # noqa: E402
+from kvpush.app.etcd_server import EmbeddedEtcd  # noqa: E402
+from kvpush.app.simulated import SimulatedEngine  # noqa: E402
+from kvpush.app.table import markdown, render  # noqa: E402
 from bench.common import CpuMeter, pct, update_section, wait_idle  # noqa: E402
-from bench.reserve import ADMIN, Plane, compact_and_defragment, paced, wipe_registry  # noqa: E402
-from client.control_plane import ControlPlaneClient  # noqa: E402
-from client.reserve_stream import ReserveRefused, StreamReserver  # noqa: E402
-from controlplane import keys  # noqa: E402
-from controlplane.etcd import EtcdClient  # noqa: E402
-from controlplane.invariants import check  # noqa: E402
+from bench.reserve_plane import ADMIN, Plane, compact_and_defragment, paced, wipe_registry  # noqa: E402
+from kvpush.client.control_plane import ControlPlaneClient  # noqa: E402
+from kvpush.client.reserve_stream import ReserveRefused, StreamReserver  # noqa: E402
+from kvpush.controlplane import keys  # noqa: E402
+from kvpush.controlplane.etcd import EtcdClient  # noqa: E402
+from kvpush.controlplane.invariants import check  # noqa: E402
 from kvpush.aio import tune_gc  # noqa: E402
 from kvpush.contract.v1 import admin_pb2, registry_pb2, scheduler_pb2  # noqa: E402
 

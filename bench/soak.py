@@ -17,7 +17,7 @@ fault from the list is injected, in turn:
 Every answer is compared with what an aggregated engine (a decode vLLM engine asked
 directly, no kvpush) answers for the same prompt, greedy. At the end, once quiet, etcd
 is read directly: reservations still live (leaked), blocks in two live reservations
-(double-booked) and every other invariant (``controlplane/invariants.py``).
+(double-booked) and every other invariant (``kvpush/controlplane/invariants.py``).
 
     .venv/bin/python bench/soak.py                     # 10 minutes; writes docs/BENCHMARKS.md
     .venv/bin/python bench/soak.py --minutes 1 --fault-every 15 --no-report
@@ -46,9 +46,9 @@ sys.path.insert(0, ROOT)
 
 from bench.common import cpu_seconds, update_section  # noqa: E402
 from bench.loadgen import make_prompts  # noqa: E402
-from app.stack import Stack, StackSpec  # noqa: E402
-from app.tiny_model import ensure_model  # noqa: E402
-from controlplane.metrics import _LATENCY_BUCKETS  # noqa: E402
+from kvpush.app.stack import Stack, StackSpec  # noqa: E402
+from kvpush.app.tiny_model import ensure_model  # noqa: E402
+from kvpush.controlplane.metrics import _LATENCY_BUCKETS  # noqa: E402
 
 LARGEST_BUCKET = max(_LATENCY_BUCKETS)  # the Reserve histogram's last finite bound
 FAULTS = ("prefill_sidecar", "decode_sidecar", "vllm_engine", "controlplane", "etcd", "etcd_leader")
@@ -265,7 +265,7 @@ def reference_answers(stack: Stack, prompts: list[str]) -> dict[str, str]:
 
 
 def registry_at_the_end(stack: Stack, timeout_s: float = 60.0):
-    from controlplane.invariants import check
+    from kvpush.controlplane.invariants import check
 
     async def wait():
         deadline = time.monotonic() + timeout_s

@@ -26,8 +26,8 @@ sys.path.insert(0, ROOT)
 from bench.common import CpuMeter, pct, update_section  # noqa: E402
 from bench.loadgen import make_prompts, stream_request  # noqa: E402
 from kvpush.trace import ENV as TRACE_ENV, read_traces  # noqa: E402
-from app.stack import Stack, StackSpec  # noqa: E402
-from app.tiny_model import ensure_model  # noqa: E402
+from kvpush.app.stack import Stack, StackSpec  # noqa: E402
+from kvpush.app.tiny_model import ensure_model  # noqa: E402
 
 LENGTHS = (128, 1024)
 MAX_TOKENS = 4
@@ -176,7 +176,7 @@ def report(results: dict, n: int) -> str:
         f"`.venv/bin/python bench/ttft_breakdown.py` (one stack, {n} sequential requests per prompt length, "
         f"{MAX_TOKENS} tokens each, {GAP_S:.2f} s apart; the engines' own timeline from `KVPUSH_TRACE_DIR`, the "
         "router's arrival time and reservation id from its `served` log line). Median ms after the router "
-        "received the request; each engine runs one OpenMP thread (`app.engines.PD_PAIR_ENV`).",
+        "received the request; each engine runs one OpenMP thread (`kvpush.app.engines.PD_PAIR_ENV`).",
         "",
         "| milestone | " + " | ".join(f"{length} tokens" for length in results) + " |",
         "|---|" + "---:|" * len(results),

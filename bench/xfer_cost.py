@@ -16,10 +16,10 @@ import time
 import numpy as np
 
 from kvpush.contract.layout import KvLayout
-from sidecar.transport.nixl import NixlConfig, NixlTransport
-from engine.geometry import DestGeometry
-from sidecar.descriptors import blocks_segment_map, pair_descriptors
-from engine.memory import ShmMemory
+from kvpush.sidecar.transport.nixl import NixlConfig, NixlTransport
+from kvpush.channel.geometry import DestGeometry
+from kvpush.sidecar.descriptors import blocks_segment_map, pair_descriptors
+from kvpush.channel.memory import ShmMemory
 
 
 @dataclasses.dataclass(frozen=True)

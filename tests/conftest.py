@@ -11,9 +11,9 @@ import time
 import pytest
 import pytest_asyncio
 
-from client.control_plane import ControlPlaneClient
-from controlplane.server import ControlPlane, ControlPlaneConfig
-from app.etcd_server import EmbeddedEtcd, free_port
+from kvpush.client.control_plane import ControlPlaneClient
+from kvpush.controlplane.server import ControlPlane, ControlPlaneConfig
+from kvpush.app.etcd_server import EmbeddedEtcd, free_port
 
 ADMIN_TOKEN = "test-admin-token-0123456789"
 ENGINE_TOKEN = "test-engine-token-0123456789"
@@ -61,7 +61,7 @@ class ControlPlaneProcess:
         self.address = f"127.0.0.1:{self.port}"
         self.log_path = tempfile.mktemp(prefix="kvpush-cp-", suffix=".log")
         self.ready_file = tempfile.mktemp(prefix="kvpush-cp-ready-")
-        cmd = [sys.executable, "-m", "app.cli", "controlplane", "--listen", self.address,
+        cmd = [sys.executable, "-m", "kvpush.app.cli", "controlplane", "--listen", self.address,
                "--etcd", etcd_endpoint, "--admin-token", ADMIN_TOKEN, "--engine-token", ENGINE_TOKEN,
                "--ready-file", self.ready_file, *(extra or [])]
         self.log = open(self.log_path, "wb")

@@ -8,8 +8,8 @@ import re
 
 import yaml
 
-from router import metrics as router_metrics
-from sidecar.metrics import SidecarMetrics
+from kvpush.router import metrics as router_metrics
+from kvpush.sidecar.metrics import SidecarMetrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -71,8 +71,8 @@ def _flag(args: list[str], name: str, default: str | None = None) -> str | None:
 def test_every_kvpush_command_line_parses_and_the_engines_carry_their_sidecar(overlay):
     import argparse
 
-    from app.cli import build_parser
-    from sidecar.service import add_arguments, configs_from_args
+    from kvpush.app.cli import build_parser
+    from kvpush.sidecar.service import add_arguments, configs_from_args
     from vllm.config import KVTransferConfig
 
     docs = render(overlay)
@@ -122,10 +122,10 @@ def test_kv_aware_routing_is_wired_from_the_decode_engines_to_the_router(overlay
     nothing (another endpoint or topic), and every turn would be pushed whole."""
     import argparse
 
-    from app.cli import build_parser
+    from kvpush.app.cli import build_parser
     from kvpush.contract.block_hash import DEFAULT_SEED
-    from sidecar.kv_events import source_from_args
-    from sidecar.service import add_arguments, configs_from_args
+    from kvpush.sidecar.kv_events import source_from_args
+    from kvpush.sidecar.service import add_arguments, configs_from_args
     from vllm.config import CacheConfig, KVEventsConfig
 
     docs = render(overlay)

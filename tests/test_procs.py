@@ -12,7 +12,7 @@ import time
 
 import psutil
 
-from app.procs import ManagedProcess, become_subreaper, sweep_semaphores
+from kvpush.app.procs import ManagedProcess, become_subreaper, sweep_semaphores
 
 # A parent that makes a named multiprocessing semaphore (its resource tracker would unlink
 # it at exit) and starts a child in a session of its own, then waits.

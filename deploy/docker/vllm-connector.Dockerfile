@@ -1,6 +1,6 @@
 # vLLM with the kvpush connector: the connector is a Python package on the engine's
-# path (engine/ and kvpush/ of this repository), loaded by vLLM through
-# kv_connector_module_path="engine.connector.kvpush_connector".
+# path (kvpush/ of this repository: kvpush.connector), loaded by vLLM through
+# kv_connector_module_path="kvpush.connector.kvpush_connector".
 #
 #   docker build -f deploy/docker/vllm-connector.Dockerfile -t kvpush-vllm:0.32.0 .
 #   (GPU: the default base; CPU: --build-arg VLLM_IMAGE=<your vllm-cpu 0.32.0 image>)
@@ -15,12 +15,6 @@ WORKDIR /opt/kvpush-src
 COPY pyproject.toml README.md ./
 COPY proto/ proto/
 COPY kvpush/ kvpush/
-COPY client/ client/
-COPY controlplane/ controlplane/
-COPY router/ router/
-COPY sidecar/ sidecar/
-COPY engine/ engine/
-COPY app/ app/
 RUN pip install grpcio-tools==1.85.1 \
     && python3 -m kvpush.contract.protogen \
     && pip install --no-deps . \

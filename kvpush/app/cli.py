@@ -20,7 +20,7 @@ def _add_client_args(p: argparse.ArgumentParser, token_env: str) -> None:
 
 
 def _client(args, token_required: bool = True):
-    from client.control_plane import ControlPlaneClient
+    from kvpush.client.control_plane import ControlPlaneClient
     if token_required and not args.token:
         sys.exit("kvpush: a token is required (--token or the environment variable)")
     return ControlPlaneClient(args.controlplane, args.token, args.tls_ca, args.tls_cert, args.tls_key,
@@ -28,7 +28,7 @@ def _client(args, token_required: bool = True):
 
 
 def cmd_etcd(args) -> None:
-    from app.etcd_server import EmbeddedEtcd
+    from kvpush.app.etcd_server import EmbeddedEtcd
     import signal
     import time
     etcd = EmbeddedEtcd(args.data_dir, args.client_port, args.peer_port, args.max_txn_ops)
@@ -45,7 +45,7 @@ def cmd_etcd(args) -> None:
 
 
 def cmd_controlplane(args) -> None:
-    from controlplane.server import ControlPlaneConfig, serve
+    from kvpush.controlplane.server import ControlPlaneConfig, serve
     from kvpush import log
     log.configure("controlplane", args.log_level)
     admin = args.admin_token or os.environ.get("KVPUSH_ADMIN_TOKEN", "")
@@ -55,7 +55,7 @@ def cmd_controlplane(args) -> None:
     etcd = args.etcd
     max_batch = args.max_batch
     if args.embedded_etcd:
-        from app.etcd_server import EmbeddedEtcd
+        from kvpush.app.etcd_server import EmbeddedEtcd
         etcd_proc = EmbeddedEtcd(args.etcd_data_dir or None).start()
         etcd = etcd_proc.endpoint
         max_batch = max_batch or 500  # our etcd allows 4096 ops per transaction
@@ -69,7 +69,7 @@ def cmd_controlplane(args) -> None:
         sys.exit("kvpush controlplane: --etcd-cert and --etcd-key go together")
     if not 5 <= args.tombstone_ttl <= 86_400:
         sys.exit(f"kvpush controlplane: --tombstone-ttl must be in [5, 86400] seconds, got {args.tombstone_ttl}")
-    from controlplane.etcd import EtcdSecurity, parse_endpoints
+    from kvpush.controlplane.etcd import EtcdSecurity, parse_endpoints
     security = EtcdSecurity(ca=args.etcd_ca, cert=args.etcd_cert, key=args.etcd_key, user=args.etcd_user,
                             password=password, server_name=args.etcd_server_name)
     try:
@@ -124,7 +124,7 @@ def cmd_status(args) -> None:
     if args.json:
         print(json.dumps(status, indent=2))
         return
-    from app.table import engines_table, render
+    from kvpush.app.table import engines_table, render
     print(engines_table(status.get("engines", [])))
     states = status.get("reservations_by_state", {})
     print()
@@ -161,14 +161,14 @@ def cmd_tenant(args) -> None:
 
 
 def cmd_sidecar(args) -> None:
-    from sidecar.service import run
+    from kvpush.sidecar.service import run
     sys.exit(run(args))
 
 
 def cmd_router(args) -> None:
     from kvpush import aio, log
-    from router.app import serve
-    from router.config import LOCAL_PREFILL_TOKENS, RouterConfig, parse_decode, parse_prefill
+    from kvpush.router.app import serve
+    from kvpush.router.config import LOCAL_PREFILL_TOKENS, RouterConfig, parse_decode, parse_prefill
     log.configure("router", args.log_level)
     token = args.token or os.environ.get("KVPUSH_TENANT_TOKEN", "")
     if not token:
@@ -193,17 +193,17 @@ def cmd_router(args) -> None:
 
 
 def cmd_model(args) -> None:
-    from app.tiny_model import run
+    from kvpush.app.tiny_model import run
     run(args)
 
 
 def cmd_demo(args) -> None:
-    from app.demo import main as demo_main
+    from kvpush.app.demo import main as demo_main
     sys.exit(demo_main(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from router.config import LOCAL_PREFILL_TOKENS
+    from kvpush.router.config import LOCAL_PREFILL_TOKENS
     parser = argparse.ArgumentParser(prog="kvpush", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -271,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_tenant)
 
     p = sub.add_parser("sidecar", help="run the sidecar of one vLLM engine (NIXL agent, pools, registration)")
-    from sidecar.service import add_arguments as add_sidecar_arguments
+    from kvpush.sidecar.service import add_arguments as add_sidecar_arguments
     add_sidecar_arguments(p)
     p.set_defaults(fn=cmd_sidecar)
 
@@ -330,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_router)
 
     p = sub.add_parser("model", help="generate the tiny random-weight Llama + tokenizer (offline, idempotent)")
-    from app.tiny_model import add_arguments as add_model_arguments
+    from kvpush.app.tiny_model import add_arguments as add_model_arguments
     add_model_arguments(p)
     p.set_defaults(fn=cmd_model)
 

@@ -16,9 +16,9 @@ import asyncio
 import os
 import time
 
-from controlplane.invariants import check
-from app.stack import Stack, StackSpec, complete
-from app.table import render
+from kvpush.controlplane.invariants import check
+from kvpush.app.stack import Stack, StackSpec, complete
+from kvpush.app.table import render
 
 PROMPTS = [
     "The quick brown fox",
@@ -38,7 +38,7 @@ def counters(stack: Stack) -> dict:
 
 
 def main(args) -> int:
-    from app.tiny_model import DEFAULT_DIR, ensure_model
+    from kvpush.app.tiny_model import DEFAULT_DIR, ensure_model
     logs = os.path.abspath(args.keep_logs)
     os.makedirs(logs, exist_ok=True)
     say("generating the tiny random-weight model (first run only) ...")

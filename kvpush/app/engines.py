@@ -58,7 +58,7 @@ def engine_env(extra: dict | None = None, pair: bool = False, ipc_dir: str = "")
 
 def kvpush_transfer_config(role: str, socket: str, stats_dir: str, name: str, **extra) -> dict:
     """kv_transfer_config loading our connector; role: kv_producer (prefill) or kv_consumer (decode)."""
-    cfg = {"kv_connector": "KVPushConnector", "kv_connector_module_path": "engine.connector.kvpush_connector",
+    cfg = {"kv_connector": "KVPushConnector", "kv_connector_module_path": "kvpush.connector.kvpush_connector",
            "kv_role": role,
            "kv_connector_extra_config": {"sidecar_socket": socket, "stats_dir": stats_dir, "engine_name": name,
                                          **extra}}

@@ -9,7 +9,7 @@ import secrets
 
 import grpc
 
-from client.control_plane import ControlPlaneClient
+from kvpush.client.control_plane import ControlPlaneClient
 from kvpush.contract.engine import EngineRecord
 from kvpush.contract.layout import KvLayout
 from kvpush.contract.v1 import registry_pb2, types_pb2

@@ -17,10 +17,10 @@ import time
 import urllib.request
 from typing import Callable
 
-from app import engines
-from app.etcd_server import EmbeddedEtcd, EtcdCluster, free_port
-from app.procs import ManagedProcess, become_subreaper, file_exists, http_ok, python, sweep_semaphores
-from sidecar.pools import remove_dead_pools
+from kvpush.app import engines
+from kvpush.app.etcd_server import EmbeddedEtcd, EtcdCluster, free_port
+from kvpush.app.procs import ManagedProcess, become_subreaper, file_exists, http_ok, python, sweep_semaphores
+from kvpush.sidecar.pools import remove_dead_pools
 
 
 @dataclasses.dataclass
@@ -147,7 +147,7 @@ class Stack:
             self.cp_metrics.append(f"http://127.0.0.1:{metrics}/metrics")
             name = "controlplane" if i == 0 else f"controlplane-{i}"
             ready = os.path.join(self.run_dir, f"{name}.ready")
-            cp = self._start(name, [python(), "-m", "app.cli", "controlplane", "--listen",
+            cp = self._start(name, [python(), "-m", "kvpush.app.cli", "controlplane", "--listen",
                                     f"127.0.0.1:{port}", "--etcd", self.etcd.endpoint, "--admin-token",
                                     self.admin_token, "--engine-token", self.engine_token,
                                     "--max-batch", "500", "--quarantine-ms", str(spec.quarantine_ms),
@@ -204,7 +204,7 @@ class Stack:
             ready = os.path.join(self.run_dir, f"{engine_id}.sidecar.ready")
             follow = ("--kv-events", kv_events[engine_id], "--kv-events-topic", "kvpush") if engine_id in kv_events else ()
             started.append((self._start(sidecar.process, [
-                python(), "-m", "app.cli", "sidecar", "--role", role, "--engine-id", engine_id,
+                python(), "-m", "kvpush.app.cli", "sidecar", "--role", role, "--engine-id", engine_id,
                 "--controlplane", self.controlplane, "--token", self.engine_token,
                 "--kv-layout", dataclasses.replace(self.layout, tp_size=tps[role]).describe(),
                 "--num-blocks", str(blocks), "--model", self.spec.served_model, "--socket", sidecar.socket,
@@ -239,7 +239,7 @@ class Stack:
         decodes = [f"{eid}={url}" for eid, url in self.urls.items() if eid.startswith("decode-")]
         engines_args = [] if discover else ["--prefill", prefill, *(a for d in decodes for a in ("--decode", d))]
         router = self._start(name, [
-            python(), "-m", "app.cli", "router", "--controlplane", self.controlplane, "--token",
+            python(), "-m", "kvpush.app.cli", "router", "--controlplane", self.controlplane, "--token",
             token or self.tenant_token, "--model", spec.served_model, "--model-dir", spec.model_dir,
             *engines_args, "--port", str(port),
             "--deadline-ms", str(spec.deadline_ms), "--ready-file", ready,
@@ -250,7 +250,7 @@ class Stack:
 
     def _create_tenant(self, name: str = "demo", quota_blocks: int = 0) -> str:
         import asyncio
-        from client.control_plane import ControlPlaneClient
+        from kvpush.client.control_plane import ControlPlaneClient
         from kvpush.contract.v1 import admin_pb2
 
         async def create() -> str:

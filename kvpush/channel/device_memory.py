@@ -24,8 +24,8 @@ import dataclasses
 import json
 import os
 
-from engine.memory import DeviceMemory, PoolMapError, pid_alive
-from engine.pool import PoolDescription
+from kvpush.channel.memory import DeviceMemory, PoolMapError, pid_alive
+from kvpush.channel.pool import PoolDescription
 
 HANDLE_PREFIX = "cuda-ipc:"
 

@@ -19,7 +19,7 @@ import struct
 import numpy as np
 
 from kvpush.contract.target import PushTarget
-from engine.pool import StagingAllocation, StagingExtent
+from kvpush.channel.pool import StagingAllocation, StagingExtent
 
 HEADER = struct.Struct("<IBI")
 MAX_BODY = 16 << 20  # a frame larger than this is a bug or an attack

@@ -4,8 +4,8 @@ Every push is described in a request's *virtual layer space*: the bytes of one
 layer of the request laid out in the destination's block geometry,
 ``[dest block j][K/V][token in block][head][dim]`` for ``j`` in token order.
 ``DestGeometry`` says where each token's bytes sit in that space. The engine
-stages into it (``engine/reblock.py``) and the sidecar writes it out
-(``sidecar/descriptors.py`` maps it to addresses on both ends).
+stages into it (``kvpush/channel/reblock.py``) and the sidecar writes it out
+(``kvpush/sidecar/descriptors.py`` maps it to addresses on both ends).
 
 Why stage in the destination's geometry: re-blocking (prefill block size P !=
 decode block size D) changes where every token sits inside a block. Doing it

@@ -16,7 +16,7 @@ live on one prefill rank) has its landing blocks laid out as ever, and a run of 
 blocks is one descriptor. With ``k > 1`` shares (merging ranks: P TP > D TP) the shares'
 heads interleave in every token of the canonical block, so writing them in place would
 cost a descriptor per token and part. Instead a reservation's landing bytes of one
-layer (its virtual layer space, ``engine/geometry.py``) hold the shares one after the
+layer (its virtual layer space, ``kvpush/channel/geometry.py``) hold the shares one after the
 other, each a whole image of the request in its own head count::
 
     [share][dest block][K/V][token in block][the share's heads][head_dim]
@@ -36,7 +36,7 @@ import functools
 
 import numpy as np
 
-from engine.geometry import DestGeometry
+from kvpush.channel.geometry import DestGeometry
 from kvpush.contract.layout import KvLayout, LayoutError
 
 

@@ -4,12 +4,12 @@ A pool is one contiguous region. On the CPU it is a POSIX shared-memory segment
 (a file under /dev/shm): the sidecar creates it, the engine process maps the
 same bytes by name, and NIXL registers it as DRAM. On a GPU it is device memory on
 the engine's GPU, registered as VRAM and mapped by the engine through a CUDA IPC
-handle (``DeviceMemory``; ``engine/device_memory.py``).
+handle (``DeviceMemory``; ``kvpush/channel/device_memory.py``).
 
 A segment's name says whose it is (``SegmentName``: the caller's tag, then the creating
 process's pid and start time), because a sidecar killed with SIGKILL leaves its segments
 behind: ``sweep_stale_segments`` unlinks those of ours whose owner is no longer alive, so
-the next sidecar of the same engine (``sidecar.pools.remove_dead_pools``) or whoever
+the next sidecar of the same engine (``kvpush.sidecar.pools.remove_dead_pools``) or whoever
 stopped it cleans up.
 """
 
@@ -26,7 +26,7 @@ from typing import Callable
 
 import numpy as np
 
-from engine.pool import PoolDescription
+from kvpush.channel.pool import PoolDescription
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "kvpush"
@@ -42,7 +42,7 @@ class PoolMemory(abc.ABC):
 
     Who uses what, and when:
 
-    * the sidecar makes it at start (``SidecarBase.start``, through ``sidecar/pools.py``:
+    * the sidecar makes it at start (``SidecarBase.start``, through ``kvpush/sidecar/pools.py``:
       ``ShmMemory.create``); its transport registers it (``base_address``, ``size``,
       ``mem_kind``, ``device_id``) and the same numbers go into the engine's record for
       peers to address it;
@@ -97,7 +97,7 @@ class DeviceMemory(PoolMemory, abc.ABC):
     """GPU pools: device memory the sidecar allocates on its engine's GPU, registered
     with NIXL as VRAM, shared with the engine by a CUDA IPC handle (``share_handle``
     returns it serialised). ``tensor`` is what copies use instead of ``host_view``.
-    The implementation is ``engine.device_memory.CudaPoolMemory``."""
+    The implementation is ``kvpush.channel.device_memory.CudaPoolMemory``."""
 
     @property
     def mem_kind(self) -> str:
@@ -170,7 +170,7 @@ class SegmentOwner:
 @dataclasses.dataclass(frozen=True)
 class SegmentName:
     """A segment's file name in SHM_DIR, in its parts: the creator's tag (for a sidecar's
-    pools its engine id, role and pool: ``sidecar.pools.pool_tag``), its owner, a nonce."""
+    pools its engine id, role and pool: ``kvpush.sidecar.pools.pool_tag``), its owner, a nonce."""
 
     tag: str
     owner: SegmentOwner
@@ -332,24 +332,3 @@ class ShmMemory(PoolMemory):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _attach_vram(desc: PoolDescription, engine_device: int | None) -> PoolMemory:
-    from engine.device_memory import CudaPoolMemory  # torch and CUDA only where a VRAM pool is used
-    return CudaPoolMemory.attach(desc, engine_device)
-
-
-# How the engine maps a pool its sidecar made, by memory kind.
-_ATTACH = {"DRAM": lambda desc, _device: ShmMemory.attach(desc.share_handle, desc.size_bytes),
-           "VRAM": _attach_vram}
-
-
-def attach_pool(desc: PoolDescription, engine_device: int | None = None) -> PoolMemory:
-    """Map the pool an ``engine.pool.PoolDescription`` describes into this process.
-    ``engine_device``: the CUDA device index of the engine (None: none), which a VRAM pool
-    must be on. Raises ``PoolMapError`` (a ``ValueError``) or ``OSError`` naming the pool."""
-    attach = _ATTACH.get(desc.memory_kind)
-    if attach is None:
-        raise PoolMapError(f"the sidecar's {desc.role} pool is {desc.memory_kind!r} memory; the engine side "
-                           f"maps {sorted(_ATTACH)}")
-    return attach(desc, engine_device)

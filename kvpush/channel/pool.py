@@ -11,7 +11,7 @@ from kvpush.contract.layout import KvLayout
 @dataclasses.dataclass(frozen=True)
 class PoolDescription:
     """What the engine process needs to map a pool and address it: the sidecar's
-    HELLO answer. ``engine.memory.attach_pool`` maps it by its memory kind."""
+    HELLO answer. ``kvpush.channel.memory.attach_pool`` maps it by its memory kind."""
 
     role: str  # "landing" | "staging"
     memory_kind: str  # "DRAM" (a shared-memory segment) or "VRAM" (device memory, by IPC handle)
@@ -53,7 +53,7 @@ class StagingAllocation:
     unit_bytes: int
     layer_stride: int  # bytes between the same unit in consecutive layers
     # The heads staged here, of the rank's own (its cache's head axis): a tensor-parallel
-    # push stages one allocation per head share (``engine/head_plan.py``). 0 heads: all.
+    # push stages one allocation per head share (``kvpush/channel/head_plan.py``). 0 heads: all.
     first_head: int = 0
     num_heads: int = 0
 

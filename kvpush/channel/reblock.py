@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.geometry import DestGeometry
-from engine.head_plan import HeadPlan
-from engine.pool import PoolDescription, StagingAllocation
+from kvpush.channel.geometry import DestGeometry
+from kvpush.channel.head_plan import HeadPlan
+from kvpush.channel.pool import PoolDescription, StagingAllocation
 from kvpush.contract.layout import KvLayout
 
 
@@ -104,7 +104,7 @@ def stage_from_cache(pool_bytes: np.ndarray, alloc: StagingAllocation, geom: Des
 def unshare_landing(pool_bytes, desc: PoolDescription, plan: HeadPlan, rank: int, block_ids,
                     num_tokens: int) -> None:
     """Decode, before loading: a reservation's landing blocks on ``rank``, which hold the
-    head shares of several prefill ranks one after another (``engine/head_plan.py``),
+    head shares of several prefill ranks one after another (``kvpush/channel/head_plan.py``),
     rewritten in place in the canonical layout, layer by layer. Only this rank reads its
     pool, and only after LANDED: nothing else sees the blocks in between. ``pool_bytes``:
     the pool as 1-D uint8, host memory (numpy) or a device pool's torch tensor (the

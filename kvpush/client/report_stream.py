@@ -1,5 +1,5 @@
 """Lifecycle reports over one long-lived ``Registry.ReportStates`` stream
-(``client/tagged_stream.py``): what a sidecar sends instead of one ``ReportState``
+(``kvpush/client/tagged_stream.py``): what a sidecar sends instead of one ``ReportState``
 call each. Many reports share a message, and the control plane commits their
 transitions together. A refused report raises the ``grpc.aio.AioRpcError`` the
 unary call would have raised (same code, same details), so a caller handles both
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import grpc
 
-from client.control_plane import ControlPlaneClient
-from client.tagged_stream import CODES, TaggedStream
+from kvpush.client.control_plane import ControlPlaneClient
+from kvpush.client.tagged_stream import CODES, TaggedStream
 from kvpush.contract.v1 import registry_pb2, types_pb2
 
 

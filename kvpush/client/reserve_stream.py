@@ -1,4 +1,4 @@
-"""Reserve over one long-lived ReserveStream (``client/tagged_stream.py``): the client
+"""Reserve over one long-lived ReserveStream (``kvpush/client/tagged_stream.py``): the client
 side of group commit. Under load a message carries many asks, and one answer message
 comes back for each group commit; a lone ask still goes out at once.
 
@@ -16,8 +16,8 @@ import asyncio
 
 import grpc
 
-from client.control_plane import ControlPlaneClient
-from client.tagged_stream import CODES, TaggedStream
+from kvpush.client.control_plane import ControlPlaneClient
+from kvpush.client.tagged_stream import CODES, TaggedStream
 from kvpush import log
 from kvpush.contract.v1 import scheduler_pb2, types_pb2
 

@@ -1,5 +1,6 @@
-"""kvpush's vLLM KV connector: lives inside vLLM, talks only to its local sidecar.
-Its bytes are copied by a CacheCopier (``engine/copier.py``).
+"""kvpush's vLLM KV connector: lives inside vLLM, talks only to its local sidecar. It
+moves no bytes over the network (no NIXL here) and imports nothing of the sidecar; what
+both speak is ``kvpush.channel``. Its bytes are copied by a CacheCopier (``copiers/``).
 
     kvpush_connector.py  KVPushConnector, the class vLLM loads (facade)
     scheduler.py         scheduler side: who pushes, who loads, each step's plan
@@ -8,10 +9,13 @@ Its bytes are copied by a CacheCopier (``engine/copier.py``).
     ordered_sends.py     the frames that wait for a GPU copy (PUSH, CONSUMED), in order
     landing_watch.py     decode scheduler side: what the sidecar says of awaited reservations
     handover_watch.py    prefill scheduler side: reservations of requests that arrived first
-    sidecar_link.py      connecting to the sidecar, HELLO
+    sidecar_link.py      connecting to the sidecar, HELLO, dialing again when it goes away
+    sidecar_client.py    SidecarClient: the engine's end of the local channel
+    copiers/             copier.py (the seam), cpu_copier.py and cache_codec.py (the CPU
+                         backend's packed caches), torch_copier.py (vLLM's GPU layouts)
     config.py            kv_connector_extra_config
     stats.py             counters, written as JSON for readers outside the engine
 
 Load it with ``kv_connector="KVPushConnector"``,
-``kv_connector_module_path="engine.connector.kvpush_connector"`` (see kvpush_connector.py).
+``kv_connector_module_path="kvpush.connector.kvpush_connector"`` (see kvpush_connector.py).
 """

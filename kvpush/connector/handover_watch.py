@@ -2,7 +2,7 @@
 
 The router sends a prefill request without waiting for its Reserve answer
 (``kvpush.contract.transfer_params.AwaitParams``); the prefill sidecar hears the reservation
-through the control plane's watch (``sidecar/handover.py``). This holds one channel
+through the control plane's watch (``kvpush/sidecar/handover.py``). This holds one channel
 client in the scheduler's process: ``expect`` asks the sidecar (AWAIT) once per
 request and keeps what comes back, at once or later by a RESERVATION frame on the
 client's reader thread; ``wait_change`` lets an idle scheduler sleep until one
@@ -14,8 +14,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from engine.connector.sidecar_link import SchedulerChannel
-from engine.channel import SidecarClient
+from kvpush.connector.sidecar_link import SchedulerChannel
+from kvpush.connector.sidecar_client import SidecarClient
 
 
 class HandoverWatch(SchedulerChannel):

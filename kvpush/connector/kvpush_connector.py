@@ -1,14 +1,14 @@
 """``KVPushConnector``: vLLM's KV connector for kvpush (the class vLLM loads).
 
     --kv-transfer-config '{"kv_connector": "KVPushConnector",
-                           "kv_connector_module_path": "engine.connector.kvpush_connector",
+                           "kv_connector_module_path": "kvpush.connector.kvpush_connector",
                            "kv_role": "kv_producer",            # prefill engines; "kv_consumer" for decode
                            "kv_load_failure_policy": "recompute",  # required on decode engines
                            "kv_connector_extra_config": {"sidecar_socket": "/path/to/sidecar.sock",
                                                          "stats_dir": "/path/to/stats"}}'
 
-A thin facade: scheduler-side calls go to ``engine.connector.scheduler.KVPushScheduler``,
-worker-side calls to ``engine.connector.worker.KVPushWorker``. What each engine does is
+A thin facade: scheduler-side calls go to ``kvpush.connector.scheduler.KVPushScheduler``,
+worker-side calls to ``kvpush.connector.worker.KVPushWorker``. What each engine does is
 decided by its sidecar's role (prefill sidecar: push; decode sidecar: load),
 and per request by ``kv_transfer_params["kvpush"]``; requests without it are
 served normally.
@@ -28,19 +28,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from engine.cache_codec import BlockCodec
-from engine.copier import CacheCopier, CopyError
-from engine.cpu_copier import CpuCopier
-from engine.torch_copier import TorchCopier, describe_cache
-from engine.connector.config import ConfigError, ConnectorConfig
-from engine.connector.handover_watch import HandoverWatch
-from engine.connector.landing_watch import LandingWatch
-from engine.connector.metadata import KVPushConnectorMetadata
-from engine.connector.scheduler import DecodeTiming, KVPushScheduler
-from engine.connector.sidecar_link import connect, hello_once
+from kvpush.connector.copiers.cache_codec import BlockCodec
+from kvpush.connector.copiers.copier import CacheCopier, CopyError
+from kvpush.connector.copiers.cpu_copier import CpuCopier
+from kvpush.connector.copiers.torch_copier import TorchCopier, describe_cache
+from kvpush.connector.config import ConfigError, ConnectorConfig
+from kvpush.connector.handover_watch import HandoverWatch
+from kvpush.connector.landing_watch import LandingWatch
+from kvpush.connector.metadata import KVPushConnectorMetadata
+from kvpush.connector.scheduler import DecodeTiming, KVPushScheduler
+from kvpush.connector.sidecar_link import connect, hello_once
 from kvpush.contract.layout import FP8_DTYPES, KvLayout, scales_digest
 from kvpush.contract.states import DECODE, PREFILL
-from engine.connector.worker import KVPushWorker
+from kvpush.connector.worker import KVPushWorker
 from kvpush.trace import Trace
 
 if TYPE_CHECKING:

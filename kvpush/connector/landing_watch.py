@@ -20,8 +20,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from engine.connector.sidecar_link import SchedulerChannel, SidecarInfo
-from engine.channel import ChannelError, SidecarClient
+from kvpush.connector.sidecar_link import SchedulerChannel, SidecarInfo
+from kvpush.connector.sidecar_client import ChannelError, SidecarClient
 from kvpush.contract.states import LandingState
 
 log = logging.getLogger(f"vllm.{__name__}")  # under "vllm": logged with the engine's own handlers

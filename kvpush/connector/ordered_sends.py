@@ -19,7 +19,7 @@ import logging
 import threading
 from typing import Callable
 
-from engine.copier import Fence
+from kvpush.connector.copiers.copier import Fence
 
 log = logging.getLogger(f"vllm.{__name__}")
 

@@ -13,7 +13,7 @@ Prefill (the engine's sidecar has the prefill role, request role "prefill"):
     staging copy holds it). The first spec carries the reservation (BEGIN).
     A request the router sent before its Reserve answered (``AwaitParams``) is
     held ("not yet", nothing computed) until the sidecar hands over its
-    reservation (``engine.connector.handover_watch``), or computed without a push after
+    reservation (``kvpush.connector.handover_watch``), or computed without a push after
     its wait. Either way its answer says whether it pushed (``push_report`` in
     the response's ``kv_transfer_params``): the router sends decode a load only
     when it did.
@@ -22,7 +22,7 @@ Prefill (the engine's sidecar has the prefill role, request role "prefill"):
 
 Decode (sidecar role decode, request role "decode"):
     a request is admitted only once its reservation has LANDED (the scheduler
-    hears it from the sidecar through ``engine.connector.landing_watch``); until
+    hears it from the sidecar through ``kvpush.connector.landing_watch``); until
     then ``get_num_new_matched_tokens`` answers "not yet" (None) and vLLM
     keeps it waiting without blocks. Landed, it is a *synchronous* external
     load of the reserved prompt tokens beyond the local prefix-cache hit: the
@@ -58,14 +58,14 @@ import logging
 import time
 from collections.abc import Callable
 
-from engine.connector.handover_watch import HandoverWatch
-from engine.connector.landing_watch import LandingWatch
-from engine.connector.metadata import KVPushConnectorMetadata, LoadSpec, PushSpec
-from engine.connector.sidecar_link import SidecarInfo
+from kvpush.connector.handover_watch import HandoverWatch
+from kvpush.connector.landing_watch import LandingWatch
+from kvpush.connector.metadata import KVPushConnectorMetadata, LoadSpec, PushSpec
+from kvpush.connector.sidecar_link import SidecarInfo
 from kvpush.contract.states import DECODE, PREFILL, LandingState
 from kvpush.trace import Trace
 from kvpush.contract.transfer_params import AloneParams, AwaitParams, PushParams, TransferParamsError, push_report
-from engine.channel import ChannelError
+from kvpush.connector.sidecar_client import ChannelError
 
 log = logging.getLogger(f"vllm.{__name__}")  # under "vllm": logged with the engine's own handlers
 

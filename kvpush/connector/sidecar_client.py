@@ -10,8 +10,8 @@ and nothing overtakes the backlog. Calls that need an answer (``begin_push``,
 ``recv`` when nothing comes, matches replies to callers and queues events (push
 outcomes on the prefill side, LANDED/FAILED on the decode side).
 
-The sidecar's end is ``sidecar/channel_server.py`` (what each frame does there:
-``ChannelHandler``); the frames are ``engine/frames.py``; round-trip time: ``measure_rtt``.
+The sidecar's end is ``kvpush/sidecar/channel_server.py`` (what each frame does there:
+``ChannelHandler``); the frames are ``kvpush/channel/frames.py``; round-trip time: ``measure_rtt``.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import threading
 import time
 from typing import Callable
 
-from engine import frames as F
-from engine.pool import StagingAllocation
+from kvpush.channel import frames as F
+from kvpush.channel.pool import StagingAllocation
 
 log = logging.getLogger(__name__)
 

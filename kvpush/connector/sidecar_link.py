@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable
 
 from kvpush.contract.layout import KvLayout
-from engine.channel import ChannelError, SidecarClient
-from engine.pool import PoolDescription
+from kvpush.connector.sidecar_client import ChannelError, SidecarClient
+from kvpush.channel.pool import PoolDescription
 
 log = logging.getLogger(f"vllm.{__name__}")  # under "vllm": logged with the engine's own handlers
 

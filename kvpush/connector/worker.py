@@ -12,7 +12,7 @@ Prefill (sidecar role prefill):
 
 Decode (sidecar role decode):
     the scheduler admits a request only once its reservation has LANDED
-    (``engine.connector.scheduler``), so each ``LoadSpec`` is a synchronous load:
+    (``kvpush.connector.scheduler``), so each ``LoadSpec`` is a synchronous load:
     ``start_load_kv`` (before the forward pass) copies the landing blocks into
     the request's blocks and sends CONSUMED (fire-and-forget: the landing
     blocks are free again). A copy that fails (the sidecar restarted under
@@ -21,10 +21,10 @@ Decode (sidecar role decode):
     (``kv_load_failure_policy="recompute"``).
 
 Bytes move in kvpush's canonical block layout, copied by a ``CacheCopier``
-(``engine/copier.py``; on the CPU ``engine.cpu_copier.CpuCopier``, on a GPU
-``engine.torch_copier.TorchCopier``). A GPU copy is only enqueued when the copier
+(``kvpush/connector/copiers/copier.py``; on the CPU ``kvpush.connector.copiers.cpu_copier.CpuCopier``, on a GPU
+``kvpush.connector.copiers.torch_copier.TorchCopier``). A GPU copy is only enqueued when the copier
 returns: the frames that let the sidecar touch the pool (PUSH, CONSUMED) wait for its
-fence on a sender thread, in order with END (``engine/connector/ordered_sends.py``).
+fence on a sender thread, in order with END (``kvpush/connector/ordered_sends.py``).
 """
 
 from __future__ import annotations
@@ -36,22 +36,22 @@ import os
 import threading
 import time
 
-from engine.copier import CacheCopier, CopyError
-from engine.connector.config import ConnectorConfig
-from engine.connector.ordered_sends import OrderedSends
-from engine.connector.metadata import KVPushConnectorMetadata, LoadSpec, PushSpec
-from engine.connector.sidecar_link import Redialer, SidecarInfo, connect
+from kvpush.connector.copiers.copier import CacheCopier, CopyError
+from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.ordered_sends import OrderedSends
+from kvpush.connector.metadata import KVPushConnectorMetadata, LoadSpec, PushSpec
+from kvpush.connector.sidecar_link import Redialer, SidecarInfo, connect
 from kvpush.contract.states import DECODE, PREFILL
-from engine.connector.stats import Counters
+from kvpush.connector.stats import Counters
 from kvpush.trace import Trace
-from engine import frames as F
-from engine.channel import ChannelError, SidecarClient
-from engine import reblock
-from engine.geometry import DestGeometry
-from engine.head_plan import plan_heads
-from engine.device_memory import current_cuda_device
-from engine.memory import attach_pool
-from engine.pool import StagingAllocation
+from kvpush.channel import frames as F
+from kvpush.connector.sidecar_client import ChannelError, SidecarClient
+from kvpush.channel import reblock
+from kvpush.channel.geometry import DestGeometry
+from kvpush.channel.head_plan import plan_heads
+from kvpush.channel.device_memory import current_cuda_device
+from kvpush.channel.attach import attach_pool
+from kvpush.channel.pool import StagingAllocation
 
 log = logging.getLogger(f"vllm.{__name__}")  # under "vllm": logged with the engine's own handlers
 
@@ -352,7 +352,7 @@ class KVPushWorker:
 
     def _unshare(self, spec: LoadSpec) -> None:
         """Prefill ranks that each sent part of this rank's heads landed their shares one
-        after another: put the heads in place first (``engine/head_plan.py``)."""
+        after another: put the heads in place first (``kvpush/channel/head_plan.py``)."""
         layout = self.info.layout
         plan = plan_heads(dataclasses.replace(layout, tp_size=spec.src_tp), layout)
         if plan.in_place(self.rank):

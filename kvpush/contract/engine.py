@@ -3,7 +3,7 @@
 The control plane stores it in etcd (JSON: ``encode``/``decode``) and serves it as
 the ``kvpush.v1.Engine`` message (``to_proto``/``from_proto``); a sidecar builds its
 own at start and publishes it, and a prefill sidecar caches its decode peers' records
-(``sidecar/peers.py``). What a pusher needs of a peer (agent, metadata, pool address
+(``kvpush/sidecar/peers.py``). What a pusher needs of a peer (agent, metadata, pool address
 and size, block count, layout, memory kind) is checked by ``push_problem``, not at
 construction: the control plane also holds records of simulated engines, which have
 no pool behind them.

@@ -15,7 +15,7 @@ blocks are contiguous is a single NIXL descriptor (see docs/ARCHITECTURE.md).
 Tensor parallelism: a layout describes the whole engine (``num_kv_heads`` is the
 model's, ``tp_size`` its ranks) and every byte size below is of *one rank's* share,
 its ``local_kv_heads``: each rank's pool is laid out alike. Prefill and decode may
-differ in ``tp_size``; ``engine/head_plan.py`` maps heads between their ranks.
+differ in ``tp_size``; ``kvpush/channel/head_plan.py`` maps heads between their ranks.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What a decode engine's prefix cache holds, as its sidecar reports it to the control plane.
 
-The sidecar follows the engine's KV events (``sidecar/kv_events.py``) and sends, at
+The sidecar follows the engine's KV events (``kvpush/sidecar/kv_events.py``) and sends, at
 most every report interval and only when something changed, one ``PrefixReport``:
 
 * a **snapshot** (``seq == 0``): every block key the engine holds, starting a new

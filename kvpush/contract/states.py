@@ -3,7 +3,7 @@
 * ``State``: the reservation lifecycle. It *is* the proto enum
   ``kvpush.v1.ReservationState`` (the members are built from the generated
   descriptor, so a state added to the proto appears here and nothing can drift);
-  the control plane moves it (``controlplane/lifecycle.py``), everything else reads it.
+  the control plane moves it (``kvpush/controlplane/lifecycle.py``), everything else reads it.
 * ``PushState``: one push as the prefill sidecar runs it (local, never stored).
 * ``LandingState``: one reservation as the decode sidecar sees it land (local);
   the decode connector reads it from the channel's events.

@@ -6,15 +6,15 @@ import dataclasses
 
 import grpc
 
-from controlplane import errors, keys, validation as v
-from controlplane.api import unary
-from controlplane.auth import Auth, new_token
-from controlplane.etcd import EtcdClient, EtcdUnavailable, cmp_create, cmp_mod, op_delete, op_put
-from controlplane.lifecycle import Lifecycle
+from kvpush.controlplane import errors, keys, validation as v
+from kvpush.controlplane.api import unary
+from kvpush.controlplane.auth import Auth, new_token
+from kvpush.controlplane.etcd import EtcdClient, EtcdUnavailable, cmp_create, cmp_mod, op_delete, op_put
+from kvpush.controlplane.lifecycle import Lifecycle
 from kvpush.contract.states import State
-from controlplane.records import TenantRecord
-from controlplane.engine_events import engine_proto
-from controlplane.view import View, token_hash
+from kvpush.controlplane.records import TenantRecord
+from kvpush.controlplane.engine_events import engine_proto
+from kvpush.controlplane.view import View, token_hash
 from kvpush.contract.v1 import admin_pb2, admin_pb2_grpc, types_pb2
 
 

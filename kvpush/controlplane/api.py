@@ -10,8 +10,8 @@ import functools
 import grpc
 import structlog
 
-from controlplane.errors import ApiError
-from controlplane.validation import no_unknown_fields
+from kvpush.controlplane.errors import ApiError
+from kvpush.controlplane.validation import no_unknown_fields
 from kvpush import log
 
 _log = log.get("api")

@@ -11,9 +11,9 @@ import secrets
 
 import grpc
 
-from controlplane.errors import ApiError
-from controlplane.records import TenantRecord
-from controlplane.view import View
+from kvpush.controlplane.errors import ApiError
+from kvpush.controlplane.records import TenantRecord
+from kvpush.controlplane.view import View
 
 TOKEN_PREFIX = "kvp_"
 

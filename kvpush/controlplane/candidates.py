@@ -14,8 +14,8 @@ import dataclasses
 
 import numpy as np
 
-from controlplane.records import TenantRecord
-from controlplane.view import View
+from kvpush.controlplane.records import TenantRecord
+from kvpush.controlplane.view import View
 from kvpush.contract.engine import EngineRecord
 from kvpush.contract.layout import KvLayout
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Callable
 
-from controlplane.view import EngineChange, View
-from controlplane.watch_queue import WatchQueue
+from kvpush.controlplane.view import EngineChange, View
+from kvpush.controlplane.watch_queue import WatchQueue
 from kvpush.contract.engine import EngineRecord
 from kvpush.contract.v1 import scheduler_pb2, types_pb2
 

@@ -34,8 +34,8 @@ from typing import AsyncIterator, Iterable, NamedTuple, Sequence
 import grpc
 from aetcd import rpc
 
-from controlplane import metrics
-from controlplane.etcd_keepalive import KeepAliveStream
+from kvpush.controlplane import metrics
+from kvpush.controlplane.etcd_keepalive import KeepAliveStream
 from kvpush.tls import channel_credentials
 
 log = logging.getLogger(__name__)

@@ -23,8 +23,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from controlplane import metrics
-from controlplane.etcd import EtcdClient, EtcdUnavailable, op_txn
+from kvpush.controlplane import metrics
+from kvpush.controlplane.etcd import EtcdClient, EtcdUnavailable, op_txn
 
 # Nested compare-and-swaps per transaction (etcd's default limit on one transaction's
 # operations is 128, and a nested transaction counts as one).

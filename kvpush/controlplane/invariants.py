@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from controlplane import keys
-from controlplane.etcd import EtcdClient
+from kvpush.controlplane import keys
+from kvpush.controlplane.etcd import EtcdClient
 from kvpush.contract.states import State
 from kvpush.contract.engine import EngineRecord
 from kvpush.contract.prefixes import PrefixReport, PrefixReportError
-from controlplane.records import ReservationRecord, TenantRecord
-from controlplane.view import QUARANTINE_MS
+from kvpush.controlplane.records import ReservationRecord, TenantRecord
+from kvpush.controlplane.view import QUARANTINE_MS
 
 
 @dataclasses.dataclass

@@ -12,7 +12,7 @@ import asyncio
 import math
 import time
 
-from controlplane.etcd import EtcdClient
+from kvpush.controlplane.etcd import EtcdClient
 
 # One tombstone lease per second of endings. Every record under a lease is deleted in
 # one etcd revision when it runs out, and every replica's watch gets all of them at

@@ -13,15 +13,15 @@ import dataclasses
 
 import grpc
 
-from controlplane import errors, keys, metrics
-from controlplane.etcd import KV, EtcdClient, EtcdLeaseNotFound, EtcdUnavailable, chunks, cmp_create, \
+from kvpush.controlplane import errors, keys, metrics
+from kvpush.controlplane.etcd import KV, EtcdClient, EtcdLeaseNotFound, EtcdUnavailable, chunks, cmp_create, \
     cmp_mod, op_delete, op_put, op_txn
-from controlplane.group_commit import BATCH, GroupCommit
-from controlplane.leases import LeaseBuckets
-from controlplane.lifecycle_states import LEGAL, IllegalTransition, Move, decide
+from kvpush.controlplane.group_commit import BATCH, GroupCommit
+from kvpush.controlplane.leases import LeaseBuckets
+from kvpush.controlplane.lifecycle_states import LEGAL, IllegalTransition, Move, decide
 from kvpush.contract.states import UNLANDED, State
-from controlplane.records import ReservationRecord, now_ms
-from controlplane.view import View
+from kvpush.controlplane.records import ReservationRecord, now_ms
+from kvpush.controlplane.view import View
 from kvpush import log
 
 _log = log.get("lifecycle")

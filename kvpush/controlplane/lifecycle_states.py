@@ -1,7 +1,7 @@
 """The reservation lifecycle as data: the legal moves between its states
 (``kvpush.contract.states.State``, the proto's enum).
 
-``controlplane.lifecycle`` is the only module that *performs* transitions (by
+``kvpush.controlplane.lifecycle`` is the only module that *performs* transitions (by
 compare-and-swap in etcd); this one only says which are legal, so it can be
 tested exhaustively without etcd.
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import asyncio
 
-from controlplane import errors
-from controlplane.lifecycle import Lifecycle
+from kvpush.controlplane import errors
+from kvpush.controlplane.lifecycle import Lifecycle
 from kvpush.contract.states import UNLANDED, State
-from controlplane.view import EngineChange, ReservationChange, View
+from kvpush.controlplane.view import EngineChange, ReservationChange, View
 from kvpush import log
 
 _log = log.get("reaper")

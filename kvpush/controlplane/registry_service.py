@@ -9,18 +9,18 @@ import asyncio
 
 import structlog
 
-from controlplane import errors, keys, validation as v
-from controlplane.api import check_parsed, streaming, unary
-from controlplane.auth import Auth
-from controlplane.etcd import KV, EtcdClient, EtcdUnavailable, cmp_mod, op_put
-from controlplane.lifecycle import Lifecycle
+from kvpush.controlplane import errors, keys, validation as v
+from kvpush.controlplane.api import check_parsed, streaming, unary
+from kvpush.controlplane.auth import Auth
+from kvpush.controlplane.etcd import KV, EtcdClient, EtcdUnavailable, cmp_mod, op_put
+from kvpush.controlplane.lifecycle import Lifecycle
 from kvpush.contract.states import State
-from controlplane.records import now_ms
+from kvpush.controlplane.records import now_ms
 from kvpush.contract.engine import MEMORY_KINDS, EngineRecord
-from controlplane.engine_events import engine_proto
-from controlplane.scheduler_service import watch_events
-from controlplane.tagged_stream import outcome, serve_tagged
-from controlplane.view import View
+from kvpush.controlplane.engine_events import engine_proto
+from kvpush.controlplane.scheduler_service import watch_events
+from kvpush.controlplane.tagged_stream import outcome, serve_tagged
+from kvpush.controlplane.view import View
 from kvpush import log
 from kvpush.contract.layout import LayoutError
 from kvpush.contract.prefixes import PrefixReport, PrefixReportError

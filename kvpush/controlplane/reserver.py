@@ -20,17 +20,17 @@ import secrets
 import grpc
 import numpy as np
 
-from controlplane import errors, keys, metrics
-from controlplane.allocator import allocate
-from controlplane.candidates import CandidateCache
-from controlplane.etcd import (KV, EtcdClient, EtcdLeaseNotFound, EtcdUnavailable, cmp_create, cmp_mod,
+from kvpush.controlplane import errors, keys, metrics
+from kvpush.controlplane.allocator import allocate
+from kvpush.controlplane.candidates import CandidateCache
+from kvpush.controlplane.etcd import (KV, EtcdClient, EtcdLeaseNotFound, EtcdUnavailable, cmp_create, cmp_mod,
                                op_put, op_touch)
-from controlplane.leases import LeaseBuckets
-from controlplane.lifecycle import move_writes
+from kvpush.controlplane.leases import LeaseBuckets
+from kvpush.controlplane.lifecycle import move_writes
 from kvpush.contract.states import State
 from kvpush.contract.engine import EngineRecord
-from controlplane.records import DecodeAlone, ReservationRecord, TenantRecord, now_ms, to_extents
-from controlplane.view import View
+from kvpush.controlplane.records import DecodeAlone, ReservationRecord, TenantRecord, now_ms, to_extents
+from kvpush.controlplane.view import View
 from kvpush import log
 from kvpush.contract.layout import KvLayout
 

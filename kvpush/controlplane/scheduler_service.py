@@ -8,17 +8,17 @@ import time
 
 import structlog
 
-from controlplane import errors, metrics, validation as v
-from controlplane.api import streaming, unary
-from controlplane.auth import Auth
-from controlplane.engine_events import engine_events, engine_proto
-from controlplane.lifecycle import Lifecycle
+from kvpush.controlplane import errors, metrics, validation as v
+from kvpush.controlplane.api import streaming, unary
+from kvpush.controlplane.auth import Auth
+from kvpush.controlplane.engine_events import engine_events, engine_proto
+from kvpush.controlplane.lifecycle import Lifecycle
 from kvpush.contract.states import State
-from controlplane.records import ReservationRecord, now_ms
-from controlplane.reserver import Reserver, ReserveAsk
-from controlplane.tagged_stream import outcome, serve_tagged
-from controlplane.view import ReservationChange, View
-from controlplane.watch_queue import WatchQueue
+from kvpush.controlplane.records import ReservationRecord, now_ms
+from kvpush.controlplane.reserver import Reserver, ReserveAsk
+from kvpush.controlplane.tagged_stream import outcome, serve_tagged
+from kvpush.controlplane.view import ReservationChange, View
+from kvpush.controlplane.watch_queue import WatchQueue
 from kvpush.contract.layout import KvLayout, LayoutError
 from kvpush.contract.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2
 

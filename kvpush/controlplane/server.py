@@ -13,18 +13,18 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import REGISTRY, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
-from controlplane import metrics
-from controlplane.admin_service import AdminService
-from controlplane.api import add_service
-from controlplane.auth import Auth
-from controlplane.etcd import EtcdClient, EtcdSecurity
-from controlplane.leases import LeaseBuckets
-from controlplane.lifecycle import Lifecycle
-from controlplane.reaper import Reaper
-from controlplane.registry_service import RegistryService
-from controlplane.reserver import Reserver
-from controlplane.scheduler_service import DEFAULT_DEADLINE_MS, SchedulerService
-from controlplane.view import QUARANTINE_MS, View, follow
+from kvpush.controlplane import metrics
+from kvpush.controlplane.admin_service import AdminService
+from kvpush.controlplane.api import add_service
+from kvpush.controlplane.auth import Auth
+from kvpush.controlplane.etcd import EtcdClient, EtcdSecurity
+from kvpush.controlplane.leases import LeaseBuckets
+from kvpush.controlplane.lifecycle import Lifecycle
+from kvpush.controlplane.reaper import Reaper
+from kvpush.controlplane.registry_service import RegistryService
+from kvpush.controlplane.reserver import Reserver
+from kvpush.controlplane.scheduler_service import DEFAULT_DEADLINE_MS, SchedulerService
+from kvpush.controlplane.view import QUARANTINE_MS, View, follow
 from kvpush import log
 from kvpush.aio import tune_gc, until_signalled, write_ready_file
 from kvpush.contract.v1 import admin_pb2, admin_pb2_grpc, registry_pb2, registry_pb2_grpc, scheduler_pb2, \

@@ -1,4 +1,4 @@
-"""The server side of a tagged stream (``client/tagged_stream.py``): items read from
+"""The server side of a tagged stream (``kvpush/client/tagged_stream.py``): items read from
 the stream are started at once, each answered by tag as it completes, and every answer
 ready goes out in one message. Reads and answers overlap, so a client's next message
 is taken in while earlier items are still being committed (which is what lets group
@@ -11,9 +11,9 @@ import functools
 import time
 from typing import AsyncIterator, Callable, Iterable
 
-from controlplane import errors
-from controlplane.api import check_parsed
-from controlplane.validation import no_unknown_fields
+from kvpush.controlplane import errors
+from kvpush.controlplane.api import check_parsed
+from kvpush.controlplane.validation import no_unknown_fields
 from kvpush.contract.limits import MAX_ASKS_PER_MESSAGE
 
 

@@ -7,7 +7,7 @@ import re
 from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from controlplane.errors import invalid
+from kvpush.controlplane.errors import invalid
 
 TENANT_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 ENGINE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")

@@ -19,12 +19,12 @@ from typing import Callable
 
 import numpy as np
 
-from controlplane import keys
-from controlplane.etcd import KV, EtcdClient, EtcdUnavailable, WatchCompacted, watch_event
+from kvpush.controlplane import keys
+from kvpush.controlplane.etcd import KV, EtcdClient, EtcdUnavailable, WatchCompacted, watch_event
 from kvpush.contract.states import State
 from kvpush.contract.engine import EngineRecord
-from controlplane.prefixes import PrefixIndex
-from controlplane.records import ReservationRecord, TenantRecord, now_ms
+from kvpush.controlplane.prefixes import PrefixIndex
+from kvpush.controlplane.records import ReservationRecord, TenantRecord, now_ms
 from kvpush import log
 
 _log = log.get("view")
@@ -123,7 +123,7 @@ class View:
         self.requests: dict[tuple[str, str], str] = {}
         self.usage_fences: dict[str, int] = {}
         self.tenants: dict[str, Entry] = {}
-        self.prefixes = PrefixIndex()                 # decode engines' prefix caches (controlplane/prefixes.py)
+        self.prefixes = PrefixIndex()                 # decode engines' prefix caches (kvpush/controlplane/prefixes.py)
         self.tenant_by_token: dict[str, str] = {}
         self.allocated: dict[str, np.ndarray] = {}   # engine -> bool per block, live reservations
         self.free_count = FreeCounts()               # engine -> blocks not in the bitmap

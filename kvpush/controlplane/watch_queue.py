@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from controlplane import errors
+from kvpush.controlplane import errors
 
 WATCH_QUEUE = 10_000
 

@@ -1,7 +1,7 @@
 """Serving a request on one engine alone, no push: the fallbacks (no reservation, a failed
 engine), conditional disaggregation (a Reserve answered ``decode_alone``), and a turn the
 router guesses will be decode alone, sent ahead of its Reserve to the decode engine that
-served the turn it extends (``router.kv_aware``). Part of ``router.dispatch.Dispatcher``
+served the turn it extends (``kvpush.router.kv_aware``). Part of ``kvpush.router.dispatch.Dispatcher``
 (its ``AlonePath`` base): it uses the dispatcher's upstream, engines, reserve and release."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from aiohttp import web
 
 from kvpush import log
 from kvpush.contract.transfer_params import AloneParams
-from router import ask as asks
-from router import metrics
-from router.errors import ApiError
-from router.upstream import Sent, nothing_sent
+from kvpush.router import ask as asks
+from kvpush.router import metrics
+from kvpush.router.errors import ApiError
+from kvpush.router.upstream import Sent, nothing_sent
 
 _log = log.get("router")
 

@@ -10,17 +10,17 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import generate_latest
 
-from client.control_plane import ControlPlaneClient
+from kvpush.client.control_plane import ControlPlaneClient
 from kvpush import log
 from kvpush.aio import tune_gc, until_signalled, write_ready_file
-from router import connections, metrics
-from router.body import MAX_BODY, read as read_body
-from router.config import RouterConfig
-from router.dispatch import Dispatcher
-from router.engines import EngineDirectory
-from router.errors import ApiError, json_error
-from router.streams import ClientTooSlow
-from router.tokens import HFTokenCounter, TokenCounter
+from kvpush.router import connections, metrics
+from kvpush.router.body import MAX_BODY, read as read_body
+from kvpush.router.config import RouterConfig
+from kvpush.router.dispatch import Dispatcher
+from kvpush.router.engines import EngineDirectory
+from kvpush.router.errors import ApiError, json_error
+from kvpush.router.streams import ClientTooSlow
+from kvpush.router.tokens import HFTokenCounter, TokenCounter
 
 _log = log.get("router")
 # The OpenAI endpoints (path: the endpoint label of their metrics).

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from router.errors import ApiError
+from kvpush.router.errors import ApiError
 
 FIRST_TOKEN, PUSH, PREFILL_ONLY, DECODE_ONLY = "first_token", "push", "prefill_only", "decode_only"
 COMPLETION_MAX_TOKENS_DEFAULT = 16  # vLLM's (and OpenAI's) default for /v1/completions

@@ -12,7 +12,7 @@ import re
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from router.errors import ApiError
+from kvpush.router.errors import ApiError
 
 MAX_BODY = 8 << 20
 # Deeper than any request vLLM takes in earnest (a JSON schema in response_format or

@@ -21,7 +21,7 @@ import math
 from aiohttp import web
 
 from kvpush import log
-from router import metrics
+from kvpush.router import metrics
 
 _log = log.get("router")
 SHED_LOG_INTERVAL_S = 10.0

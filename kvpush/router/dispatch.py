@@ -1,4 +1,4 @@
-"""One request through P/D, on the path ``router.ask`` chose for it, cleaned up
+"""One request through P/D, on the path ``kvpush.router.ask`` chose for it, cleaned up
 whatever way it ends.
 
     first_token  Reserve ──▶ prefill (max_tokens=1, pushes KV) ──▶ first token to the client
@@ -12,7 +12,7 @@ push request may answer ``decode_alone`` instead of a reservation when the decod
 chose lacks only a short rest of the prompt (it holds the rest in its prefix cache, or the
 prompt is short); that engine then serves the request alone, computing the rest itself,
 and a prefill request sent ahead of the answer is taken back. A turn extending one this
-router sent by a short rest (``router.kv_aware``) goes beside its Reserve to the decode
+router sent by a short rest (``kvpush.router.kv_aware``) goes beside its Reserve to the decode
 engine that served that turn, which computes it at once if it still holds the prefix;
 the Reserve's answer keeps it or takes it back.
 
@@ -35,27 +35,27 @@ import aiohttp
 import grpc
 from aiohttp import web
 
-from client.control_plane import ControlPlaneClient
-from client.reserve_stream import ReserveRefused, StreamReserver
+from kvpush.client.control_plane import ControlPlaneClient
+from kvpush.client.reserve_stream import ReserveRefused, StreamReserver
 from kvpush import log
 from kvpush.contract.states import DECODE, PREFILL
 from kvpush.contract.transfer_params import AwaitParams, PushParams, read_push_report
 from kvpush.contract.v1 import scheduler_pb2
-from router import ask as asks
-from router import metrics
-from router.config import RouterConfig
-from router.engines import EngineDirectory
-from router.model_limits import ModelLimits
-from router.alone_path import AlonePath
-from router.push_path import PushPath
-from router.errors import ApiError, json_error
-from router.failover import Failover, with_reservation
-from router.streams import DecodeStreamError, sse_events, sse_response
-from router.upstream import Answering, Upstream
-from router.first_token import (BadHead, Chunks, Tail, decode_body, final_answer, parse_head, prefill_body,
+from kvpush.router import ask as asks
+from kvpush.router import metrics
+from kvpush.router.config import RouterConfig
+from kvpush.router.engines import EngineDirectory
+from kvpush.router.model_limits import ModelLimits
+from kvpush.router.alone_path import AlonePath
+from kvpush.router.push_path import PushPath
+from kvpush.router.errors import ApiError, json_error
+from kvpush.router.failover import Failover, with_reservation
+from kvpush.router.streams import DecodeStreamError, sse_events, sse_response
+from kvpush.router.upstream import Answering, Upstream
+from kvpush.router.first_token import (BadHead, Chunks, Tail, decode_body, final_answer, parse_head, prefill_body,
                                 resume_body)
-from router.kv_aware import KvAware
-from router.tokens import TokenCounter
+from kvpush.router.kv_aware import KvAware
+from kvpush.router.tokens import TokenCounter
 
 _log = log.get("router")
 ENGINES_WAIT_S = 5.0

@@ -16,10 +16,10 @@ import dataclasses
 
 import grpc
 
-from client.control_plane import ControlPlaneClient
+from kvpush.client.control_plane import ControlPlaneClient
 from kvpush import log
 from kvpush.contract.v1 import scheduler_pb2, types_pb2
-from router.config import DecodeEngine, RouterConfig
+from kvpush.router.config import DecodeEngine, RouterConfig
 
 _log = log.get("router")
 Event = scheduler_pb2.EngineEvent

@@ -11,13 +11,13 @@ from typing import Awaitable, Callable
 
 import grpc
 
-from client.control_plane import ControlPlaneClient
+from kvpush.client.control_plane import ControlPlaneClient
 from kvpush import log
 from kvpush.contract.states import DECODE
 from kvpush.contract.transfer_params import PushParams
 from kvpush.contract.v1 import scheduler_pb2
-from router import metrics
-from router.engines import EngineDirectory
+from kvpush.router import metrics
+from kvpush.router.engines import EngineDirectory
 
 _log = log.get("router")
 

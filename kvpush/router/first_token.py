@@ -6,7 +6,7 @@ decode's continuation (the tail) made into the one answer a single engine would 
     decode : /v1/completions, prompt = head.prompt_ids + [head.token_id],
              max_tokens - 1, streamed, return_token_ids ──▶ Tail, chunk by chunk
     client : the first token's text, then the tail's, made here from decode's token ids
-             (router/tokens.py says why), usage and logprobs joined
+             (kvpush/router/tokens.py says why), usage and logprobs joined
 
 Completions and chats share it: decode always runs a completion (its prompt is token
 ids); the client's endpoint decides the shape of what goes back. The response's id,
@@ -20,8 +20,8 @@ import copy
 import dataclasses
 import json
 
-from router.ask import Ask
-from router.errors import error_body
+from kvpush.router.ask import Ask
+from kvpush.router.errors import error_body
 
 # Fields of the client's request that decode does not get as they are: the prompt is
 # the prefill engine's tokens plus its first token; the rest is set by decode_body.

@@ -2,7 +2,7 @@
 guess, before the Reserve answers, of whether a conversation's next turn will be served
 by decode alone.
 
-The router already tokenizes each prompt (``router/tokens.py``); hashing those ids the
+The router already tokenizes each prompt (``kvpush/router/tokens.py``); hashing those ids the
 way the decode engines hash their prefix-cache blocks (``kvpush/contract/block_hash.py``)
 lets the control plane pick the decode engine that already holds the longest prefix of
 the prompt, typically the one that served the conversation's previous turn. Off unless
@@ -34,8 +34,8 @@ from collections import OrderedDict, deque
 from typing import Sequence
 
 from kvpush.contract.block_hash import BlockHasher
-from router import metrics
-from router.config import RouterConfig
+from kvpush.router import metrics
+from kvpush.router.config import RouterConfig
 
 RECENT_TURNS = 65_536  # prompts remembered by their last full block's key (14 MB measured, full)
 UNBOUNDED = 1 << 40

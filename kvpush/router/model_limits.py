@@ -9,10 +9,10 @@ import time
 import aiohttp
 
 from kvpush import log
-from router import ask as asks
-from router.config import RouterConfig
-from router.engines import EngineDirectory
-from router.tokens import TokenCounter
+from kvpush.router import ask as asks
+from kvpush.router.config import RouterConfig
+from kvpush.router.engines import EngineDirectory
+from kvpush.router.tokens import TokenCounter
 
 _log = log.get("router")
 RETRY_S = 5.0

@@ -1,5 +1,5 @@
-"""The push path of a request (``router.ask``: PUSH): prefill pushes the KV and, at once,
-decode loads it and computes every output token. Part of ``router.dispatch.Dispatcher``
+"""The push path of a request (``kvpush.router.ask``: PUSH): prefill pushes the KV and, at once,
+decode loads it and computes every output token. Part of ``kvpush.router.dispatch.Dispatcher``
 (its ``PushPath`` base): it uses the dispatcher's upstream, failover and release."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from aiohttp import web
 from kvpush import log
 from kvpush.contract.states import DECODE, PREFILL
 from kvpush.contract.transfer_params import PushParams
-from router import ask as asks
-from router.failover import with_reservation
-from router.first_token import prefill_body
-from router.upstream import nothing_sent
+from kvpush.router import ask as asks
+from kvpush.router.failover import with_reservation
+from kvpush.router.first_token import prefill_body
+from kvpush.router.upstream import nothing_sent
 
 _log = log.get("router")
 

@@ -9,9 +9,9 @@ import time
 import aiohttp
 from aiohttp import web
 
-from router import ask as asks
-from router import metrics
-from router.streams import BoundedStream
+from kvpush.router import ask as asks
+from kvpush.router import metrics
+from kvpush.router.streams import BoundedStream
 
 
 class Upstream:

@@ -1,5 +1,5 @@
 """Keeps the control plane's word on whether this engine can serve equal to the
-sidecar's (``sidecar/engine_presence.py``), through ``Registry.SetEngineAvailability``.
+sidecar's (``kvpush/sidecar/engine_presence.py``), through ``Registry.SetEngineAvailability``.
 
 Each registration carries the availability of its moment, and its answer says what
 the control plane stored; every change after it is sent, the newest state only,
@@ -17,7 +17,7 @@ from typing import Callable
 import grpc
 
 from kvpush.contract.v1 import registry_pb2, types_pb2
-from sidecar.membership import Backoff, ControlPlaneLink, ServiceConfig, guarded, rpc_error_text, status_code
+from kvpush.sidecar.membership import Backoff, ControlPlaneLink, ServiceConfig, guarded, rpc_error_text, status_code
 
 log = logging.getLogger("kvpush.sidecar")
 WAIT_FOR_REGISTRATION = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION}

@@ -1,7 +1,7 @@
 """What every sidecar has, whatever its role: its pool, its transport, the progress
-driver and the local channel. ``PrefillSidecar`` (``sidecar/prefill.py``) and
-``DecodeSidecar`` (``sidecar/decode.py``) add their role's half of the channel;
-``sidecar/service.py`` makes either one a member of the system.
+driver and the local channel. ``PrefillSidecar`` (``kvpush/sidecar/prefill.py``) and
+``DecodeSidecar`` (``kvpush/sidecar/decode.py``) add their role's half of the channel;
+``kvpush/sidecar/service.py`` makes either one a member of the system.
 
     sidecar = make_sidecar(SidecarConfig(...), on_push_outcome=..., on_landing_event=..., resolver=...)
     await sidecar.start()
@@ -19,22 +19,22 @@ import logging
 import secrets
 from typing import Callable
 
-from engine import frames as F
-from engine.device_memory import check_pool_device
-from engine.pool import StagingAllocation
+from kvpush.channel import frames as F
+from kvpush.channel.device_memory import check_pool_device
+from kvpush.channel.pool import StagingAllocation
 from kvpush.contract.engine import EngineRecord
 from kvpush.contract.layout import KvLayout
 from kvpush.contract.states import DECODE, PREFILL, role_to_proto
 from kvpush.trace import Trace
-from sidecar.channel_server import ChannelHandler, ChannelServer, Connection
-from sidecar.engine_presence import EnginePresence
-from sidecar.kv_events import KvEventsSource
-from sidecar.landing import LandingConfig
-from sidecar.pools import LayerMajorPool, pool_tag, remove_dead_pools
-from sidecar.progress import PollPolicy, ProgressDriver
-from sidecar.push import PushConfig
-from sidecar.transport.base import Transport
-from sidecar.transport.nixl import NixlConfig, NixlTransport
+from kvpush.sidecar.channel_server import ChannelHandler, ChannelServer, Connection
+from kvpush.sidecar.engine_presence import EnginePresence
+from kvpush.sidecar.kv_events import KvEventsSource
+from kvpush.sidecar.landing import LandingConfig
+from kvpush.sidecar.pools import LayerMajorPool, pool_tag, remove_dead_pools
+from kvpush.sidecar.progress import PollPolicy, ProgressDriver
+from kvpush.sidecar.push import PushConfig
+from kvpush.sidecar.transport.base import Transport
+from kvpush.sidecar.transport.nixl import NixlConfig, NixlTransport
 
 log = logging.getLogger(__name__)
 
@@ -48,15 +48,15 @@ class SidecarConfig:
     socket_path: str
     device: int | None = None  # the pool's GPU (its engine's; a VRAM pool), or None: shared memory (DRAM)
     incarnation: str = dataclasses.field(default_factory=lambda: secrets.token_hex(6))
-    backends: tuple[str, ...] = ("UCX",)  # NIXL backends (sidecar/transport/nixl.py)
+    backends: tuple[str, ...] = ("UCX",)  # NIXL backends (kvpush/sidecar/transport/nixl.py)
     poll: PollPolicy = PollPolicy()
     push: PushConfig = PushConfig()
     landing: LandingConfig = LandingConfig()
-    # Unavailable until the engine first connects (sidecar/engine_presence.py); without
+    # Unavailable until the engine first connects (kvpush/sidecar/engine_presence.py); without
     # it the engine counts as there from the start, until its connections go away.
     wait_for_engine: bool = False
     engine_grace_s: float = 1.0  # the engine's last connection closed this long: it is gone
-    # Decode: follow the engine's prefix-cache events (sidecar/kv_events.py); None: not known.
+    # Decode: follow the engine's prefix-cache events (kvpush/sidecar/kv_events.py); None: not known.
     kv_events: KvEventsSource | None = None
 
     def __post_init__(self) -> None:

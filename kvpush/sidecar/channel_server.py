@@ -1,10 +1,10 @@
 """The sidecar's end of the local channel: a Unix-domain socket to its engine's connector.
 
 ``ChannelServer`` parses frames straight from an asyncio ``Protocol`` buffer and
-calls the ``ChannelHandler`` (the sidecar: ``sidecar/base.py`` and its role's
+calls the ``ChannelHandler`` (the sidecar: ``kvpush/sidecar/base.py`` and its role's
 class) synchronously, on the loop, in arrival order; replies and events are
 written without awaiting (the engine reads them on its own thread). The engine's
-end is ``engine/channel.py`` (``SidecarClient``); the frames are ``engine/frames.py``.
+end is ``kvpush/connector/sidecar_client.py`` (``SidecarClient``); the frames are ``kvpush/channel/frames.py``.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import logging
 import os
 from typing import Awaitable
 
-from engine import frames as F
-from engine.pool import StagingAllocation
+from kvpush.channel import frames as F
+from kvpush.channel.pool import StagingAllocation
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class ChannelHandler(abc.ABC):
     waits for comes back as the reply, what it must hear later as an EVENT frame on
     ``conn``. An exception becomes an error reply (or a log line, for frames without one).
 
-    Callers (all in the engine process, ``engine/connector/``): the *worker side* runs in
+    Callers (all in the engine process, ``kvpush/connector/``): the *worker side* runs in
     vLLM's worker process around each forward pass; the *scheduler side* in its
     scheduler (EngineCore) process, once per engine step.
     """

@@ -3,8 +3,8 @@ engine when a reservation has landed.
 
 It never initiates a transfer. Serves QUERY, SUBSCRIBE (an event when the reservation
 ends: LANDED, FAILED, CANCELLED) and CONSUMED (the engine copied it out). The table of
-incoming reservations is ``sidecar/landing.py``. With ``kv_events`` set it also follows the
-engine's prefix-cache events (``sidecar/kv_events.py``): ``held`` is what the engine holds,
+incoming reservations is ``kvpush/sidecar/landing.py``. With ``kv_events`` set it also follows the
+engine's prefix-cache events (``kvpush/sidecar/kv_events.py``): ``held`` is what the engine holds,
 ``on_prefix_change`` hears each change (the service reports them to the control plane).
 """
 
@@ -13,14 +13,14 @@ from __future__ import annotations
 import collections
 from typing import Callable
 
-from engine import frames as F
+from kvpush.channel import frames as F
 from kvpush.contract.block_hash import BlockHasher
-from sidecar.base import SidecarBase, SidecarConfig
-from sidecar.channel_server import Connection
-from sidecar.kv_events import HeldBlocks, HeldChange, KvEventFollower
-from sidecar.landing import LandingEvent, LandingTable
-from sidecar.pools import LandingPool
-from sidecar.transport.base import Transport
+from kvpush.sidecar.base import SidecarBase, SidecarConfig
+from kvpush.sidecar.channel_server import Connection
+from kvpush.sidecar.kv_events import HeldBlocks, HeldChange, KvEventFollower
+from kvpush.sidecar.landing import LandingEvent, LandingTable
+from kvpush.sidecar.pools import LandingPool
+from kvpush.sidecar.transport.base import Transport
 
 
 class DecodeSidecar(SidecarBase):

@@ -1,7 +1,7 @@
 """NIXL descriptors for one push: the destination geometry's virtual ranges mapped to
 addresses on both ends.
 
-Both ends map a request's virtual layer space (``engine/geometry.py``) to physical
+Both ends map a request's virtual layer space (``kvpush/channel/geometry.py``) to physical
 addresses with a ``SegmentMap``:
 
 * staging (local): the request's staging extents, block-aligned;
@@ -21,7 +21,7 @@ import zlib
 
 import numpy as np
 
-from engine.geometry import DestGeometry
+from kvpush.channel.geometry import DestGeometry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +38,7 @@ class SegmentMap:
 
     def window(self, offset: int, length: int) -> "SegmentMap":
         """The map of virtual bytes ``[offset, offset + length)``, re-based to 0: where one
-        head share lands in a decode rank's landing space (``engine/head_plan.py``)."""
+        head share lands in a decode rank's landing space (``kvpush/channel/head_plan.py``)."""
         if offset == 0 and length == self.vend:
             return self
         if offset < 0 or length <= 0 or offset + length > self.vend:

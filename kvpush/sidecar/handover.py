@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import time
 
-from engine import frames as F
-from sidecar.channel_server import Connection
+from kvpush.channel import frames as F
+from kvpush.sidecar.channel_server import Connection
 
 
 class Handover:

@@ -35,11 +35,11 @@ from typing import Callable
 from kvpush.contract.layout import LayoutError
 from kvpush.contract.states import LandingState
 from kvpush.trace import Trace
-from sidecar import notify
-from engine.geometry import DestGeometry
-from sidecar.descriptors import blocks_segment_map, block_checksums
-from sidecar.pools import LandingPool
-from sidecar.progress import ProgressDriver
+from kvpush.sidecar import notify
+from kvpush.channel.geometry import DestGeometry
+from kvpush.sidecar.descriptors import blocks_segment_map, block_checksums
+from kvpush.sidecar.pools import LandingPool
+from kvpush.sidecar.progress import ProgressDriver
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class LandingEvent:
     block_ids: tuple[int, ...] = ()
     num_tokens: int = 0
     source_agent: str = ""
-    src_tp: int = 1  # the pusher's tensor-parallel ranks: how its heads landed (engine/head_plan.py)
+    src_tp: int = 1  # the pusher's tensor-parallel ranks: how its heads landed (kvpush/channel/head_plan.py)
 
 
 @dataclasses.dataclass(frozen=True)

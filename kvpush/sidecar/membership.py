@@ -21,7 +21,7 @@ from typing import Callable
 
 import grpc
 
-from client.control_plane import ControlPlaneClient
+from kvpush.client.control_plane import ControlPlaneClient
 from kvpush.contract.v1 import registry_pb2, types_pb2
 
 log = logging.getLogger("kvpush.sidecar")

@@ -42,8 +42,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvpush.contract.states import LandingState, PushState
-from sidecar.landing import LandingEvent
-from sidecar.push import PushOutcome
+from kvpush.sidecar.landing import LandingEvent
+from kvpush.sidecar.push import PushOutcome
 
 _SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 

@@ -16,7 +16,7 @@ Four kinds, all naming a reservation and the decode engine's incarnation:
   bytes. It restates the block ids, block size and token count (the decode
   side checks them against its pool), the prefill engine's tensor-parallel
   ranks (with its own layout, how the decode side knows where each head landed:
-  ``engine/head_plan.py``) and, in checksum mode, one CRC32 per block.
+  ``kvpush/channel/head_plan.py``) and, in checksum mode, one CRC32 per block.
 * ``ABORT``: best effort, when a push fails or is cancelled, so a waiting
   decode connector learns it before the control plane's deadline.
 

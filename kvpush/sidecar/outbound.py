@@ -1,8 +1,8 @@
-"""One request's push as the pusher (``sidecar/push.py``) tracks it, its settings and
+"""One request's push as the pusher (``kvpush/sidecar/push.py``) tracks it, its settings and
 its outcome.
 
 A request is pushed as *slices*, one per head share of the head plan
-(``engine/head_plan.py``): each is staged by its source rank in the share's own
+(``kvpush/channel/head_plan.py``): each is staged by its source rank in the share's own
 geometry and written into its decode rank's landing blocks. Without tensor
 parallelism on either side there is one slice, every head, the whole request."""
 
@@ -15,13 +15,13 @@ import time
 
 import numpy as np
 
-from engine.geometry import DestGeometry
-from engine.head_plan import HeadShare
-from engine.pool import StagingAllocation
+from kvpush.channel.geometry import DestGeometry
+from kvpush.channel.head_plan import HeadShare
+from kvpush.channel.pool import StagingAllocation
 from kvpush.contract.states import PushState
 from kvpush.contract.target import PushTarget
-from sidecar.descriptors import SegmentMap
-from sidecar.peers import RemotePeer
+from kvpush.sidecar.descriptors import SegmentMap
+from kvpush.sidecar.peers import RemotePeer
 
 
 class PushError(Exception):

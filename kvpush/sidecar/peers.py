@@ -23,7 +23,7 @@ from typing import Awaitable, Callable
 
 from kvpush.contract.engine import EngineRecord
 from kvpush.contract.layout import KvLayout
-from sidecar.transport.base import Transport
+from kvpush.sidecar.transport.base import Transport
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ Both pools use the layout of ``kvpush.contract.layout``: ``[layer][unit][K/V][to
   be freed in one call.
 
 Staging holds KV in the *destination's* block geometry (see
-``engine/geometry.py`` for why), so an allocation is sized in destination
+``kvpush/channel/geometry.py`` for why), so an allocation is sized in destination
 blocks; every destination block lies inside one extent, which keeps the
 engine's copy a handful of numpy slice assignments even when the pool is
 fragmented.
@@ -31,16 +31,16 @@ import numpy as np
 
 from kvpush.contract.layout import KvLayout
 from kvpush.contract.states import DECODE, PREFILL
-from engine.memory import PoolMemory, SegmentName, ShmMemory, safe_tag, sweep_stale_segments
-from engine.pool import PoolDescription, StagingAllocation, StagingExtent
+from kvpush.channel.memory import PoolMemory, SegmentName, ShmMemory, safe_tag, sweep_stale_segments
+from kvpush.channel.pool import PoolDescription, StagingAllocation, StagingExtent
 
 
 def make_pool_memory(tag: str, size: int, device: int | None) -> PoolMemory:
     """The sidecar's pool memory: a shared-memory segment (``device`` None) or device memory
-    on GPU ``device`` (``engine.device_memory``, imported only then: it needs torch)."""
+    on GPU ``device`` (``kvpush.channel.device_memory``, imported only then: it needs torch)."""
     if device is None:
         return ShmMemory.create(tag, size)
-    from engine.device_memory import CudaPoolMemory
+    from kvpush.channel.device_memory import CudaPoolMemory
     return CudaPoolMemory.create(tag, size, device)
 
 
@@ -58,7 +58,7 @@ def remove_dead_pools(engine_id: str, owners: Collection[int] | None = None) -> 
     """Unlink the shared-memory pools that sidecars of ``engine_id`` (either role) left when
     they died without cleaning up (SIGKILL, OOM killer), and return their names. ``owners``:
     only those made by these pids. A live sidecar's pools (another sidecar of the same engine
-    id included) and other engines' are kept: ``engine.memory.sweep_stale_segments``."""
+    id included) and other engines' are kept: ``kvpush.channel.memory.sweep_stale_segments``."""
     engine = safe_tag(engine_id)
 
     def accept(name: SegmentName) -> bool:

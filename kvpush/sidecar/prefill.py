@@ -2,9 +2,9 @@
 
 Serves BEGIN (check the destination, allocate staging), PUSH (one write per staged
 piece), END and AWAIT (a reservation the router named this engine for, from the
-handover). The push itself is ``sidecar/push.py``; decode peers are cached by
-``sidecar/peers.py``; reservations heard before their request are held by
-``sidecar/handover.py``.
+handover). The push itself is ``kvpush/sidecar/push.py``; decode peers are cached by
+``kvpush/sidecar/peers.py``; reservations heard before their request are held by
+``kvpush/sidecar/handover.py``.
 """
 
 from __future__ import annotations
@@ -14,18 +14,18 @@ import collections
 import logging
 from typing import Callable
 
-from engine import frames as F
-from engine.pool import StagingAllocation
+from kvpush.channel import frames as F
+from kvpush.channel.pool import StagingAllocation
 from kvpush.contract.engine import EngineRecord
 from kvpush.contract.states import PushState
 from kvpush.contract.target import PushTarget
-from sidecar.base import SidecarBase, SidecarConfig
-from sidecar.channel_server import Connection
-from sidecar.handover import Handover
-from sidecar.peers import PeerRegistry, RemotePeer, Resolver
-from sidecar.pools import StagingPool
-from sidecar.push import PushEngine, PushOutcome
-from sidecar.transport.base import Transport
+from kvpush.sidecar.base import SidecarBase, SidecarConfig
+from kvpush.sidecar.channel_server import Connection
+from kvpush.sidecar.handover import Handover
+from kvpush.sidecar.peers import PeerRegistry, RemotePeer, Resolver
+from kvpush.sidecar.pools import StagingPool
+from kvpush.sidecar.push import PushEngine, PushOutcome
+from kvpush.sidecar.transport.base import Transport
 
 log = logging.getLogger(__name__)
 # A move heard before its push began waits this long for the engine's BEGIN, then fails

@@ -1,6 +1,6 @@
 """Decode sidecar: what its engine's prefix cache holds, to the control plane, compactly.
 
-The engine's KV events (``sidecar/kv_events.py``) change the held set many times a
+The engine's KV events (``kvpush/sidecar/kv_events.py``) change the held set many times a
 second while it serves; the control plane needs it only to choose a decode engine, so
 changes are folded here and sent at most once per ``interval_s`` (one etcd write per
 engine per interval, never one per event, and nothing on the token path), through
@@ -20,8 +20,8 @@ import logging
 import grpc
 
 from kvpush.contract.prefixes import PrefixReport
-from sidecar.kv_events import HeldBlocks, HeldChange
-from sidecar.membership import Backoff, ControlPlaneLink, ServiceConfig, guarded, rpc_error_text, status_code
+from kvpush.sidecar.kv_events import HeldBlocks, HeldChange
+from kvpush.sidecar.membership import Backoff, ControlPlaneLink, ServiceConfig, guarded, rpc_error_text, status_code
 
 log = logging.getLogger("kvpush.sidecar")
 WAIT_FOR_REGISTRATION = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION}

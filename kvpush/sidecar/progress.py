@@ -36,7 +36,7 @@ import os
 import time
 from typing import Callable
 
-from sidecar.transport.base import DONE, ERR, PROC, Transport
+from kvpush.sidecar.transport.base import DONE, ERR, PROC, Transport
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ per request:
 1. ``begin(request_id, target, rank=)`` once per rank: the first checks the
    destination (peer known and alive, KV layouts compatible, block ids inside its
    pool) *before anything is written*, plans the heads' shares between the ranks
-   (``sidecar/slices.py``) and allocates every share's staging in the destination's
+   (``kvpush/sidecar/slices.py``) and allocates every share's staging in the destination's
    geometry; each rank gets the allocations of the shares it sends, so it knows
    where to copy which heads.
 2. ``push(request_id, layer, start, end, rank=)`` per staged layer or chunk: one
@@ -28,7 +28,7 @@ Every wait is bounded: writes by ``transfer_timeout_s``, peer resolution by
 request to it is refused at ``begin`` without touching the network.
 
 Decode failover (staging held after the push, pushed again into the reservation that
-replaced a failed one) is the other half of the class: ``sidecar/push_failover.py``.
+replaced a failed one) is the other half of the class: ``kvpush/sidecar/push_failover.py``.
 """
 
 from __future__ import annotations
@@ -45,17 +45,17 @@ from kvpush.contract.layout import KvLayout
 from kvpush.contract.states import PushState
 from kvpush.contract.target import PushTarget
 from kvpush.trace import Trace
-from sidecar import notify
-from sidecar.transport.base import TransferError, Transport
-from sidecar import slices
-from sidecar.descriptors import block_checksums
-from sidecar.peers import PeerRegistry, PeerUnavailable, RemotePeer
-from sidecar.pools import StagingFull, StagingPool
-from engine.pool import StagingAllocation
-from sidecar.progress import ProgressDriver
-from sidecar.outbound import Outbound, PushConfig, PushError, PushOutcome
-from sidecar.push_failover import HeldPushes
-from sidecar.staging_hold import StagingHold
+from kvpush.sidecar import notify
+from kvpush.sidecar.transport.base import TransferError, Transport
+from kvpush.sidecar import slices
+from kvpush.sidecar.descriptors import block_checksums
+from kvpush.sidecar.peers import PeerRegistry, PeerUnavailable, RemotePeer
+from kvpush.sidecar.pools import StagingFull, StagingPool
+from kvpush.channel.pool import StagingAllocation
+from kvpush.sidecar.progress import ProgressDriver
+from kvpush.sidecar.outbound import Outbound, PushConfig, PushError, PushOutcome
+from kvpush.sidecar.push_failover import HeldPushes
+from kvpush.sidecar.staging_hold import StagingHold
 
 log = logging.getLogger(__name__)
 

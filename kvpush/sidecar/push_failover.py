@@ -19,14 +19,14 @@ import logging
 
 from kvpush.contract.states import PushState
 from kvpush.contract.target import PushTarget
-from sidecar.outbound import Outbound, PushError
-from sidecar.peers import PeerUnavailable
+from kvpush.sidecar.outbound import Outbound, PushError
+from kvpush.sidecar.peers import PeerUnavailable
 
-log = logging.getLogger("sidecar.push")
+log = logging.getLogger("kvpush.sidecar.push")
 
 
 class HeldPushes:
-    """Mixed into ``PushEngine`` (``sidecar/push.py``), whose state it shares."""
+    """Mixed into ``PushEngine`` (``kvpush/sidecar/push.py``), whose state it shares."""
 
     def release_held(self, reservation_id: str, reason: str = "consumed") -> bool:
         """Its decode engine has the KV (CONSUMED): the staging is not needed any more."""

@@ -23,11 +23,11 @@ from typing import Callable
 
 import grpc
 
-from client.report_stream import StreamReporter
+from kvpush.client.report_stream import StreamReporter
 from kvpush.contract.states import LIVE, State
 from kvpush.contract.v1 import registry_pb2
 
-from sidecar.membership import (Backoff, ControlPlaneLink, RETRYABLE, ServiceConfig, guarded, printable, rpc_error_text,
+from kvpush.sidecar.membership import (Backoff, ControlPlaneLink, RETRYABLE, ServiceConfig, guarded, printable, rpc_error_text,
                             status_code)
 
 log = logging.getLogger("kvpush.sidecar")
@@ -73,7 +73,7 @@ class Reporter:
         self._closing = False
         self._tasks: list[asyncio.Task] = []
         self.counters = collections.Counter()
-        self._reports: StreamReporter | None = None   # every report on one stream (client/report_stream.py)
+        self._reports: StreamReporter | None = None   # every report on one stream (kvpush/client/report_stream.py)
         self._closing_streams: set[asyncio.Future] = set()
 
     def start(self) -> None:

@@ -1,6 +1,6 @@
 """Follows ``Registry.WatchEngineReservations`` and cancels the local pushes and
 landings of reservations that end (RELEASED, EXPIRED, FAILED); on a prefill engine
-it also hands the reservations named for it to the handover (``sidecar/handover.py``),
+it also hands the reservations named for it to the handover (``kvpush/sidecar/handover.py``),
 and says when one is CONSUMED (its staging, held for a failover, can go).
 After a break it subscribes again with a snapshot and checks every local reservation
 missing from it (``LookupReservation``).
@@ -17,7 +17,7 @@ import grpc
 from kvpush.contract.states import ENDED_BY_CONTROL_PLANE, State
 from kvpush.contract.v1 import registry_pb2, scheduler_pb2, types_pb2
 
-from sidecar.membership import (Backoff, ControlPlaneLink, Membership, ServiceConfig,
+from kvpush.sidecar.membership import (Backoff, ControlPlaneLink, Membership, ServiceConfig,
                             guarded, rpc_error_text, status_code)
 
 log = logging.getLogger("kvpush.sidecar")

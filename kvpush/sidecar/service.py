@@ -1,6 +1,6 @@
 """``kvpush sidecar``: a sidecar wired to the control plane.
 
-One process, one sidecar from ``sidecar.sidecar.make_sidecar`` (``PrefillSidecar`` or
+One process, one sidecar from ``kvpush.sidecar.sidecar.make_sidecar`` (``PrefillSidecar`` or
 ``DecodeSidecar``: pool, transport, progress, push or landing, local channel), plus what makes it a member of the
 system:
 
@@ -45,34 +45,34 @@ import time
 
 import grpc
 
-from engine.device_memory import parse_device
-from engine.memory import PoolMapError
+from kvpush.channel.device_memory import parse_device
+from kvpush.channel.memory import PoolMapError
 from kvpush import log as klog
 from kvpush.aio import tune_gc, write_ready_file
 from kvpush.contract.layout import KvLayout, LayoutError
 from kvpush.contract.target import PushTarget
 from kvpush.contract.transfer_params import PushParams
 from kvpush.contract.v1 import registry_pb2, types_pb2
-from sidecar import kv_events
-from sidecar.landing import LandingConfig, LandingEvent
+from kvpush.sidecar import kv_events
+from kvpush.sidecar.landing import LandingConfig, LandingEvent
 from kvpush.contract.engine import EngineRecord
-from sidecar.peers import PeerUnavailable
-from sidecar.progress import PollPolicy
-from sidecar.push import PushConfig, PushOutcome
-from sidecar.base import SidecarConfig
-from sidecar.sidecar import make_sidecar
-from sidecar.transport.base import TransportUnavailable
-from sidecar.transport.nixl import parse_backends
+from kvpush.sidecar.peers import PeerUnavailable
+from kvpush.sidecar.progress import PollPolicy
+from kvpush.sidecar.push import PushConfig, PushOutcome
+from kvpush.sidecar.base import SidecarConfig
+from kvpush.sidecar.sidecar import make_sidecar
+from kvpush.sidecar.transport.base import TransportUnavailable
+from kvpush.sidecar.transport.nixl import parse_backends
 from kvpush.contract.states import DECODE, PREFILL, PushState, State, reported
 
-from sidecar.metrics import SidecarMetrics
-from sidecar.membership import (ControlPlaneLink, FatalError, Membership, ServiceConfig, guarded, rpc_error_text,
+from kvpush.sidecar.metrics import SidecarMetrics
+from kvpush.sidecar.membership import (ControlPlaneLink, FatalError, Membership, ServiceConfig, guarded, rpc_error_text,
                             status_code)
-from sidecar.availability import AvailabilityReport
-from sidecar.prefix_report import PrefixReporter
-from sidecar.reporter import Reporter
-from sidecar.reservation_watch import ReservationWatch
-from sidecar.serving_probe import ServingProbe
+from kvpush.sidecar.availability import AvailabilityReport
+from kvpush.sidecar.prefix_report import PrefixReporter
+from kvpush.sidecar.reporter import Reporter
+from kvpush.sidecar.reservation_watch import ReservationWatch
+from kvpush.sidecar.serving_probe import ServingProbe
 
 log = logging.getLogger("kvpush.sidecar")
 

@@ -1,9 +1,9 @@
 """A sidecar for one engine: ``make_sidecar`` picks the role's class, and this module's
 main runs one alone, for local use, tests and benchmarks.
 
-``python -m sidecar.sidecar`` writes its ``EngineRecord`` as JSON to ``--record-out``
+``python -m kvpush.sidecar.sidecar`` writes its ``EngineRecord`` as JSON to ``--record-out``
 once serving; peers are added through the channel's ADMIN ``add_peer``. ``kvpush
-sidecar`` (``sidecar/service.py``) is the same sidecar wired to the control plane.
+sidecar`` (``kvpush/sidecar/service.py``) is the same sidecar wired to the control plane.
 """
 
 from __future__ import annotations
@@ -15,21 +15,21 @@ import logging
 import sys
 from typing import Callable
 
-from engine.device_memory import parse_device
-from engine.memory import PoolMapError
+from kvpush.channel.device_memory import parse_device
+from kvpush.channel.memory import PoolMapError
 from kvpush.aio import stop_on_signals, write_ready_file
 from kvpush.contract.layout import KvLayout
 from kvpush.contract.states import DECODE, PREFILL
-from sidecar import kv_events
-from sidecar.base import SidecarBase, SidecarConfig
-from sidecar.decode import DecodeSidecar
-from sidecar.landing import LandingEvent
-from sidecar.peers import Resolver
-from sidecar.prefill import PrefillSidecar
-from sidecar.progress import PollPolicy
-from sidecar.push import PushConfig, PushOutcome
-from sidecar.transport.base import Transport, TransportUnavailable
-from sidecar.transport.nixl import parse_backends
+from kvpush.sidecar import kv_events
+from kvpush.sidecar.base import SidecarBase, SidecarConfig
+from kvpush.sidecar.decode import DecodeSidecar
+from kvpush.sidecar.landing import LandingEvent
+from kvpush.sidecar.peers import Resolver
+from kvpush.sidecar.prefill import PrefillSidecar
+from kvpush.sidecar.progress import PollPolicy
+from kvpush.sidecar.push import PushConfig, PushOutcome
+from kvpush.sidecar.transport.base import Transport, TransportUnavailable
+from kvpush.sidecar.transport.nixl import parse_backends
 
 
 def make_sidecar(config: SidecarConfig,
@@ -39,7 +39,7 @@ def make_sidecar(config: SidecarConfig,
                  on_push_start: Callable[[str, str], None] | None = None,
                  transport_factory: Callable[[SidecarConfig], Transport] | None = None) -> SidecarBase:
     """The sidecar of ``config.role``; the other role's hooks are not used. The transport
-    is NIXL unless ``transport_factory`` makes another (``sidecar/transport/``)."""
+    is NIXL unless ``transport_factory`` makes another (``kvpush/sidecar/transport/``)."""
     if config.role == PREFILL:
         return PrefillSidecar(config, on_push_outcome, resolver, on_push_start, transport_factory)
     return DecodeSidecar(config, on_landing_event, transport_factory)

@@ -1,7 +1,7 @@
 """A request's head shares as the pusher moves them: planned and staged at BEGIN, and
 turned into NIXL descriptors for each piece a rank stages.
 
-The plan (``engine/head_plan.py``) comes from this engine's layout and the decode
+The plan (``kvpush/channel/head_plan.py``) comes from this engine's layout and the decode
 engine's tensor parallelism, which the reservation names: so BEGIN can allocate every
 share's staging before the decode peer's record is even loaded. Each share is staged
 by its source rank, in that rank's staging pool, in the share's own geometry; a piece
@@ -16,14 +16,14 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from engine.geometry import DestGeometry
-from engine.head_plan import HeadPlan, plan_heads
+from kvpush.channel.geometry import DestGeometry
+from kvpush.channel.head_plan import HeadPlan, plan_heads
 from kvpush.contract.layout import KvLayout
 from kvpush.contract.target import PushTarget
-from sidecar.descriptors import blocks_segment_map, pair_descriptors, staging_segment_map
-from sidecar.outbound import Slice
-from sidecar.peers import RemotePeer
-from sidecar.pools import StagingFull, StagingPool
+from kvpush.sidecar.descriptors import blocks_segment_map, pair_descriptors, staging_segment_map
+from kvpush.sidecar.outbound import Slice
+from kvpush.sidecar.peers import RemotePeer
+from kvpush.sidecar.pools import StagingFull, StagingPool
 
 
 def plan_request(layout: KvLayout, target: PushTarget) -> tuple[HeadPlan, DestGeometry]:

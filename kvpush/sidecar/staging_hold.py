@@ -1,5 +1,5 @@
 """Prefill: staging kept after a push for a decode failover, until a relocation takes
-it, the decode side has the KV, or its time is over (``sidecar/push.py`` decides when)."""
+it, the decode side has the KV, or its time is over (``kvpush/sidecar/push.py`` decides when)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 import time
 from typing import Callable
 
-from sidecar.outbound import Outbound
+from kvpush.sidecar.outbound import Outbound
 
 
 class StagingHold:

@@ -11,9 +11,9 @@ import urllib.request
 
 import pytest
 
-from app.cli import main as kvpush
-from app.stack import Stack, StackSpec
-from engine.memory import SHM_DIR, SegmentName
+from kvpush.app.cli import main as kvpush
+from kvpush.app.stack import Stack, StackSpec
+from kvpush.channel.memory import SHM_DIR, SegmentName
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app.table import REASON_WIDTH, availability, engines_table
+from kvpush.app.table import REASON_WIDTH, availability, engines_table
 
 
 def test_an_unavailable_engine_says_so_and_why():

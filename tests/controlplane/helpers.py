@@ -6,8 +6,8 @@ import asyncio
 
 import grpc
 
-from client.control_plane import ControlPlaneClient
-from controlplane.invariants import check
+from kvpush.client.control_plane import ControlPlaneClient
+from kvpush.controlplane.invariants import check
 from kvpush.contract.v1 import admin_pb2, scheduler_pb2
 
 

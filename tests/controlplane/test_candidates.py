@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from controlplane.view import FreeCounts
+from kvpush.controlplane.view import FreeCounts
 
 
 def test_free_counts_behave_as_a_dict_through_growth():
@@ -32,7 +32,7 @@ def test_free_counts_behave_as_a_dict_through_growth():
 
 
 async def test_each_reserve_takes_the_least_loaded_of_many_engines(cp, admin, engine_client, etcd):
-    from app.simulated import SimulatedEngine
+    from kvpush.app.simulated import SimulatedEngine
     from kvpush.contract.v1 import scheduler_pb2
     from tests.controlplane.helpers import make_tenant, reserve, settle
 

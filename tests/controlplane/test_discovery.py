@@ -7,7 +7,7 @@ import asyncio
 
 import grpc
 
-from app.simulated import SimulatedEngine
+from kvpush.app.simulated import SimulatedEngine
 from kvpush.contract.v1 import registry_pb2, scheduler_pb2, types_pb2
 from tests.controlplane.helpers import expect_code, make_tenant, reserve, settle
 

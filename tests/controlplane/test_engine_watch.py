@@ -7,7 +7,7 @@ import asyncio
 
 import grpc
 
-from app.simulated import SimulatedEngine
+from kvpush.app.simulated import SimulatedEngine
 from kvpush.contract.v1 import registry_pb2, scheduler_pb2, types_pb2
 from tests.controlplane.helpers import expect_code, make_tenant, release, reserve, settle
 
@@ -81,9 +81,9 @@ async def test_unconsumed_blocks_are_quarantined(etcd):
     """A late write from a prefill that has not yet heard of the end must not land
     in someone else's KV: blocks of a reservation that ended unconsumed stay out
     of use for the quarantine; consumed ones come back at once."""
-    from client.control_plane import ControlPlaneClient
-    from controlplane.invariants import check
-    from controlplane.server import ControlPlane, ControlPlaneConfig
+    from kvpush.client.control_plane import ControlPlaneClient
+    from kvpush.controlplane.invariants import check
+    from kvpush.controlplane.server import ControlPlane, ControlPlaneConfig
     from tests.conftest import ADMIN_TOKEN
     plane = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd.endpoint, admin_token=ADMIN_TOKEN,
                                             quarantine_ms=1500))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from controlplane.etcd import EtcdClient, op_put
+from kvpush.controlplane.etcd import EtcdClient, op_put
 
 
 async def test_get_prefix_reads_in_pages_at_one_revision(etcd):

@@ -15,11 +15,11 @@ import time
 import grpc
 import pytest
 
-from app.etcd_server import EtcdCluster, EtcdTls
-from app.simulated import SimulatedEngine
-from client.control_plane import ControlPlaneClient
-from controlplane.etcd import EtcdClient, EtcdSecurity, EtcdUnavailable, parse_endpoints
-from controlplane.server import ControlPlane, ControlPlaneConfig
+from kvpush.app.etcd_server import EtcdCluster, EtcdTls
+from kvpush.app.simulated import SimulatedEngine
+from kvpush.client.control_plane import ControlPlaneClient
+from kvpush.controlplane.etcd import EtcdClient, EtcdSecurity, EtcdUnavailable, parse_endpoints
+from kvpush.controlplane.server import ControlPlane, ControlPlaneConfig
 from tests.conftest import ADMIN_TOKEN, ENGINE_TOKEN
 from tests.controlplane.helpers import make_tenant, reserve, settle
 from tests.pki import make_pki
@@ -259,11 +259,11 @@ async def _control_plane_reserves(endpoints: str, security: EtcdSecurity) -> Non
 def test_the_control_plane_refuses_a_plaintext_etcd_endpoint_where_tls_is_configured(tmp_path):
     import sys
     from tests.conftest import ROOT
-    done = subprocess.run([sys.executable, "-m", "app.cli", "controlplane", "--admin-token", ADMIN_TOKEN,
+    done = subprocess.run([sys.executable, "-m", "kvpush.app.cli", "controlplane", "--admin-token", ADMIN_TOKEN,
                            "--etcd", "https://127.0.0.1:1,http://127.0.0.1:2", "--etcd-ca", str(tmp_path / "ca.pem")],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "'http://127.0.0.1:2' is plaintext, and TLS to etcd is configured" in done.stderr
-    done = subprocess.run([sys.executable, "-m", "app.cli", "controlplane", "--admin-token", ADMIN_TOKEN,
+    done = subprocess.run([sys.executable, "-m", "kvpush.app.cli", "controlplane", "--admin-token", ADMIN_TOKEN,
                            "--etcd-user", "kvpush"], cwd=ROOT, capture_output=True, text=True, timeout=60,
                           env={k: v for k, v in os.environ.items() if k != "KVPUSH_ETCD_PASSWORD"})
     assert done.returncode != 0 and "--etcd-user needs a password" in done.stderr

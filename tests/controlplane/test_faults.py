@@ -12,8 +12,8 @@ import time
 
 import grpc
 
-from client.reserve_stream import StreamReserver
-from app.simulated import SimulatedEngine
+from kvpush.client.reserve_stream import StreamReserver
+from kvpush.app.simulated import SimulatedEngine
 from kvpush.contract.v1 import registry_pb2, scheduler_pb2, types_pb2
 from tests.conftest import ENGINE_TOKEN, ROOT
 from tests.controlplane.helpers import expect_code, make_tenant, release, reserve, settle
@@ -79,7 +79,7 @@ async def test_a_heartbeat_etcd_fails_ends_its_stream_but_not_the_engine(cp, adm
     engine, whose lease is still good, keeps its registration and its reservations (the
     engine's next stream, or its lease's TTL, decides). A leader change once deregistered
     every engine whose heartbeat came at that moment."""
-    from controlplane.etcd import EtcdUnavailable
+    from kvpush.controlplane.etcd import EtcdUnavailable
     engine = SimulatedEngine(engine_client, "decode-0", num_blocks=16, lease_ttl_s=30)
     await engine.register()
     tenant = await make_tenant(admin, cp.address, "acme")
@@ -106,8 +106,8 @@ async def test_a_heartbeat_etcd_fails_ends_its_stream_but_not_the_engine(cp, adm
 
 ENGINE_SCRIPT = """
 import asyncio, sys
-from client.control_plane import ControlPlaneClient
-from app.simulated import SimulatedEngine
+from kvpush.client.control_plane import ControlPlaneClient
+from kvpush.app.simulated import SimulatedEngine
 async def main():
     client = ControlPlaneClient(sys.argv[1], sys.argv[2])
     engine = SimulatedEngine(client, "decode-proc", num_blocks=16, lease_ttl_s=3)

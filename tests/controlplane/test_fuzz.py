@@ -9,8 +9,8 @@ import asyncio
 import grpc
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from controlplane.invariants import check
-from app.simulated import SimulatedEngine
+from kvpush.controlplane.invariants import check
+from kvpush.app.simulated import SimulatedEngine
 from kvpush.contract.v1 import admin_pb2, registry_pb2, scheduler_pb2, types_pb2
 from tests.controlplane.helpers import make_tenant
 

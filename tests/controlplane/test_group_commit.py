@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
-from controlplane.etcd import EtcdClient, cmp_create, op_put, op_txn
-from controlplane.group_commit import GroupCommit
+from kvpush.controlplane.etcd import EtcdClient, cmp_create, op_put, op_txn
+from kvpush.controlplane.group_commit import GroupCommit
 
 
 @pytest.fixture
@@ -37,11 +37,11 @@ async def test_two_writes_of_one_key_go_in_separate_transactions(client):
 async def test_a_batch_spread_over_many_engines_stays_within_etcds_default_limit_on_operations():
     """etcd refuses a transaction of more than --max-txn-ops (128 by default) operations; 60
     Reserves over 40 engines are 120 puts and 40 fences: the batch is split in two."""
-    from app.etcd_server import EmbeddedEtcd
-    from app.simulated import SimulatedEngine
-    from client.control_plane import ControlPlaneClient
-    from client.reserve_stream import StreamReserver
-    from controlplane.server import ControlPlane, ControlPlaneConfig
+    from kvpush.app.etcd_server import EmbeddedEtcd
+    from kvpush.app.simulated import SimulatedEngine
+    from kvpush.client.control_plane import ControlPlaneClient
+    from kvpush.client.reserve_stream import StreamReserver
+    from kvpush.controlplane.server import ControlPlane, ControlPlaneConfig
     from kvpush.contract.v1 import scheduler_pb2
     from tests.conftest import ADMIN_TOKEN, ENGINE_TOKEN
     from tests.controlplane.helpers import make_tenant, settle

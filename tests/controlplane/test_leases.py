@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from controlplane.leases import LeaseBuckets
+from kvpush.controlplane.leases import LeaseBuckets
 
 
 class FakeEtcd:
@@ -39,7 +39,7 @@ async def test_one_grant_per_second_and_the_next_seconds_ahead():
 async def test_tombstone_leases_hold_a_bounded_number_of_records(monkeypatch):
     """etcd deletes a lease's keys in one raft entry that every transaction waits
     behind, so a second of endings is spread over leases of TOMBSTONE_LEASE_KEYS."""
-    from controlplane import leases as leases_mod
+    from kvpush.controlplane import leases as leases_mod
     etcd = FakeEtcd()
     leases = LeaseBuckets(etcd)
     second = 1_000_000

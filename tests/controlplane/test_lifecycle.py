@@ -9,10 +9,10 @@ import itertools
 import grpc
 import pytest
 
-from controlplane import errors
-from controlplane.lifecycle_states import LEGAL, IllegalTransition, Move, decide
+from kvpush.controlplane import errors
+from kvpush.controlplane.lifecycle_states import LEGAL, IllegalTransition, Move, decide
 from kvpush.contract.states import LIVE, TERMINAL, State
-from app.simulated import SimulatedEngine
+from kvpush.app.simulated import SimulatedEngine
 from kvpush.contract.v1 import registry_pb2
 from tests.controlplane.helpers import expect_code, make_tenant, release, reserve, settle
 

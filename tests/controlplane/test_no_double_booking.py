@@ -9,8 +9,8 @@ import collections
 
 import grpc
 
-from client.control_plane import ControlPlaneClient
-from app.simulated import SimulatedEngine
+from kvpush.client.control_plane import ControlPlaneClient
+from kvpush.app.simulated import SimulatedEngine
 from tests.conftest import ADMIN_TOKEN, ENGINE_TOKEN
 from tests.controlplane.helpers import make_tenant, release, reserve, settle
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from app.simulated import SimulatedEngine
-from controlplane.prefixes import PrefixIndex
-from controlplane.server import ControlPlane, ControlPlaneConfig
+from kvpush.app.simulated import SimulatedEngine
+from kvpush.controlplane.prefixes import PrefixIndex
+from kvpush.controlplane.server import ControlPlane, ControlPlaneConfig
 from kvpush.contract.prefixes import MAX_KEYS, PrefixReport, PrefixReportError
 from kvpush.contract.v1 import registry_pb2, types_pb2
 from tests.conftest import ADMIN_TOKEN, ENGINE_TOKEN
@@ -145,9 +145,9 @@ async def test_reserve_answers_decode_alone_when_decode_lacks_only_a_short_rest(
     """Conditional disaggregation: nothing is reserved or stored, the answer names the
     engine holding the prefix (even one with no landing room left: nothing lands), and a
     longer rest, or a Reserve without the setting, gets landing blocks for the rest only."""
-    from controlplane import metrics
+    from kvpush.controlplane import metrics
     from tests.controlplane.helpers import make_tenant, reserve
-    from client.reserve_stream import StreamReserver
+    from kvpush.client.reserve_stream import StreamReserver
     from kvpush.contract.v1 import scheduler_pb2
     holder = SimulatedEngine(engine_client, "decode-h", num_blocks=64)
     other = SimulatedEngine(engine_client, "decode-o", num_blocks=64)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import grpc
 
-from app.simulated import SimulatedEngine
+from kvpush.app.simulated import SimulatedEngine
 from kvpush.contract.layout import KvLayout
 from kvpush.contract.v1 import registry_pb2, scheduler_pb2, types_pb2
 from tests.controlplane.helpers import expect_code, make_tenant, release, reserve, settle
@@ -123,7 +123,7 @@ async def test_a_move_planned_on_a_stale_read_reads_again_instead_of_failing(cp,
     """The engine's death ends the reservation FAILED between Relocate's read and its
     transaction (the race a killed decode sidecar makes): the move reads it again and goes
     through, instead of retrying a compare that can never hold ("too much contention")."""
-    from controlplane.reserver import ReserveAsk
+    from kvpush.controlplane.reserver import ReserveAsk
     from kvpush.contract.states import State
 
     tenant = await make_tenant(admin, cp.address, "acme")

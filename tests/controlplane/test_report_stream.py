@@ -8,8 +8,8 @@ import asyncio
 
 import grpc
 
-from app.simulated import SimulatedEngine
-from client.report_stream import StreamReporter
+from kvpush.app.simulated import SimulatedEngine
+from kvpush.client.report_stream import StreamReporter
 from kvpush.contract.limits import MAX_ASKS_PER_MESSAGE
 from kvpush.contract.v1 import registry_pb2, types_pb2
 from tests.controlplane.helpers import expect_code, make_tenant, reserve, settle

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import grpc
 
-from controlplane.invariants import check
-from app.simulated import SimulatedEngine
+from kvpush.controlplane.invariants import check
+from kvpush.app.simulated import SimulatedEngine
 from kvpush.contract.v1 import types_pb2
 from tests.controlplane.helpers import expect_code, make_tenant, release, reserve, settle
 

@@ -8,11 +8,11 @@ import asyncio
 import grpc
 import pytest
 
-from client.control_plane import ControlPlaneClient
-from client.reserve_stream import ReserveRefused, StreamReserver
-from controlplane.server import ControlPlane, ControlPlaneConfig
-from app.etcd_server import free_port
-from app.simulated import SimulatedEngine
+from kvpush.client.control_plane import ControlPlaneClient
+from kvpush.client.reserve_stream import ReserveRefused, StreamReserver
+from kvpush.controlplane.server import ControlPlane, ControlPlaneConfig
+from kvpush.app.etcd_server import free_port
+from kvpush.app.simulated import SimulatedEngine
 from kvpush.contract.v1 import scheduler_pb2
 from tests.conftest import ADMIN_TOKEN, ENGINE_TOKEN
 from tests.controlplane.helpers import make_tenant, settle

@@ -16,11 +16,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from controlplane import metrics
-from client.control_plane import ControlPlaneClient
-from controlplane.server import ControlPlane, ControlPlaneConfig
-from app.etcd_server import free_port
-from app.simulated import SimulatedEngine
+from kvpush.controlplane import metrics
+from kvpush.client.control_plane import ControlPlaneClient
+from kvpush.controlplane.server import ControlPlane, ControlPlaneConfig
+from kvpush.app.etcd_server import free_port
+from kvpush.app.simulated import SimulatedEngine
 from kvpush.contract.v1 import admin_pb2
 from tests.conftest import ADMIN_TOKEN, ENGINE_TOKEN, ROOT
 from tests.controlplane.helpers import make_tenant, reserve
@@ -58,7 +58,7 @@ async def test_tls_and_mutual_tls(etcd, pki):
         for c in (good, no_cert, plaintext):
             await c.close()
         # `kvpush health`, what the Kubernetes probes run: gRPC health over mutual TLS.
-        probe = [sys.executable, "-m", "app.cli", "health", "--controlplane", address, "--tls-ca", pki("ca.pem"),
+        probe = [sys.executable, "-m", "kvpush.app.cli", "health", "--controlplane", address, "--tls-ca", pki("ca.pem"),
                  "--tls-cert", pki("client.pem"), "--tls-key", pki("client.key")]
         for cmd, code, says in ((probe, 0, "SERVING"), (probe[:-4], 1, "UNAVAILABLE")):
             proc = await asyncio.create_subprocess_exec(*cmd, cwd=ROOT, stdout=asyncio.subprocess.PIPE,
@@ -131,7 +131,7 @@ async def test_cli_status_and_tenant(cp, engine_client, admin):
     env = {**os.environ, "KVPUSH_ADMIN_TOKEN": ADMIN_TOKEN, "KVPUSH_CONTROLPLANE": cp.address}
 
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=ROOT, env=env,
+        return subprocess.run([sys.executable, "-m", "kvpush.app.cli", *args], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=60)
     out = await asyncio.to_thread(run, "tenant", "create", "cli-tenant", "--quota-blocks", "7")
     assert out.returncode == 0, out.stderr

@@ -6,8 +6,8 @@ import asyncio
 
 import grpc
 
-from client.control_plane import ControlPlaneClient
-from app.simulated import SimulatedEngine
+from kvpush.client.control_plane import ControlPlaneClient
+from kvpush.app.simulated import SimulatedEngine
 from kvpush.contract.v1 import admin_pb2, scheduler_pb2, types_pb2
 from tests.controlplane.helpers import expect_code, make_tenant, release, reserve, settle
 

@@ -22,10 +22,10 @@ import urllib.request
 
 import pytest
 
-from app import engines
-from app.stack import Stack, StackSpec
-from app.tiny_model import DEFAULT_DIR, ensure_model
-from sidecar.engine_presence import GONE
+from kvpush.app import engines
+from kvpush.app.stack import Stack, StackSpec
+from kvpush.app.tiny_model import DEFAULT_DIR, ensure_model
+from kvpush.sidecar.engine_presence import GONE
 from tests.e2e.test_router_e2e import counters, post, settled, streamed
 from tests.polling import wait_for
 

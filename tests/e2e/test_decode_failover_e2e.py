@@ -25,9 +25,9 @@ import urllib.request
 
 import pytest
 
-from app import engines
-from app.stack import Stack, StackSpec
-from app.tiny_model import DEFAULT_DIR, ensure_model
+from kvpush.app import engines
+from kvpush.app.stack import Stack, StackSpec
+from kvpush.app.tiny_model import DEFAULT_DIR, ensure_model
 from kvpush.contract.states import State
 from tests.e2e.test_router_e2e import counters, settled, streamed
 
@@ -74,7 +74,7 @@ def ask(url: str, prompt: str, stream: bool = True, **extra) -> tuple[int, str, 
 
 def watch_for_reservation(stack: Stack, found: dict, stop: threading.Event) -> None:
     """Follow the tenant's reservations; record the first one granted."""
-    from client.control_plane import ControlPlaneClient
+    from kvpush.client.control_plane import ControlPlaneClient
     from kvpush.contract.v1 import scheduler_pb2
 
     async def follow():
@@ -193,7 +193,7 @@ def both_decode_engines(stack: Stack) -> None:
             stack.live(f"vllm-{name}")
         except StopIteration:
             stack.restart_engine("decode", engine_id)
-    from client.control_plane import ControlPlaneClient
+    from kvpush.client.control_plane import ControlPlaneClient
     from kvpush.contract.v1 import scheduler_pb2
 
     async def available() -> list[str]:

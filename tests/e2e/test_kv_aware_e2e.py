@@ -26,11 +26,11 @@ import urllib.request
 
 import pytest
 
-from app import engines
-from app.stack import Stack, StackSpec, complete
-from app.tiny_model import DEFAULT_DIR, ensure_model
-from client.control_plane import ControlPlaneClient
-from engine.channel import SidecarClient
+from kvpush.app import engines
+from kvpush.app.stack import Stack, StackSpec, complete
+from kvpush.app.tiny_model import DEFAULT_DIR, ensure_model
+from kvpush.client.control_plane import ControlPlaneClient
+from kvpush.connector.sidecar_client import SidecarClient
 from kvpush.contract.v1 import scheduler_pb2
 from tests.e2e.test_router_e2e import counters, settled, with_aggregated
 from tests.engine.conftest import prompt

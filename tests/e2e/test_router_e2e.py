@@ -19,12 +19,12 @@ import urllib.request
 import openai
 import pytest
 
-from controlplane.invariants import check
-from app import engines
-from app.etcd_server import free_port
-from app.procs import ManagedProcess, http_ok
-from app.stack import Stack, StackSpec, complete
-from app.tiny_model import DEFAULT_DIR, ensure_model
+from kvpush.controlplane.invariants import check
+from kvpush.app import engines
+from kvpush.app.etcd_server import free_port
+from kvpush.app.procs import ManagedProcess, http_ok
+from kvpush.app.stack import Stack, StackSpec, complete
+from kvpush.app.tiny_model import DEFAULT_DIR, ensure_model
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -190,7 +190,7 @@ def test_character_split_between_first_and_second_token(system):
     tokens (the bias applies on both engines), find a prompt whose first output token
     is the character's first byte and whose second is its second byte: prefill's text
     for the first token is empty, and decode's text at that boundary is not to be
-    trusted (router/tokens.py)."""
+    trusted (kvpush/router/tokens.py)."""
     stack, agg = system
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(stack.spec.model_dir)

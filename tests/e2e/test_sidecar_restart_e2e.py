@@ -3,7 +3,7 @@ a control plane, `kvpush sidecar` processes, a prefill and a decode vLLM engine 
 connector, the router, and clients.
 
 Restarts: the engine's connector dials its sidecar again by itself
-(engine/connector/sidecar_link.py, ``Redialer``): the restarted sidecar hears the engine's
+(kvpush/connector/sidecar_link.py, ``Redialer``): the restarted sidecar hears the engine's
 HELLO, reports it available, and requests arrive by push again within seconds, nothing
 restarted but the sidecar. Clients see no error meanwhile (the router serves the prompt
 on one engine while push is off), and the registry's invariants hold in etcd afterwards.
@@ -22,9 +22,9 @@ import time
 
 import pytest
 
-from app import engines
-from app.stack import Stack, StackSpec
-from app.tiny_model import DEFAULT_DIR, ensure_model
+from kvpush.app import engines
+from kvpush.app.stack import Stack, StackSpec
+from kvpush.app.tiny_model import DEFAULT_DIR, ensure_model
 from tests.e2e.test_router_e2e import counters, settled
 from tests.polling import wait_for
 
@@ -71,7 +71,7 @@ class Load:
         self._thread.join(120)
 
     def _run(self) -> None:
-        from app.stack import complete
+        from kvpush.app.stack import complete
         i = 0
         while not self._stop.is_set():
             i += 1
@@ -87,7 +87,7 @@ class Load:
 def available(stack: Stack) -> dict[str, str]:
     """Each engine's availability as the control plane holds it ("" = available), as
     `kvpush status` reads it."""
-    from client.control_plane import ControlPlaneClient
+    from kvpush.client.control_plane import ControlPlaneClient
     from kvpush.contract.v1 import admin_pb2
 
     async def listed():

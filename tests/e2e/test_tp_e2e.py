@@ -18,10 +18,10 @@ import time
 
 import pytest
 
-from app import engines
-from app.stack import Stack, StackSpec
-from app.tiny_model import DEFAULT_DIR, ensure_model
-from engine.channel import SidecarClient
+from kvpush.app import engines
+from kvpush.app.stack import Stack, StackSpec
+from kvpush.app.tiny_model import DEFAULT_DIR, ensure_model
+from kvpush.connector.sidecar_client import SidecarClient
 from tests.e2e.test_router_e2e import counters, post, settled, with_aggregated
 
 pytestmark = pytest.mark.timeout(900)

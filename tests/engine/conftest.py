@@ -1,4 +1,4 @@
-"""Fixtures for the connector tests: real sidecar processes (``python -m sidecar.sidecar``,
+"""Fixtures for the connector tests: real sidecar processes (``python -m kvpush.sidecar.sidecar``,
 peers added over the channel's ADMIN ``add_peer``) and real vLLM engines
 (``python -m vllm.entrypoints.openai.api_server`` on the tiny model). Every process a
 fixture starts is stopped (SIGKILL as the last resort), waits are bounded."""
@@ -20,14 +20,14 @@ import urllib.request
 import numpy as np
 import pytest
 
-from app.engines import engine_env, kvpush_transfer_config, vllm_command  # noqa: F401 (re-exported)
-from app.etcd_server import free_port
+from kvpush.app.engines import engine_env, kvpush_transfer_config, vllm_command  # noqa: F401 (re-exported)
+from kvpush.app.etcd_server import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from engine.channel import SidecarClient
+from kvpush.connector.sidecar_client import SidecarClient
 
 VENV_BIN = pathlib.Path(sys.executable).parent
 
@@ -130,7 +130,7 @@ class SidecarProc:
         self.socket = str(workdir / f"{engine_id}.sock")
         self.record_path = str(workdir / f"{engine_id}.json")
         self.log_path = str(workdir / f"{engine_id}.sidecar.log")
-        cmd = [*prefix, sys.executable, "-m", "sidecar.sidecar", "--role", role, "--engine-id", engine_id,
+        cmd = [*prefix, sys.executable, "-m", "kvpush.sidecar.sidecar", "--role", role, "--engine-id", engine_id,
                "--layout", layout, "--blocks", str(blocks), "--socket", self.socket,
                "--record-out", self.record_path, "--log-level", "INFO", *extra]
         self.cmd = cmd
@@ -278,5 +278,5 @@ class VllmEngine:
 
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
-    from app.tiny_model import DEFAULT_DIR, ensure_model
+    from kvpush.app.tiny_model import DEFAULT_DIR, ensure_model
     return ensure_model(str(ROOT / DEFAULT_DIR))

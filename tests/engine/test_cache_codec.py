@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.cache_codec import BlockCodec
+from kvpush.connector.copiers.cache_codec import BlockCodec
 
 BS, HEADS, DIM = 32, 2, 64
 

@@ -16,9 +16,9 @@ from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from engine.copier import CopyError
-from engine.connector.kvpush_connector import KVPushConnector
-from engine.torch_copier import TorchCopier
+from kvpush.connector.copiers.copier import CopyError
+from kvpush.connector.kvpush_connector import KVPushConnector
+from kvpush.connector.copiers.torch_copier import TorchCopier
 from kvpush.contract.layout import scales_digest
 
 pytestmark = pytest.mark.timeout(120)
@@ -47,7 +47,7 @@ def connector(sidecar, backend: str, cache_dtype: str = "auto", k_scales=None, v
                                           _k_scale_float=k_scales[i], _v_scale_float=v_scales[i])
               for i, name in enumerate(NAMES)}
     ktc = KVTransferConfig(kv_connector="KVPushConnector", kv_role="kv_producer",
-                           kv_connector_module_path="engine.connector.kvpush_connector",
+                           kv_connector_module_path="kvpush.connector.kvpush_connector",
                            kv_connector_extra_config={"sidecar_socket": sidecar.socket, "connect_timeout_s": 10})
     config = types.SimpleNamespace(kv_transfer_config=ktc,
                                    cache_config=types.SimpleNamespace(block_size=BS, cache_dtype=cache_dtype),

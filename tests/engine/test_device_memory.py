@@ -16,13 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-from engine.device_memory import CudaIpcHandle, CudaPoolMemory, check_pool_device, parse_device
-from engine.geometry import DestGeometry
-from engine.memory import DeviceMemory, PoolMapError, attach_pool
-from engine.pool import PoolDescription
-from engine.torch_copier import TorchCopier
+from kvpush.channel.device_memory import CudaIpcHandle, CudaPoolMemory, check_pool_device, parse_device
+from kvpush.channel.geometry import DestGeometry
+from kvpush.channel.memory import DeviceMemory, PoolMapError
+from kvpush.channel.attach import attach_pool
+from kvpush.channel.pool import PoolDescription
+from kvpush.connector.copiers.torch_copier import TorchCopier
 from kvpush.contract.layout import KvLayout
-from sidecar.pools import LandingPool, StagingPool
+from kvpush.sidecar.pools import LandingPool, StagingPool
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 LAYOUT = KvLayout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=8, dtype="bfloat16")
@@ -148,7 +149,7 @@ def test_pool_device_settings():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_a_sidecar_asked_for_a_gpu_pool_without_one_exits_with_the_reason(tmp_path):
-    cmd = [sys.executable, "-m", "sidecar.service", "--role", "decode", "--engine-id", "d-gpu", "--token", "t",
+    cmd = [sys.executable, "-m", "kvpush.sidecar.service", "--role", "decode", "--engine-id", "d-gpu", "--token", "t",
            "--controlplane", "127.0.0.1:9", "--kv-layout", "layers=2,block=16,heads=2,dim=8,dtype=bfloat16",
            "--num-blocks", "4", "--model", "m", "--socket", str(tmp_path / "s.sock"), "--pool-device", "cuda:0"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -159,8 +160,8 @@ def test_a_sidecar_asked_for_a_gpu_pool_without_one_exits_with_the_reason(tmp_pa
 
 
 def test_the_sidecar_refuses_a_worker_on_another_gpu_at_hello():
-    from sidecar.base import SidecarConfig
-    from sidecar.decode import DecodeSidecar
+    from kvpush.sidecar.base import SidecarConfig
+    from kvpush.sidecar.decode import DecodeSidecar
 
     conn = types.SimpleNamespace(rank=0)  # the channel's connection, as HELLO sees it
     side = DecodeSidecar(SidecarConfig("d", "decode", LAYOUT, 4, "/nonexistent.sock", device=0))
@@ -172,7 +173,7 @@ def test_the_sidecar_refuses_a_worker_on_another_gpu_at_hello():
     with pytest.raises(PoolMapError, match="has no CUDA device"):
         side.on_hello(conn, {"name": "w", "cuda_device": None})
     with pytest.raises(ValueError, match="--checksums reads the pool on the host"):
-        from sidecar.push import PushConfig
+        from kvpush.sidecar.push import PushConfig
         SidecarConfig("d", "decode", LAYOUT, 4, "/x.sock", device=0, push=PushConfig(checksums=True))
 
 
@@ -214,7 +215,7 @@ def test_a_vram_pool_is_mapped_by_a_second_process_byte_for_byte(tmp_path):
         torch.cuda.synchronize()
         desc = PoolDescription("landing", "VRAM", pool.share_handle(), pool.size, 1, pool.size,
                                KvLayout(1, 16, 16, 2048, "uint8"), 0)
-        script = ("import json,sys,torch; from engine.memory import attach_pool; from engine.pool import "
+        script = ("import json,sys,torch; from kvpush.channel.attach import attach_pool; from kvpush.channel.pool import "
                   "PoolDescription as P; m=attach_pool(P.from_dict(json.loads(sys.argv[1])), 0); t=m.tensor(); "
                   "ok=bool((t==torch.arange(t.numel(),device='cuda:0').to(torch.uint8)).all()); t[:8]=7; "
                   "torch.cuda.synchronize(); print(ok)")
@@ -228,7 +229,7 @@ def test_a_vram_pool_is_mapped_by_a_second_process_byte_for_byte(tmp_path):
 
 @gpu
 def test_a_vram_pool_whose_sidecar_exited_is_refused(tmp_path):
-    script = ("import json,torch; from engine.device_memory import CudaPoolMemory as C; p=C.create('t',4096,0); "
+    script = ("import json,torch; from kvpush.channel.device_memory import CudaPoolMemory as C; p=C.create('t',4096,0); "
               "print(p.share_handle())")
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     h = CudaIpcHandle.decode(done.stdout.strip())

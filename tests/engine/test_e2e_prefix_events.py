@@ -21,7 +21,7 @@ import urllib.request
 
 import pytest
 
-from app.engines import kv_events_args
+from kvpush.app.engines import kv_events_args
 from kvpush.contract.block_hash import BlockHasher
 from tests.engine.conftest import SidecarProc, VllmEngine, kvpush_transfer_config, prompt, serve_module
 

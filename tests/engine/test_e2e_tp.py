@@ -5,7 +5,7 @@ counters showing its share of the prompt loaded by push, not recomputed.
 
 Processes (started once for the module, all stopped at the end):
     sidecars  P1 (prefill, tp 1), P2 (prefill, tp 2), D1 (decode, tp 1), D2 (decode, tp 2):
-              ``python -m sidecar.sidecar``, one per engine with a pool per rank; both
+              ``python -m kvpush.sidecar.sidecar``, one per engine with a pool per rank; both
               prefill sidecars told about both decode ones (ADMIN ``add_peer``)
     engines   AGG (TP 1, no connector), P1 and P2 (kv_producer), D1 and D2 (kv_consumer),
               all on a tiny float32 Llama: once with 2 KV heads (one per rank at TP 2), once
@@ -29,7 +29,7 @@ import time
 
 import pytest
 
-from engine.connector.stats import read_counters
+from kvpush.connector.stats import read_counters
 from kvpush.contract.transfer_params import PushParams
 from kvpush.trace import ENV as TRACE_ENV, read_traces
 from tests.engine.conftest import PrivateShm, SidecarProc, VllmEngine, kvpush_transfer_config, prompt, serve_module
@@ -129,7 +129,7 @@ def tp_stack(request, tiny_model):
     heads = request.param
     model = tiny_model
     if heads != 2:
-        from app.tiny_model import TinySpec, ensure_model
+        from kvpush.app.tiny_model import TinySpec, ensure_model
         model = ensure_model(str(pathlib.Path(tiny_model).with_name("tiny-llama-mqa")), TinySpec(num_kv_heads=heads))
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="kvpt-", dir="/tmp"))
     st = TpStack(model, heads, workdir)

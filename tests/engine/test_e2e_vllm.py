@@ -2,7 +2,7 @@
 loads what landed, and greedy output equals one aggregated engine's, token for token.
 
 Processes (started once for the module, all stopped at the end):
-    sidecars  D1 (decode: landing pool) and P1 (prefill: staging pool), ``python -m sidecar.sidecar``,
+    sidecars  D1 (decode: landing pool) and P1 (prefill: staging pool), ``python -m kvpush.sidecar.sidecar``,
               P1 told about D1 through the channel's ADMIN ``add_peer`` (no control plane here)
     engines   AGG (no connector), P (kv_producer, chunked prefill in 64-token steps) and
               D (kv_consumer, recompute on load errors), all on the tiny float32 Llama, block size 32
@@ -23,7 +23,7 @@ import urllib.error
 import numpy as np
 import pytest
 
-from engine.connector.stats import read_counters
+from kvpush.connector.stats import read_counters
 from kvpush.contract.transfer_params import PushParams
 from tests.engine.conftest import (
     PrivateShm,

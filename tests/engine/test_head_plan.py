@@ -1,4 +1,4 @@
-"""The head plan between tensor-parallel ranks (``engine/head_plan.py``), checked byte by
+"""The head plan between tensor-parallel ranks (``kvpush/channel/head_plan.py``), checked byte by
 byte for every pairing of prefill and decode TP up to 8: a model's KV is split over the
 prefill ranks the way vLLM splits it, each share is staged from its source rank's heads,
 written by the plan's ranges (in chunks, as layer-wise pushes do) into the destination
@@ -13,7 +13,7 @@ import itertools
 import numpy as np
 import pytest
 
-from engine.head_plan import plan_heads
+from kvpush.channel.head_plan import plan_heads
 from kvpush.contract.layout import KvLayout, LayoutError
 
 WIDTH = 2  # bytes of one head's K (or V) per token: small, every byte still distinct
@@ -169,8 +169,8 @@ def test_merged_shares_are_put_in_place_in_a_landing_pool_on_the_host_and_as_a_t
     # host memory and on a torch tensor (what a device landing pool is: here on the CPU).
     import torch
 
-    from engine import reblock
-    from engine.pool import PoolDescription
+    from kvpush.channel import reblock
+    from kvpush.channel.pool import PoolDescription
     heads, n, units = 12, 37, 16
     dst = KvLayout(num_layers=2, block_size=8, num_kv_heads=heads, head_dim=WIDTH, dtype="uint8", tp_size=d_tp)
     plan = plan_heads(dataclasses.replace(dst, tp_size=p_tp, block_size=4), dst)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 
-from engine.connector.ordered_sends import OrderedSends
+from kvpush.connector.ordered_sends import OrderedSends
 
 
 class Gate:

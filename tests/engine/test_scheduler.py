@@ -9,15 +9,15 @@ import time
 
 import pytest
 
-from engine.channel import ChannelError
-from engine.connector.landing_watch import LandingWatch
+from kvpush.connector.sidecar_client import ChannelError
+from kvpush.connector.landing_watch import LandingWatch
 from kvpush.contract.target import PushTarget
-from engine.connector.scheduler import DecodeTiming, KVPushScheduler
-from engine.connector.sidecar_link import SidecarInfo
+from kvpush.connector.scheduler import DecodeTiming, KVPushScheduler
+from kvpush.connector.sidecar_link import SidecarInfo
 from kvpush.contract.layout import KvLayout
 from kvpush.contract.transfer_params import AloneParams, AwaitParams, PushParams
-from engine.frames import StateEvent
-from engine.pool import PoolDescription
+from kvpush.channel.frames import StateEvent
+from kvpush.channel.pool import PoolDescription
 from tests.polling import wait_for
 
 BS = 32
@@ -93,7 +93,7 @@ class FakeClient:
 
     def subscribe(self, res):
         if self.broken:
-            from engine.channel import ChannelError
+            from kvpush.connector.sidecar_client import ChannelError
             raise ChannelError("channel closed")
         self.subscribed.append(res)
         state, tokens = self.states.get(res, ("EXPECTED", 0))

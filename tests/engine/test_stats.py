@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from engine.connector.config import ConfigError, ConnectorConfig
-from engine.connector.stats import Counters, read_counters
+from kvpush.connector.config import ConfigError, ConnectorConfig
+from kvpush.connector.stats import Counters, read_counters
 
 
 def test_concurrent_flushes_never_leave_an_older_snapshot(tmp_path):

@@ -6,7 +6,7 @@ import hashlib
 import json
 import os
 
-from app.tiny_model import MARKER, TinySpec, ensure_model, is_complete
+from kvpush.app.tiny_model import MARKER, TinySpec, ensure_model, is_complete
 
 
 def sha(path: str) -> str:

@@ -11,12 +11,12 @@ import pytest
 import torch
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from engine import reblock
-from engine.copier import CopyError
-from engine.geometry import DestGeometry
-from engine.torch_copier import TorchCopier, stored_dtype
+from kvpush.channel import reblock
+from kvpush.connector.copiers.copier import CopyError
+from kvpush.channel.geometry import DestGeometry
+from kvpush.connector.copiers.torch_copier import TorchCopier, stored_dtype
 from kvpush.contract.layout import KvLayout
-from sidecar.pools import LandingPool, StagingPool
+from kvpush.sidecar.pools import LandingPool, StagingPool
 
 HEADS, DIM, LAYERS, BLOCKS = 2, 8, 3, 12
 P_BS, D_BS = 16, 32  # prefill and decode block sizes differ: the push re-blocks
@@ -123,8 +123,8 @@ def test_caches_the_copier_cannot_move_are_refused_naming_what_is_wrong():
 
 
 def test_the_connector_chooses_its_copier_by_backend_and_refuses_what_it_cannot_move():
-    from engine.connector.kvpush_connector import choose_copier
-    from engine.cpu_copier import CpuCopier
+    from kvpush.connector.kvpush_connector import choose_copier
+    from kvpush.connector.copiers.cpu_copier import CpuCopier
 
     probed = []
     cpu = lambda: probed.append(1) or CpuCopier.__new__(CpuCopier)  # noqa: E731 (the probe needs vLLM's CPU kernel)
@@ -159,7 +159,7 @@ def test_the_connector_chooses_its_copier_by_backend_and_refuses_what_it_cannot_
 
 @pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda x: x.name)
 def test_one_head_share_is_staged_alone_in_its_own_geometry(layout):
-    # A tensor-parallel push stages each head share apart (engine/head_plan.py): here head
+    # A tensor-parallel push stages each head share apart (kvpush/channel/head_plan.py): here head
     # 1 of 2, in rows of one head, chunked; nothing of head 0 and nothing past it is written.
     lp = KvLayout(num_layers=LAYERS, block_size=P_BS, num_kv_heads=HEADS, head_dim=DIM, dtype="float16")
     rng = np.random.default_rng(5)
@@ -244,7 +244,7 @@ def test_a_reservation_from_a_first_token_stages_and_loads_the_rest_only():
 def test_a_cuda_fence_waits_on_its_own_device(monkeypatch):
     """The frames' sender thread starts on GPU 0: waiting for a copy on cuda:1 must set that
     device first (else a context, and memory, on another GPU). CUDA's calls stood in for."""
-    import engine.torch_copier as tc
+    import kvpush.connector.copiers.torch_copier as tc
     calls = []
 
     class Event:

@@ -14,16 +14,16 @@ import numpy as np
 import pytest
 import torch
 
-from engine.cache_codec import BlockCodec
-from engine.cpu_copier import CpuCopier
-from engine.connector.config import ConnectorConfig
-from engine.connector.landing_watch import LandingWatch
-from engine.connector.metadata import KVPushConnectorMetadata, LoadSpec, PushSpec
+from kvpush.connector.copiers.cache_codec import BlockCodec
+from kvpush.connector.copiers.cpu_copier import CpuCopier
+from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.landing_watch import LandingWatch
+from kvpush.connector.metadata import KVPushConnectorMetadata, LoadSpec, PushSpec
 from kvpush.contract.target import PushTarget
-from engine.connector.scheduler import DecodeTiming, KVPushScheduler
-from engine.connector.sidecar_link import connect
-from engine.connector.stats import read_counters
-from engine.connector.worker import KVPushWorker
+from kvpush.connector.scheduler import DecodeTiming, KVPushScheduler
+from kvpush.connector.sidecar_link import connect
+from kvpush.connector.stats import read_counters
+from kvpush.connector.worker import KVPushWorker
 from kvpush.contract.transfer_params import PushParams
 
 pytestmark = pytest.mark.timeout(120)
@@ -193,7 +193,7 @@ def test_the_same_push_through_the_torch_copier_in_gpu_layouts(sidecars, workdir
     """The copier a GPU engine uses, on CPU tensors: prefill in FlashAttention's NHD order
     with layers outermost, decode in HND with blocks outermost, through real sidecars."""
     from vllm.v1.kv_cache_layout import KVCacheLayout
-    from engine.torch_copier import TorchCopier
+    from kvpush.connector.copiers.torch_copier import TorchCopier
 
     dec, pre = sidecars(LAYOUT, d_layout=LAYOUT.replace(f"block={BS}", "block=16"))
     gen = torch.Generator().manual_seed(5)
@@ -236,7 +236,7 @@ class LateCopies:
 
 
 def test_pushes_wait_for_the_copies_they_send(sidecars, workdir, codec):
-    from engine.torch_copier import TorchCopier
+    from kvpush.connector.copiers.torch_copier import TorchCopier
 
     dec, pre = sidecars(LAYOUT)
     gen = torch.Generator().manual_seed(8)

@@ -8,10 +8,10 @@ import aiohttp
 import pytest_asyncio
 from aiohttp.test_utils import TestServer
 
-from app.simulated import SimulatedEngine
-from router.app import build_app
-from router.config import DecodeEngine, RouterConfig
-from router.tokens import WhitespaceCounter
+from kvpush.app.simulated import SimulatedEngine
+from kvpush.router.app import build_app
+from kvpush.router.config import DecodeEngine, RouterConfig
+from kvpush.router.tokens import WhitespaceCounter
 from tests.controlplane.helpers import make_tenant
 from tests.router.fakes import FakeEngine, WordTokenizer
 

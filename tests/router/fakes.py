@@ -9,7 +9,7 @@ import json
 from aiohttp import web
 
 from kvpush.contract.transfer_params import push_report
-from router.tokens import WhitespaceCounter
+from kvpush.router.tokens import WhitespaceCounter
 
 
 class FakeEngine:

@@ -11,8 +11,8 @@ import time
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from router.body import MAX_BODY, MAX_DEPTH, parse, too_deep
-from router.errors import ApiError
+from kvpush.router.body import MAX_BODY, MAX_DEPTH, parse, too_deep
+from kvpush.router.errors import ApiError
 
 
 def depth(value) -> int:

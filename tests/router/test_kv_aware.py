@@ -1,11 +1,11 @@
-"""The router's memory of the turns it sent (router/kv_aware.py): which later prompts
+"""The router's memory of the turns it sent (kvpush/router/kv_aware.py): which later prompts
 extend them, by how much, and the guess it makes from that."""
 
 from __future__ import annotations
 
 from kvpush.contract.block_hash import BlockHasher
-from router.config import RouterConfig
-from router.kv_aware import Guess, GuessHold, KvAware, RecentTurns
+from kvpush.router.config import RouterConfig
+from kvpush.router.kv_aware import Guess, GuessHold, KvAware, RecentTurns
 
 HASHER = BlockHasher(16)
 

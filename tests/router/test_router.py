@@ -9,10 +9,10 @@ import json
 from aiohttp.test_utils import TestServer
 
 from kvpush.contract.v1 import scheduler_pb2, types_pb2
-from router import metrics
-from router.app import build_app
-from router.config import DecodeEngine, RouterConfig
-from router.tokens import WhitespaceCounter
+from kvpush.router import metrics
+from kvpush.router.app import build_app
+from kvpush.router.config import DecodeEngine, RouterConfig
+from kvpush.router.tokens import WhitespaceCounter
 from tests.controlplane.helpers import settle
 from tests.router.fakes import FakeEngine, WordTokenizer
 

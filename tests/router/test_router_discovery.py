@@ -9,10 +9,10 @@ import asyncio
 import aiohttp
 from aiohttp.test_utils import TestServer
 
-from app.simulated import SimulatedEngine
+from kvpush.app.simulated import SimulatedEngine
 from kvpush.contract.v1 import registry_pb2, types_pb2
-from router.app import build_app
-from router.config import DecodeEngine, RouterConfig
+from kvpush.router.app import build_app
+from kvpush.router.config import DecodeEngine, RouterConfig
 from tests.controlplane.helpers import make_tenant, settle
 from tests.router.fakes import FakeEngine, WordTokenizer
 
@@ -105,8 +105,8 @@ async def test_a_decode_engine_dropped_while_prefill_runs_is_replaced(stack):
     router drops that engine (its sidecar reported it gone). The continuation goes to the
     engine left (the prefill engine), without KV params, the reservation is released and
     the client gets 200."""
-    from router.app import DISPATCHER
-    from router.engines import Engines
+    from kvpush.router.app import DISPATCHER
+    from kvpush.router.engines import Engines
 
     s = stack
     s["prefill"].mode = "token_ids"

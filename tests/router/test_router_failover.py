@@ -10,13 +10,13 @@ import asyncio
 
 from aiohttp.test_utils import TestServer
 
-from app.simulated import SimulatedEngine
+from kvpush.app.simulated import SimulatedEngine
 from kvpush.contract.v1 import registry_pb2, scheduler_pb2, types_pb2
-from router import metrics
-from router.app import DISPATCHER, build_app
-from router.config import DecodeEngine, RouterConfig
+from kvpush.router import metrics
+from kvpush.router.app import DISPATCHER, build_app
+from kvpush.router.config import DecodeEngine, RouterConfig
 from tests.controlplane.helpers import settle
-from router.tokens import WhitespaceCounter
+from kvpush.router.tokens import WhitespaceCounter
 from tests.router.fakes import FakeEngine, WordTokenizer
 
 

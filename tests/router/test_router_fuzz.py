@@ -107,9 +107,9 @@ async def test_a_body_trickled_in_is_cut_off_and_reserves_nothing(stack):
 
     from aiohttp.test_utils import TestServer
 
-    from router.app import build_app
-    from router.config import DecodeEngine, RouterConfig
-    from router.tokens import WhitespaceCounter
+    from kvpush.router.app import build_app
+    from kvpush.router.config import DecodeEngine, RouterConfig
+    from kvpush.router.tokens import WhitespaceCounter
 
     s = stack
     cfg = RouterConfig(controlplane=s["cp"].address, token=s["token"], model="tiny",
@@ -144,10 +144,10 @@ async def test_a_client_that_stops_reading_is_cut_off_and_its_reservation_releas
 
     from aiohttp.test_utils import TestServer
 
-    from router import metrics
-    from router.app import build_app
-    from router.config import DecodeEngine, RouterConfig
-    from router.tokens import WhitespaceCounter
+    from kvpush.router import metrics
+    from kvpush.router.app import build_app
+    from kvpush.router.config import DecodeEngine, RouterConfig
+    from kvpush.router.tokens import WhitespaceCounter
 
     s = stack
     s["decode"].chunks, s["decode"].chunk_bytes = 400, 64 * 1024  # 25 MiB: more than any socket buffers

@@ -13,12 +13,12 @@ import json
 import pytest
 from aiohttp.test_utils import TestServer
 
-from app.etcd_server import free_port
-from router import app as router_app, connections, metrics
-from router.app import DISPATCHER, build_app, start
-from router.body import MAX_BODY, MAX_DEPTH
-from router.config import DecodeEngine, RouterConfig
-from router.tokens import WhitespaceCounter
+from kvpush.app.etcd_server import free_port
+from kvpush.router import app as router_app, connections, metrics
+from kvpush.router.app import DISPATCHER, build_app, start
+from kvpush.router.body import MAX_BODY, MAX_DEPTH
+from kvpush.router.config import DecodeEngine, RouterConfig
+from kvpush.router.tokens import WhitespaceCounter
 from tests.polling import until
 
 pytestmark = pytest.mark.timeout(60)

@@ -13,14 +13,14 @@ import pytest
 
 from aiohttp.test_utils import TestServer
 
-from app.simulated import SimulatedEngine
+from kvpush.app.simulated import SimulatedEngine
 from kvpush.contract.block_hash import BlockHasher
 from kvpush.contract.transfer_params import AloneParams
 from kvpush.contract.v1 import registry_pb2, types_pb2
-from router import metrics
-from router.app import DISPATCHER, build_app
-from router.config import DecodeEngine, RouterConfig
-from router.kv_aware import GuessHold
+from kvpush.router import metrics
+from kvpush.router.app import DISPATCHER, build_app
+from kvpush.router.config import DecodeEngine, RouterConfig
+from kvpush.router.kv_aware import GuessHold
 from tests.controlplane.helpers import settle
 from tests.router.fakes import FakeEngine, WordTokenizer
 

@@ -13,14 +13,14 @@ import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestServer
 
-from app.etcd_server import free_port
-from app.simulated import SimulatedEngine
-from client.control_plane import ControlPlaneClient
-from controlplane.server import ControlPlane, ControlPlaneConfig
+from kvpush.app.etcd_server import free_port
+from kvpush.app.simulated import SimulatedEngine
+from kvpush.client.control_plane import ControlPlaneClient
+from kvpush.controlplane.server import ControlPlane, ControlPlaneConfig
 from kvpush.contract.v1 import admin_pb2
-from router.app import start
-from router.config import DecodeEngine, RouterConfig
-from router.tokens import WhitespaceCounter
+from kvpush.router.app import start
+from kvpush.router.config import DecodeEngine, RouterConfig
+from kvpush.router.tokens import WhitespaceCounter
 from tests.conftest import ADMIN_TOKEN, ENGINE_TOKEN
 from tests.controlplane.helpers import make_tenant
 from tests.pki import make_pki

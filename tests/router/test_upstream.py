@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.upstream import Answering
+from kvpush.router.upstream import Answering
 
 
 def test_a_continuation_is_counted_on_the_engine_answering_it_through_every_move():

@@ -20,8 +20,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from engine.channel import SidecarClient  # noqa: E402
-from engine.memory import SHM_DIR, SegmentName  # noqa: E402
+from kvpush.connector.sidecar_client import SidecarClient  # noqa: E402
+from kvpush.channel.memory import SHM_DIR, SegmentName  # noqa: E402
 
 # Processes of this test session (this one and every sidecar it starts): other
 # sessions on the same machine (another engineer's run) have segments of their own.
@@ -130,7 +130,7 @@ class SidecarLauncher:
         record = str(self.workdir / f"{engine_id}.json")
         log_path = str(self.workdir / f"{engine_id}.log")
         env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-        cmd = [sys.executable, "-m", "sidecar.sidecar", "--role", role, "--engine-id", engine_id,
+        cmd = [sys.executable, "-m", "kvpush.sidecar.sidecar", "--role", role, "--engine-id", engine_id,
                "--layout", layout, "--blocks", str(blocks), "--socket", sock, "--record-out", record,
                "--log-level", "INFO", *extra]
         with open(log_path, "w") as log:
@@ -168,14 +168,14 @@ from tests.conftest import ADMIN_TOKEN, ENGINE_TOKEN  # noqa: E402
 def kvpush_command() -> list[str]:
     """The installed ``kvpush`` console script of this interpreter's environment."""
     script = pathlib.Path(sys.executable).with_name("kvpush")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "app.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "kvpush.app.cli"]
 
 
 class ControlPlaneProc:
     """One control-plane replica process on a fixed port, so it can be restarted in place."""
 
     def __init__(self, etcd_endpoint: str, workdir: pathlib.Path, extra: tuple[str, ...] = ()):
-        from app.etcd_server import free_port
+        from kvpush.app.etcd_server import free_port
         self.extra = extra
         self.etcd_endpoint = etcd_endpoint
         self.port = free_port()

@@ -7,13 +7,13 @@ from __future__ import annotations
 import numpy as np
 
 from kvpush.contract.layout import KvLayout
-from engine import frames as F
+from kvpush.channel import frames as F
 from kvpush.contract.target import PushTarget
-from engine import reblock
-from engine.channel import SidecarClient
-from engine.geometry import DestGeometry
-from engine.memory import attach_pool
-from engine.pool import PoolDescription, StagingAllocation
+from kvpush.channel import reblock
+from kvpush.connector.sidecar_client import SidecarClient
+from kvpush.channel.geometry import DestGeometry
+from kvpush.channel.attach import attach_pool
+from kvpush.channel.pool import PoolDescription, StagingAllocation
 
 SENTINEL = 0xA5
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 import time
 
-from controlplane import keys
-from client.control_plane import ControlPlaneClient
-from controlplane.etcd import EtcdClient
+from kvpush.controlplane import keys
+from kvpush.client.control_plane import ControlPlaneClient
+from kvpush.controlplane.etcd import EtcdClient
 from kvpush.contract.states import State
 from kvpush.contract.engine import EngineRecord
-from controlplane.records import ReservationRecord
+from kvpush.controlplane.records import ReservationRecord
 from kvpush.contract.layout import KvLayout
 from tests.controlplane.helpers import make_tenant, reserve, settle  # noqa: F401  (re-exported)
 from tests.conftest import ADMIN_TOKEN, ENGINE_TOKEN

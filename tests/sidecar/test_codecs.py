@@ -7,12 +7,12 @@ import dataclasses
 import pytest
 
 from kvpush.contract.layout import KvLayout
-from engine import frames as F
-from sidecar import notify
+from kvpush.channel import frames as F
+from kvpush.sidecar import notify
 from kvpush.contract.engine import EngineRecord
 from kvpush.contract.target import PushTarget
 from kvpush.contract.v1 import types_pb2
-from engine.pool import StagingAllocation, StagingExtent
+from kvpush.channel.pool import StagingAllocation, StagingExtent
 
 LAYOUT = KvLayout(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")
 

@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
-from app.simulated import SimulatedEngine
+from kvpush.app.simulated import SimulatedEngine
 from tests.conftest import ENGINE_TOKEN
-from sidecar.membership import ChannelReplaced, ControlPlaneLink, Membership, ServiceConfig, guarded
-from sidecar.reservation_watch import ReservationWatch
+from kvpush.sidecar.membership import ChannelReplaced, ControlPlaneLink, Membership, ServiceConfig, guarded
+from kvpush.sidecar.reservation_watch import ReservationWatch
 from tests.polling import until
 
 pytestmark = pytest.mark.timeout(60)

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from engine.memory import SHM_DIR, SegmentName, SegmentOwner, ShmMemory
-from sidecar.pools import pool_tag, remove_dead_pools
+from kvpush.channel.memory import SHM_DIR, SegmentName, SegmentOwner, ShmMemory
+from kvpush.sidecar.pools import pool_tag, remove_dead_pools
 from tests.polling import wait_for
 from tests.sidecar.conftest import OUR_PIDS, ROOT, kvpush_segments, segment_owner
 
@@ -23,7 +23,7 @@ LAYOUT = "layers=4,block=16,heads=2,dim=16,dtype=float16"
 # A process that makes a pool and prints its name, then dies with it or keeps it.
 MAKER = """
 import os, signal, sys, time
-from engine.memory import ShmMemory
+from kvpush.channel.memory import ShmMemory
 print(ShmMemory.create(sys.argv[1], 4096).name, flush=True)
 if sys.argv[2] == "die":
     os.kill(os.getpid(), signal.SIGKILL)

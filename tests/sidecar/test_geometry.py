@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpush.contract.layout import KvLayout
-from engine.geometry import DestGeometry
-from sidecar.descriptors import blocks_segment_map, pair_descriptors, staging_segment_map
-from engine.pool import StagingAllocation, StagingExtent
+from kvpush.channel.geometry import DestGeometry
+from kvpush.sidecar.descriptors import blocks_segment_map, pair_descriptors, staging_segment_map
+from kvpush.channel.pool import StagingAllocation, StagingExtent
 
 
 def reference_mask(geom: DestGeometry, start: int, end: int) -> np.ndarray:

@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from tests.sidecar.engines import DecodeEngine, PrefillEngine, wait_state
-from engine.channel import measure_rtt
+from kvpush.connector.sidecar_client import measure_rtt
 
 pytestmark = pytest.mark.timeout(60)
 

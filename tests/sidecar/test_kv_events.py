@@ -9,7 +9,7 @@ import time
 import pytest
 
 from kvpush.contract.block_hash import BlockHasher
-from sidecar.kv_events import HeldBlocks, KvEventFollower
+from kvpush.sidecar.kv_events import HeldBlocks, KvEventFollower
 
 HASHER = BlockHasher(4)
 

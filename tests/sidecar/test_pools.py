@@ -12,10 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpush.contract.layout import KvLayout
-from engine import reblock
-from engine.geometry import DestGeometry
-from engine.memory import SHM_DIR, ShmMemory, attach_pool
-from sidecar.pools import LandingPool, StagingFull, StagingPool
+from kvpush.channel import reblock
+from kvpush.channel.geometry import DestGeometry
+from kvpush.channel.memory import SHM_DIR, ShmMemory
+from kvpush.channel.attach import attach_pool
+from kvpush.sidecar.pools import LandingPool, StagingFull, StagingPool
 
 LAYOUT = KvLayout(num_layers=3, block_size=16, num_kv_heads=2, head_dim=4, dtype="float16")
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from sidecar.progress import PollPolicy, ProgressDriver, Ticker
+from kvpush.sidecar.progress import PollPolicy, ProgressDriver, Ticker
 
 
 class ScriptedAgent:

@@ -9,20 +9,20 @@ import time
 import numpy as np
 import pytest
 
-from engine import reblock
-from engine.geometry import DestGeometry
+from kvpush.channel import reblock
+from kvpush.channel.geometry import DestGeometry
 from kvpush.contract.engine import EngineRecord
 from kvpush.contract.layout import KvLayout
 from kvpush.contract.states import LandingState, PushState
 from kvpush.contract.target import PushTarget
 from kvpush.contract.v1 import types_pb2
-from sidecar import notify
-from sidecar.landing import LandingTable
-from sidecar.peers import PeerRegistry
-from sidecar.pools import LandingPool, StagingPool
-from sidecar.progress import ProgressDriver
-from sidecar.push import TAIL_BYTES, PushConfig, PushEngine
-from sidecar.transport.fake import FakeFabric
+from kvpush.sidecar import notify
+from kvpush.sidecar.landing import LandingTable
+from kvpush.sidecar.peers import PeerRegistry
+from kvpush.sidecar.pools import LandingPool, StagingPool
+from kvpush.sidecar.progress import ProgressDriver
+from kvpush.sidecar.push import TAIL_BYTES, PushConfig, PushEngine
+from kvpush.sidecar.transport.fake import FakeFabric
 
 LAYOUT = KvLayout(num_layers=4, block_size=16, num_kv_heads=2, head_dim=8, dtype="float32")
 BLOCKS, TOKENS = (3, 7, 8), 40
@@ -289,9 +289,9 @@ async def test_held_staging_is_freed_when_its_time_is_over():
 
 async def test_a_whole_sidecar_pair_runs_on_an_injected_transport(tmp_path):
     from kvpush.contract.states import DECODE, PREFILL
-    from sidecar.base import SidecarConfig
-    from sidecar.sidecar import make_sidecar
-    from sidecar.transport.fake import FakeTransport
+    from kvpush.sidecar.base import SidecarConfig
+    from kvpush.sidecar.sidecar import make_sidecar
+    from kvpush.sidecar.transport.fake import FakeTransport
 
     fabric = FakeFabric(auto_complete=True)  # every write lands as it is posted
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tests.sidecar.engines import SENTINEL, DecodeEngine, PrefillEngine, wait_state
-from engine.channel import ChannelError
+from kvpush.connector.sidecar_client import ChannelError
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -13,20 +13,20 @@ import random
 import numpy as np
 import pytest
 
-from engine import reblock
-from engine.head_plan import plan_heads
+from kvpush.channel import reblock
+from kvpush.channel.head_plan import plan_heads
 from kvpush.contract.engine import EngineRecord
 from kvpush.contract.layout import KvLayout
 from kvpush.contract.states import LandingState, PushState
 from kvpush.contract.target import PushTarget
 from kvpush.contract.v1 import types_pb2
-from sidecar import notify
-from sidecar.landing import LandingTable
-from sidecar.peers import PeerRegistry
-from sidecar.pools import LandingPool, StagingPool
-from sidecar.progress import ProgressDriver
-from sidecar.push import PushConfig, PushEngine, PushError
-from sidecar.transport.fake import FakeFabric
+from kvpush.sidecar import notify
+from kvpush.sidecar.landing import LandingTable
+from kvpush.sidecar.peers import PeerRegistry
+from kvpush.sidecar.pools import LandingPool, StagingPool
+from kvpush.sidecar.progress import ProgressDriver
+from kvpush.sidecar.push import PushConfig, PushEngine, PushError
+from kvpush.sidecar.transport.fake import FakeFabric
 
 TOKENS, BLOCKS = 45, (5, 6, 2)  # 45 tokens: 2 blocks of 16 and a partial one; a run broken
 

@@ -13,8 +13,8 @@ import pytest_asyncio
 
 from kvpush.contract.v1 import registry_pb2 as R
 from kvpush.contract.v1 import types_pb2 as S
-from sidecar.membership import ServiceConfig
-from sidecar.reporter import Reporter
+from kvpush.sidecar.membership import ServiceConfig
+from kvpush.sidecar.reporter import Reporter
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -14,7 +14,7 @@ from kvpush.contract.states import State
 from tests.controlplane.helpers import expect_code
 from tests.sidecar.engines import SENTINEL, DecodeEngine, PrefillEngine, wait_state
 from tests.sidecar.service_helpers import Etcd, Scheduler, layout_pb, record_of, settle
-from engine.channel import ChannelError
+from kvpush.connector.sidecar_client import ChannelError
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,9 +10,9 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.etcd_server import free_port
+from kvpush.app.etcd_server import free_port
 from kvpush.contract.states import State
-from sidecar.metrics import reason_class
+from kvpush.sidecar.metrics import reason_class
 from tests.sidecar.engines import DecodeEngine, PrefillEngine, wait_state
 from tests.sidecar.service_helpers import Etcd, Scheduler, layout_pb, record_of
 
@@ -76,7 +76,7 @@ def test_failure_reasons_are_counted_by_class():
 
 
 def test_prefix_metrics_say_when_the_engines_hashes_cannot_be_matched():
-    from sidecar.metrics import SidecarMetrics
+    from kvpush.sidecar.metrics import SidecarMetrics
 
     state = {"landing_blocks": 8, "landing_blocks_landed": 0, "prefix_blocks_held": 3,
              "prefix_events": {"stored": 3, "gaps": 0}, "prefix_unusable": "", "prefix_reports": {"deltas": 2}}

@@ -16,9 +16,9 @@ import msgspec
 import pytest
 import zmq
 
-from app.etcd_server import free_port
-from controlplane.etcd import EtcdClient
-from controlplane.view import View, follow
+from kvpush.app.etcd_server import free_port
+from kvpush.controlplane.etcd import EtcdClient
+from kvpush.controlplane.view import View, follow
 from kvpush.contract.block_hash import BlockHasher
 from tests.sidecar.test_kv_events import stored
 from tests.sidecar.test_service_metrics import scrape

@@ -11,9 +11,9 @@ import asyncio
 import grpc
 import pytest
 
-from app.etcd_server import free_port
+from kvpush.app.etcd_server import free_port
 from kvpush.contract.states import State
-from sidecar.engine_presence import GONE, NOT_YET
+from kvpush.sidecar.engine_presence import GONE, NOT_YET
 from tests.controlplane.helpers import expect_code
 from tests.sidecar.service_helpers import Etcd, Scheduler
 from tests.sidecar.test_service_metrics import scrape

@@ -86,7 +86,7 @@ async def test_reblocking_through_the_control_plane_is_exact(stack, p_block, d_b
 async def test_a_reservation_named_for_an_earlier_life_of_the_prefill_sidecar_is_not_pushed_into(stack):
     """The control plane fails what a dead prefill life was named for, at once; its queued
     requests reaching the sidecar's next life must write nothing into those blocks."""
-    from engine.channel import ChannelError
+    from kvpush.connector.sidecar_client import ChannelError
     async with sidecar_pair(stack) as (pre, sched, etcd, prefill, decode):
         res = await sched.reserve("named", 40, prefill_engine_id="P1")
         mine = res.prefill_engine_incarnation
@@ -105,7 +105,7 @@ async def test_a_reservation_named_for_an_earlier_life_of_the_prefill_sidecar_is
 async def test_a_reservation_that_expired_before_its_prefill_began_is_not_pushed_into(stack):
     """Its landing blocks go back to the pool at the deadline (after the quarantine,
     to other requests): a prefill that starts late must write nothing into them."""
-    from engine.channel import ChannelError
+    from kvpush.connector.sidecar_client import ChannelError
     async with sidecar_pair(stack) as (pre, sched, etcd, prefill, decode):
         res = await sched.reserve("late", 40, prefill_engine_id="P1", deadline_ms=1000)
         await etcd.wait_state(res.id, State.EXPIRED, timeout_s=20)

@@ -13,12 +13,12 @@ import contextlib
 import numpy as np
 import pytest
 
-from engine import frames as F
-from engine import reblock
-from engine.channel import ChannelError
-from engine.head_plan import plan_heads
-from engine.memory import attach_pool
-from engine.pool import PoolDescription
+from kvpush.channel import frames as F
+from kvpush.channel import reblock
+from kvpush.connector.sidecar_client import ChannelError
+from kvpush.channel.head_plan import plan_heads
+from kvpush.channel.attach import attach_pool
+from kvpush.channel.pool import PoolDescription
 from kvpush.contract.layout import KvLayout
 from kvpush.contract.states import State
 from kvpush.contract.target import PushTarget

@@ -16,14 +16,14 @@ import pytest
 from kvpush.contract.layout import KvLayout
 from kvpush.contract.v1 import types_pb2
 from tests.sidecar.engines import DecodeEngine, PrefillEngine, wait_state
-from engine import reblock
-from engine.geometry import DestGeometry
+from kvpush.channel import reblock
+from kvpush.channel.geometry import DestGeometry
 from kvpush.contract.states import LandingState, PushState
 from kvpush.contract.engine import EngineRecord
 from kvpush.contract.target import PushTarget
-from sidecar.push import PushError
-from sidecar.base import SidecarBase, SidecarConfig
-from sidecar.sidecar import make_sidecar
+from kvpush.sidecar.push import PushError
+from kvpush.sidecar.base import SidecarBase, SidecarConfig
+from kvpush.sidecar.sidecar import make_sidecar
 from kvpush.contract.states import DECODE, PREFILL
 
 pytestmark = pytest.mark.timeout(30)
@@ -174,7 +174,7 @@ async def test_landed_needs_every_write_and_ignores_other_incarnations(pair):
     assert decode.landing.query("res-p").state == LandingState.PUSHING  # begun, not landed
     assert not events.items
     # A LANDED notice for another incarnation of this engine is ignored.
-    from sidecar import notify
+    from kvpush.sidecar import notify
     decode.landing.handle_notif("x", notify.encode(notify.PushNotice(notify.LANDED, "res-p", "old", (0, 1), 16, 32)))
     assert decode.landing.query("res-p").state == LandingState.PUSHING
     prefill.pusher.push("req-p", LAYOUT.num_layers - 1)
@@ -227,7 +227,7 @@ def test_stalled_decode_fails_within_the_transfer_timeout_never_lands(sidecars):
 def test_handover_keeps_asks_and_grants_bounded():
     """The prefill sidecar's handover: a grant waits for its ask and an ask for its grant;
     asks no grant answers (refused Reserves) and unasked grants are bounded."""
-    from sidecar.handover import Handover
+    from kvpush.sidecar.handover import Handover
 
     class Conn:
         def __init__(self):
@@ -256,7 +256,7 @@ def test_handover_keeps_asks_and_grants_bounded():
 
 def test_checksums_are_refused_for_a_tensor_parallel_engine(tmp_path):
     # Debug checksums are computed over one head share's staging: not over a TP engine's.
-    from sidecar.outbound import PushConfig
+    from kvpush.sidecar.outbound import PushConfig
     tp2 = dataclasses.replace(LAYOUT, num_kv_heads=4, tp_size=2)
     with pytest.raises(ValueError, match="--checksums covers engines without tensor parallelism only"):
         SidecarConfig("pre-tp", PREFILL, tp2, 32, str(tmp_path / "p.sock"), push=PushConfig(checksums=True))

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from sidecar.transport.base import TransportUnavailable
-from sidecar.transport.nixl import NixlConfig, NixlTransport
+from kvpush.sidecar.transport.base import TransportUnavailable
+from kvpush.sidecar.transport.nixl import NixlConfig, NixlTransport
 
 
 def test_a_backend_kvpush_is_not_written_for_is_refused():
@@ -31,7 +31,7 @@ def test_the_sidecar_command_refuses_a_backend_it_cannot_create(tmp_path):
     args = ["--role", "decode", "--engine-id", "d", "--token", "t", "--kv-layout",
             "layers=2,block=16,heads=2,dim=8,dtype=float32", "--num-blocks", "4", "--model", "m",
             "--socket", str(tmp_path / "s.sock"), "--controlplane", "127.0.0.1:1", "--backends", "GDS"]
-    done = subprocess.run([sys.executable, "-m", "sidecar.service", *args], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "kvpush.sidecar.service", *args], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 2
     assert "--backends GDS" in done.stderr and "kvpush runs on one of" in done.stderr

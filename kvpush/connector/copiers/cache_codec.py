@@ -39,7 +39,7 @@ import functools
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from engine.copier import CopyError
+from kvpush.connector.copiers.copier import CopyError
 
 
 @dataclasses.dataclass(frozen=True)

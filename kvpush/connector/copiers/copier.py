@@ -3,7 +3,7 @@
 kvpush moves KV between engines in one canonical layout (``kvpush.contract.layout``:
 per block ``[K/V][token][kv_head][head_dim]``, layer-major pools). Each attention
 backend keeps its cache its own way; a copier translates, inside vLLM's worker process.
-Every call comes from the connector's worker side (``engine/connector/worker.py``) on
+Every call comes from the connector's worker side (``kvpush/connector/worker.py``) on
 the thread that runs the model's forward pass:
 
 ==================  ========  ===============================================================
@@ -21,10 +21,10 @@ method              side      moment
                               request; CONSUMED follows
 ==================  ========  ===============================================================
 
-Implementations: ``engine.cpu_copier.CpuCopier`` (host memory; the probed block codec of
-``engine/cache_codec.py``, numpy copies) and ``engine.torch_copier.TorchCopier`` (vLLM's
+Implementations: ``kvpush.connector.copiers.cpu_copier.CpuCopier`` (host memory; the probed block codec of
+``kvpush/connector/copiers/cache_codec.py``, numpy copies) and ``kvpush.connector.copiers.torch_copier.TorchCopier`` (vLLM's
 plain layouts, torch ops on the cache's device). On a GPU the caches are tensors on
-their device and the pool is device memory from ``engine.memory.attach_pool``; a copy
+their device and the pool is device memory from ``kvpush.channel.memory.attach_pool``; a copy
 is then only enqueued when ``stage`` or ``load`` returns, and what they return is a
 fence (``wait()`` returns once the copy is done) that the connector waits on before the
 frame that lets the sidecar read the staged bytes (PUSH) or reuse the landing blocks
@@ -36,9 +36,9 @@ from __future__ import annotations
 import abc
 from typing import Protocol, Sequence
 
-from engine.geometry import DestGeometry
-from engine.memory import PoolMemory
-from engine.pool import PoolDescription, StagingAllocation
+from kvpush.channel.geometry import DestGeometry
+from kvpush.channel.memory import PoolMemory
+from kvpush.channel.pool import PoolDescription, StagingAllocation
 from kvpush.contract.layout import KvLayout
 
 

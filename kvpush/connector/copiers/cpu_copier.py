@@ -1,7 +1,7 @@
 """``CpuCopier``: the ``CacheCopier`` for caches in host memory, through the probed codec.
 
-The block codec (``engine/cache_codec.py``) knows where each canonical element sits in
-one of the backend's cache blocks; the re-blocking copies (``engine/reblock.py``) put
+The block codec (``kvpush/connector/copiers/cache_codec.py``) knows where each canonical element sits in
+one of the backend's cache blocks; the re-blocking copies (``kvpush/channel/reblock.py``) put
 tokens into staging in the destination's block geometry and take them out of landing
 blocks. Both work on numpy views of the cache tensors and the shared-memory pool: no
 copy but the one that moves the bytes.
@@ -13,12 +13,12 @@ from typing import Sequence
 
 import numpy as np
 
-from engine import reblock
-from engine.cache_codec import BlockCodec, flat_layer
-from engine.copier import CacheCopier, CopyError
-from engine.geometry import DestGeometry
-from engine.memory import PoolMemory
-from engine.pool import PoolDescription, StagingAllocation
+from kvpush.channel import reblock
+from kvpush.connector.copiers.cache_codec import BlockCodec, flat_layer
+from kvpush.connector.copiers.copier import CacheCopier, CopyError
+from kvpush.channel.geometry import DestGeometry
+from kvpush.channel.memory import PoolMemory
+from kvpush.channel.pool import PoolDescription, StagingAllocation
 from kvpush.contract.layout import KvLayout
 
 

@@ -20,7 +20,7 @@ row of ``num_kv_heads * head_dim`` bytes is one token's K or V.
 Where the bytes go and on which stream (the GPU data path, docs/ARCHITECTURE.md):
 
 * the pool is the sidecar's: device memory on the cache's GPU, mapped through its CUDA
-  IPC handle (``engine.device_memory``), or a host segment (a CPU engine; or a GPU engine
+  IPC handle (``kvpush.channel.device_memory``), or a host segment (a CPU engine; or a GPU engine
   whose sidecar keeps a DRAM pool, where each copy is a synchronous device<->host copy,
   the forward pass waiting for it: a fallback, not the product);
 * every copy runs on the engine's current stream, the one vLLM runs the forward pass on.
@@ -30,7 +30,7 @@ Where the bytes go and on which stream (the GPU data path, docs/ARCHITECTURE.md)
   the layer's own compute (an 8B model's 1k-token layer is 4 MiB: ~1-2 us at H200 bandwidth);
 * the host does not wait: ``stage`` and ``load`` return a ``CudaFence`` (an event recorded
   after the copy) and the connector sends the frame that lets the sidecar read (PUSH) or
-  reuse (CONSUMED) the pool only once it has passed (``engine/connector/ordered_sends.py``);
+  reuse (CONSUMED) the pool only once it has passed (``kvpush/connector/ordered_sends.py``);
   on CPU tensors the copy is complete on return and the fence is None;
 * index tensors reach the GPU from pinned memory without blocking (a pageable host to
   device copy in torch synchronises the stream: the forward pass would stall on it).
@@ -47,10 +47,10 @@ from typing import Sequence
 
 import torch
 
-from engine.copier import CacheCopier, CopyError
-from engine.geometry import DestGeometry
-from engine.memory import DeviceMemory, PoolMemory
-from engine.pool import PoolDescription, StagingAllocation
+from kvpush.connector.copiers.copier import CacheCopier, CopyError
+from kvpush.channel.geometry import DestGeometry
+from kvpush.channel.memory import DeviceMemory, PoolMemory
+from kvpush.channel.pool import PoolDescription, StagingAllocation
 from kvpush.contract.layout import KvLayout
 
 TORCH_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",

@@ -4,10 +4,10 @@ A sidecar owns one transport for its life. Every call comes from the sidecar's
 asyncio loop thread (never two threads: the NIXL agent is made without locks) and
 none may block: a transfer is *posted*, then polled for. Implementations:
 
-* ``sidecar.transport.nixl.NixlTransport``: a NIXL agent with its progress thread
+* ``kvpush.sidecar.transport.nixl.NixlTransport``: a NIXL agent with its progress thread
   off, on a configurable backend (``UCX`` today; ``LIBFABRIC`` for AWS EFA where the
   NIXL build and the host have it; refused at start, with the reason, where not);
-* ``sidecar.transport.fake.FakeTransport``: in-process, for unit tests of the push
+* ``kvpush.sidecar.transport.fake.FakeTransport``: in-process, for unit tests of the push
   and landing logic; it copies bytes itself and lets a test choose when each write
   completes, in which order, and which fail.
 
@@ -24,7 +24,7 @@ method                 caller  moment
 ``post_write``         P       each staged piece (``PushEngine``); the final piece carries
                                the LANDED notification and is posted only once every
                                earlier write of its request is DONE
-``send_notif``         P       BEGIN / FINAL / ABORT hints (``sidecar/notify.py``)
+``send_notif``         P       BEGIN / FINAL / ABORT hints (``kvpush/sidecar/notify.py``)
 ``check``              P       every poll while a write is in flight (``ProgressDriver``)
 ``release``            P       once a write is DONE, failed or timed out; after it returns
                                True the write reads its source no more
@@ -40,7 +40,7 @@ import abc
 
 import numpy as np
 
-from engine.memory import PoolMemory
+from kvpush.channel.memory import PoolMemory
 
 # What ``check`` answers.
 DONE, PROC, ERR = "DONE", "PROC", "ERR"

@@ -22,8 +22,8 @@ import json
 
 import numpy as np
 
-from engine.memory import PoolMemory
-from sidecar.transport.base import DONE, ERR, PROC, TransferError, Transport
+from kvpush.channel.memory import PoolMemory
+from kvpush.sidecar.transport.base import DONE, ERR, PROC, TransferError, Transport
 
 
 @dataclasses.dataclass

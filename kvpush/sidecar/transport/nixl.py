@@ -4,7 +4,7 @@ progress thread.
 ``nixl_agent_config(enable_prog_thread=True)`` (NIXL's default) spins a core
 even when idle (see shared/STACK.md). We turn it off; progress then happens
 only inside ``check_xfer_state`` / ``get_new_notifs``, which
-``sidecar.progress.ProgressDriver`` calls from the sidecar's asyncio loop, fast
+``kvpush.sidecar.progress.ProgressDriver`` calls from the sidecar's asyncio loop, fast
 while transfers are in flight and rarely when idle.
 
 The backend is a setting (``--backends``): ``UCX`` (the default, and what this
@@ -27,8 +27,8 @@ import os
 
 import numpy as np
 
-from engine.memory import PoolMemory
-from sidecar.transport.base import DONE, ERR, TransferError, Transport, TransportUnavailable
+from kvpush.channel.memory import PoolMemory
+from kvpush.sidecar.transport.base import DONE, ERR, TransferError, Transport, TransportUnavailable
 
 log = logging.getLogger(__name__)
 
