@@ -108,6 +108,8 @@ def test_every_kvpush_command_line_parses_and_the_engines_carry_their_sidecar(ov
         ktc = KVTransferConfig(**json.loads(_flag(engine["args"], "--kv-transfer-config")))
         assert ktc.kv_connector_extra_config["sidecar_socket"].startswith("/run/kvpush/")
         assert ktc.is_kv_producer == (role == "prefill")
+        # By name: kvpush's vLLM plugin registers it (no module path to keep in step with the package).
+        assert ktc.kv_connector == "KVPushConnector" and not ktc.kv_connector_module_path
 
 
 def _env(container: dict, name: str) -> str | None:

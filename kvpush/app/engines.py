@@ -5,9 +5,20 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+def _checkout() -> str:
+    """The source checkout kvpush runs from ("" for an installed kvpush)."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    return str(root) if (root / "pyproject.toml").is_file() and (root / "proto").is_dir() else ""
+
+
+CHECKOUT = _checkout()
+# Where the stack's processes run and .kvpush/ (the tiny model, logs) lives: the checkout's
+# root, or for an installed kvpush the directory it was started in.
+ROOT = CHECKOUT or os.getcwd()
 
 ENGINE_ENV = {
     "HF_HUB_OFFLINE": "1",                    # never reach for a hub
@@ -47,7 +58,9 @@ def engine_env(extra: dict | None = None, pair: bool = False, ipc_dir: str = "")
     """The environment of an engine; ``pair``: one of a co-located prefill/decode pair.
     ``ipc_dir``: where vLLM puts its ZMQ IPC sockets (named <dir>/<uuid>, /tmp by
     default, and left behind when the engine stops): a directory the caller cleans."""
-    env = dict(ENGINE_ENV, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(ENGINE_ENV)
+    if CHECKOUT:  # the engines import the connector from the checkout, as this process does
+        env["PYTHONPATH"] = CHECKOUT + os.pathsep + os.environ.get("PYTHONPATH", "")
     if pair:
         env.update(PD_PAIR_ENV)
     if ipc_dir:
@@ -58,7 +71,7 @@ def engine_env(extra: dict | None = None, pair: bool = False, ipc_dir: str = "")
 
 def kvpush_transfer_config(role: str, socket: str, stats_dir: str, name: str, **extra) -> dict:
     """kv_transfer_config loading our connector; role: kv_producer (prefill) or kv_consumer (decode)."""
-    cfg = {"kv_connector": "KVPushConnector", "kv_connector_module_path": "kvpush.connector.kvpush_connector",
+    cfg = {"kv_connector": "KVPushConnector",
            "kv_role": role,
            "kv_connector_extra_config": {"sidecar_socket": socket, "stats_dir": stats_dir, "engine_name": name,
                                          **extra}}

@@ -16,6 +16,8 @@ both speak is ``kvpush.channel``. Its bytes are copied by a CacheCopier (``copie
     config.py            kv_connector_extra_config
     stats.py             counters, written as JSON for readers outside the engine
 
-Load it with ``kv_connector="KVPushConnector"``,
-``kv_connector_module_path="kvpush.connector.kvpush_connector"`` (see kvpush_connector.py).
+    plugin.py            the vLLM plugin that registers the connector by name
+
+Load it with ``kv_connector="KVPushConnector"`` (see kvpush_connector.py); the plugin,
+an entry point of ``vllm.general_plugins``, makes the name known to vLLM.
 """

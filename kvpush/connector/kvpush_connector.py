@@ -1,7 +1,6 @@
 """``KVPushConnector``: vLLM's KV connector for kvpush (the class vLLM loads).
 
-    --kv-transfer-config '{"kv_connector": "KVPushConnector",
-                           "kv_connector_module_path": "kvpush.connector.kvpush_connector",
+    --kv-transfer-config '{"kv_connector": "KVPushConnector",   # by name: kvpush's vLLM plugin registers it
                            "kv_role": "kv_producer",            # prefill engines; "kv_consumer" for decode
                            "kv_load_failure_policy": "recompute",  # required on decode engines
                            "kv_connector_extra_config": {"sidecar_socket": "/path/to/sidecar.sock",
@@ -17,6 +16,7 @@ served normally.
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -87,12 +87,23 @@ def check_kv_scales(layout: KvLayout, attention_layers: list) -> None:
                         "engine of the model the same)")
 
 
+def warn_module_path(module_path: str | None) -> None:
+    """Loading the connector by ``kv_connector_module_path`` still works, for now; the
+    plugin (``kvpush/connector/plugin.py``) registers it by name, which survives moves."""
+    if module_path:
+        message = (f"KVPushConnector: kv_connector_module_path ({module_path!r}) is deprecated: name the connector "
+                   f'alone, {{"kv_connector": "KVPushConnector", ...}} (kvpush\'s vLLM plugin registers it)')
+        warnings.warn(message, DeprecationWarning, stacklevel=3)
+        log.warning(message)
+
+
 class KVPushConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.P2P
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
+        warn_module_path(getattr(ktc, "kv_connector_module_path", None))
         self.config = ConnectorConfig.from_extra(ktc.kv_connector_extra_config)
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
             raise ConfigError("KVPushConnector supports models with one KV cache group (full attention only)")

@@ -47,7 +47,6 @@ def connector(sidecar, backend: str, cache_dtype: str = "auto", k_scales=None, v
                                           _k_scale_float=k_scales[i], _v_scale_float=v_scales[i])
               for i, name in enumerate(NAMES)}
     ktc = KVTransferConfig(kv_connector="KVPushConnector", kv_role="kv_producer",
-                           kv_connector_module_path="kvpush.connector.kvpush_connector",
                            kv_connector_extra_config={"sidecar_socket": sidecar.socket, "connect_timeout_s": 10})
     config = types.SimpleNamespace(kv_transfer_config=ktc,
                                    cache_config=types.SimpleNamespace(block_size=BS, cache_dtype=cache_dtype),
@@ -99,3 +98,25 @@ def test_what_the_connector_cannot_move_is_refused_at_start_naming_backend_layou
         with pytest.raises(CopyError, match=r"TRITON_ATTN .*a float16 KV cache \(kv-cache-dtype 'auto'\), the "
                                             r"sidecar's layout holds bfloat16"):
             wrong.register_kv_caches(caches(KVCacheLayout.LBNHC.stride_order, torch.float16))
+
+
+def test_vllm_finds_the_connector_by_name_through_the_plugin():
+    """The entry point pyproject.toml installs, loaded as vLLM loads its general plugins:
+    the factory then knows KVPushConnector by name (twice loaded: still once registered)."""
+    from importlib.metadata import entry_points
+
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    (plugin,) = [p for p in entry_points(group="vllm.general_plugins") if p.name == "kvpush"]
+    register = plugin.load()
+    register(), register()
+    ktc = KVTransferConfig(kv_connector="KVPushConnector", kv_role="kv_consumer", kv_load_failure_policy="recompute")
+    assert KVConnectorFactory.get_connector_class(ktc) is KVPushConnector
+
+
+def test_a_module_path_still_loads_with_a_deprecation_naming_the_new_form(recwarn):
+    from kvpush.connector.kvpush_connector import warn_module_path
+    warn_module_path("kvpush.connector.kvpush_connector")
+    (w,) = [w for w in recwarn if issubclass(w.category, DeprecationWarning) and "KVPushConnector" in str(w.message)]
+    assert '{"kv_connector": "KVPushConnector", ...}' in str(w.message)
+    warn_module_path(None)
+    assert len([w for w in recwarn if "kv_connector_module_path" in str(w.message)]) == 1
