@@ -16,5 +16,7 @@ COPY pyproject.toml setup.py MANIFEST.in README.md ./
 COPY proto/ proto/
 COPY kvpush/ kvpush/
 # The build generates the gRPC stubs (setup.py); the extra never pulls torch or vLLM.
+# This checkout's package: its one dependency beyond vLLM's is a range (protobuf's runtime).
+# hadolint ignore=DL3013
 RUN pip install ".[connector]"
 WORKDIR /

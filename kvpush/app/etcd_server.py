@@ -151,6 +151,8 @@ class EmbeddedEtcd:
 
     def spawn(self) -> None:
         """Start the process without waiting (a cluster's members wait for each other)."""
+        os.makedirs(self.data_dir, exist_ok=True)  # a --etcd-data-dir (or --data-dir) not made yet
+        os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.environment(),
                                      stdin=subprocess.DEVNULL, start_new_session=True)
