@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from kvpush.channel.memory import sweep_stale_segments
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MARK_BEGIN, MARK_END = "<!-- gpu_check:begin -->", "<!-- gpu_check:end -->"
 PARTS = ("ipc", "copy", "nixl")
@@ -68,6 +70,9 @@ def run_unit(script: pathlib.Path, part: str, tokens: int | None, argv: list[str
         proc.wait()
     for t in readers:
         t.join(5)
+    # A part killed (or a receiver that died) leaves its host pools in /dev/shm: the check's
+    # own, their makers gone, are removed here (live processes' and others' never are).
+    sweep_stale_segments(lambda name: name.tag.startswith("gpucheck."))
     lines = [line.strip() for line in err if line.strip()]
     tail = lines[-1][-300:] if lines else ""  # the exception, where it raised
     if rc is None:

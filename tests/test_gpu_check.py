@@ -100,6 +100,11 @@ def test_a_part_that_dies_or_whose_receiver_dies_loses_nothing_else():
     for n in ("64", "80"):  # each request size its own process and its own line
         assert "FAILED" in parts[f"nixl[{n}]"][1] and "exit status 1" in parts[f"nixl[{n}]"][1]
         assert any(t.startswith(f"| {n} | - | - | FAILED") for _, t in lines)
+    # The dead receivers' landing pools are not left in /dev/shm.
+    from kvpush.channel.memory import SHM_DIR, SegmentName
+    left = [n for n in os.listdir(SHM_DIR) if (s := SegmentName.parse(n)) and s.tag.startswith("gpucheck.")
+            and not s.owner.alive()]
+    assert not left, left
 
 
 def test_parts_can_be_chosen_or_skipped():
