@@ -15,6 +15,7 @@ import pathlib
 import subprocess
 import sys
 import sysconfig
+import tarfile
 import textwrap
 import zipfile
 
@@ -73,7 +74,7 @@ def test_the_wheel_holds_kvpush_alone_its_stubs_its_plugin_and_declared_dependen
     assert not any(r.startswith(("torch", "vllm")) for r in requires if 'extra == "connector"' in r)
     assert "[vllm.general_plugins]" in entry_points and "kvpush = kvpush.connector.plugin:register" in entry_points
     assert "kvpush = kvpush.app.cli:main" in entry_points
-    with __import__("tarfile").open(built["sdist"]) as sdist:
+    with tarfile.open(built["sdist"]) as sdist:
         members = sdist.getnames()
     assert any(m.endswith("proto/kvpush/contract/v1/types.proto") for m in members)
     assert any(m.endswith("/setup.py") for m in members)

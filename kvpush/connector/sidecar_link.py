@@ -115,7 +115,6 @@ class Redialer:
         self._wake = threading.Event()
         self._stopping = False
         self._down_since = 0.0  # monotonic: when the channel was found closed (0: it is up)
-        self.redials = 0
         self._thread = threading.Thread(target=self._run, name=f"kvpush-redial-{what}", daemon=True)
         self._thread.start()
 
@@ -189,7 +188,6 @@ class Redialer:
         self.follow(client)
         if self.down:  # closed again at once (follow() woke the thread for another try)
             return False
-        self.redials += 1
         log.warning("kvpush sidecar channel (%s) up again after %.2f s: %s incarnation %s", self.what,
                     time.monotonic() - self._down_since, info.engine_id, info.incarnation)
         self._down_since = 0.0

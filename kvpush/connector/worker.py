@@ -81,9 +81,12 @@ class KVPushWorker:
         self.block_size = block_size
         self.rank = rank  # this worker's tensor-parallel rank: it moves its own heads only
         self.device = current_cuda_device()  # vLLM set the worker's GPU before making its connector
+
+        def dial(connect_timeout_s: float) -> tuple[SidecarClient, SidecarInfo]:
+            return connect(config.sidecar_socket, connect_timeout_s, config.channel_timeout_s,
+                           name=f"vllm-worker-{os.getpid()}", cuda_device=self.device, rank=rank)
         if client is None:
-            client, info = connect(config.sidecar_socket, config.connect_timeout_s, config.channel_timeout_s,
-                                   name=f"vllm-worker-{os.getpid()}", cuda_device=self.device, rank=rank)
+            client, info = dial(config.connect_timeout_s)
         if info.layout.tp_size != tp_size:
             client.close()
             raise CopyError(f"the engine runs tensor-parallel size {tp_size}, its kvpush sidecar's --kv-layout "
@@ -115,10 +118,7 @@ class KVPushWorker:
         self._load_errors: set[int] = set()  # vLLM block ids whose load failed in this step
         self._parked: tuple[SidecarClient, SidecarInfo] | None = None  # dialed, not yet taken
         self._parked_lock = threading.Lock()
-        self._redialer = Redialer(
-            lambda: connect(config.sidecar_socket, 0, config.channel_timeout_s, name=f"vllm-worker-{os.getpid()}",
-                            cuda_device=self.device, rank=rank),
-            self._vet, f"worker rank {rank}")
+        self._redialer = Redialer(lambda: dial(0), self._vet, f"worker rank {rank}")  # one try per attempt
         self._redialer.follow(client)
         self._traced_step = False
         self.counters.flush(force=True)
@@ -378,7 +378,7 @@ class KVPushWorker:
         restarted sidecar comes up, ``after_reconnect()`` (may raise) and once more."""
         try:
             return call()
-        except ChannelError as exc:
+        except ChannelError:
             if not self._channel_broken() or not self._take_new_channel():
                 raise
             if after_reconnect is not None:

@@ -23,7 +23,7 @@ import time
 import pytest
 
 from kvpush.app import engines
-from kvpush.app.stack import Stack, StackSpec
+from kvpush.app.stack import Stack, StackSpec, complete
 from kvpush.app.tiny_model import DEFAULT_DIR, ensure_model
 from tests.e2e.test_router_e2e import counters, settled
 from tests.polling import wait_for
@@ -71,7 +71,6 @@ class Load:
         self._thread.join(120)
 
     def _run(self) -> None:
-        from kvpush.app.stack import complete
         i = 0
         while not self._stop.is_set():
             i += 1
