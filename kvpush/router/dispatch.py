@@ -50,7 +50,8 @@ from kvpush.router.alone_path import AlonePath
 from kvpush.router.push_path import PushPath
 from kvpush.router.errors import ApiError, json_error
 from kvpush.router.failover import Failover, with_reservation
-from kvpush.router.streams import DecodeStreamError, sse_events, sse_response
+from kvpush.router.relay import Relay
+from kvpush.router.streams import DecodeStreamError, sse_batches, sse_response
 from kvpush.router.upstream import Answering, Upstream
 from kvpush.router.first_token import (BadHead, Chunks, Tail, decode_body, final_answer, parse_head, prefill_body,
                                 resume_body)
@@ -294,8 +295,16 @@ class Dispatcher(PushPath, AlonePath):
         if decode_url is None:
             raise ApiError(f"no engine is available for model {self.cfg.model!r}", 503)
         kv = PushParams.from_reservation(res, DECODE).as_kv_transfer_params() if res is not None else None
-        d_body = decode_body(ask, head, self.cfg.model, kv)
-        tail = Tail(ask, head, self.counter.output_text(head.prompt_ids, ask.body.get("skip_special_tokens", True)))
+        skip = ask.body.get("skip_special_tokens", True)
+        # Decode's text is passed on past the boundary (first_token.Tail), unless the
+        # answer needs every token's event made here: logprobs (their text offsets) and
+        # usage in every event; or stop strings when decode's first text is not to be
+        # trusted (it would match them in the prompt's text).
+        partial = self.counter.ends_partial(head.prompt_ids, head.token_id, skip)
+        relay = Relay(ask.endpoint, head.raw, ask.return_token_ids) \
+            if ask.logprobs is None and not ask.continuous_usage and not (partial and ask.body.get("stop")) else None
+        d_body = decode_body(ask, head, self.cfg.model, kv, stop=relay is not None)
+        tail = Tail(ask, head, self.counter.output_text(head.prompt_ids, skip), relay, partial)
         held[:] = [res] if res is not None else []
         return await self._continue(ask, head, tail, decode_url, d_body, request, timings, held)
 
@@ -351,17 +360,22 @@ class Dispatcher(PushPath, AlonePath):
                 resumes = 0
                 while True:
                     try:
-                        async for chunk in sse_events(resp):
-                            if "error" in chunk:
-                                raise DecodeStreamError(str(chunk["error"]))
-                            piece = tail.add(chunk)
-                            if piece is None:
-                                continue
-                            if "second_token" not in timings:
+                        async for batch in sse_batches(resp):
+                            wire = []
+                            for payload in batch:
+                                got = tail.take(payload)
+                                if got is None:
+                                    continue
+                                if out is not None:
+                                    wire.append(got if isinstance(got, bytes) else chunks.piece(
+                                        got, tail.usage() if ask.continuous_usage else None))
+                                if tail.stopped_here:
+                                    break
+                            if "second_token" not in timings and (wire or tail.received):
                                 timings["second_token"] = time.perf_counter()
                                 metrics.TOKEN2.observe(timings["second_token"] - timings["prefill_answered"])
-                            if out is not None:
-                                await out.write(chunks.piece(piece, tail.usage()))
+                            if wire:
+                                await out.write(b"".join(wire))
                             if tail.stopped_here:
                                 resp.close()  # a stop string ended it: decode's request is aborted
                                 break
@@ -369,7 +383,7 @@ class Dispatcher(PushPath, AlonePath):
                     except DecodeStreamError as exc:
                         # Decode died part way: once, another engine goes on from the tokens
                         # received, so the client's answer is whole (not a 502 or a cut stream).
-                        moved = None if resumes or tail.token_ids else await self.failover.relocate(res, str(exc))
+                        moved = None if resumes or tail.received else await self.failover.relocate(res, str(exc))
                         if moved is not None:  # it failed before loading the KV: the KV follows
                             resumes += 1
                             resp.release()
@@ -409,6 +423,8 @@ class Dispatcher(PushPath, AlonePath):
             if not call.done():
                 call.cancel()
             answering.done()
+            metrics.CONTINUATION_EVENTS.labels(how="passed").inc(tail.passed_events)
+            metrics.CONTINUATION_EVENTS.labels(how="made").inc(tail.made_events)
 
     async def _continuation(self, answering: Answering, d_body: dict, res):
         """POST the continuation to ``answering.url``; (response, reservation still in use),

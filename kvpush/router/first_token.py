@@ -22,6 +22,8 @@ import json
 
 from kvpush.router.ask import Ask
 from kvpush.router.errors import error_body
+from kvpush.router.relay import Relay, event, js
+from kvpush.router.streams import DecodeStreamError
 
 # Fields of the client's request that decode does not get as they are: the prompt is
 # the prefill engine's tokens plus its first token; the rest is set by decode_body.
@@ -89,9 +91,12 @@ def prefill_body(body: dict, kv_transfer_params: dict | None, first_token: bool)
     return out
 
 
-def decode_body(ask: Ask, head: Head, model: str, kv_transfer_params: dict | None) -> dict:
-    """Decode's continuation (``kv_transfer_params`` None: it computes the prompt itself)."""
+def decode_body(ask: Ask, head: Head, model: str, kv_transfer_params: dict | None, stop: bool = False) -> dict:
+    """Decode's continuation (``kv_transfer_params`` None: it computes the prompt itself).
+    ``stop``: decode is given the stop strings (its text is to be passed on: ``Tail``)."""
     out = {k: v for k, v in ask.body.items() if k not in _NOT_FOR_DECODE}
+    if stop and ask.body.get("stop"):
+        out["stop"] = ask.body["stop"]
     out.update(model=model, prompt=head.prompt_ids + [head.token_id], stream=True,
                stream_options={"include_usage": True}, return_token_ids=True)
     if kv_transfer_params is not None:
@@ -134,27 +139,50 @@ class Piece:
 
 class Tail:
     """Decode's continuation, joined onto the head as it streams in, and the generated
-    text as vLLM's detokenizer keeps it (``vllm/v1/engine/detokenizer.py``): stop
-    strings are matched here, on the whole generated text, because only here are the
-    prefill engine's token and decode's tokens one text (decode is not given them: it
-    could not see a stop string that begins in the first token). While streaming,
-    the last ``max(len(stop)) - 1`` characters are held back, as vLLM holds them."""
+    text as vLLM's detokenizer keeps it (``vllm/v1/engine/detokenizer.py``).
 
-    def __init__(self, ask: Ask, head: Head, output_text) -> None:
+    At the boundary the router makes the text itself, from decode's token ids: only
+    here are the prefill engine's token and decode's tokens one text. Stop strings are
+    matched here on the whole generated text (one may begin in the first token's text)
+    and, while streaming, the last ``max(len(stop)) - 1`` characters are held back, as
+    vLLM holds them.
+
+    Past the boundary (``passing``), decode's events are passed on (``Relay``): its
+    text is then the aggregated engine's, character for character. It is settled when
+    - decode's detokenizer agrees with the aggregated engine's: always, unless its prompt
+      ends inside a UTF-8 character (``partial_head``: its first text then starts with
+      the whole prompt's, tokens.py); then after its first text;
+    - and, with stop strings (decode is given them, unless ``partial_head``), once
+      decode's own text is at least ``reach`` long: from then on no stop string can
+      reach back into the first token's text, and decode holds back what the
+      aggregated engine holds.
+    """
+
+    def __init__(self, ask: Ask, head: Head, output_text, relay: Relay | None = None,
+                 partial_head: bool = False) -> None:
         self.ask = ask
         self.head = head
         self.out = output_text
         self.gen = self.out.step(head.token_id)  # all generated text so far: prefill's token's, first
+        self._head_len = len(self.gen)
         stop = ask.body.get("stop") or []
         self.stop = [stop] if isinstance(stop, str) else list(stop)
         self.include_stop = bool(ask.body.get("include_stop_str_in_output"))
-        self.hold = max(len(x) for x in self.stop) - 1 if self.stop and not self.include_stop else 0
+        # How far back of new text a stop string may begin; that much is held back from
+        # the stream unless the stop string is to be included.
+        self.reach = max(len(x) for x in self.stop) - 1 if self.stop else 0
+        self.hold = 0 if self.include_stop else self.reach
         self.sent = 0                           # characters of gen already streamed
-        self.token_ids: list[int] = []          # decode's, after the head's
+        self.token_ids: list[int] = []          # decode's, after the head's (those passed: in relay)
         self.finish_reason: str | None = None
         self.stop_reason = None
         self.stopped_here = False               # a stop string ended it: decode is to be closed
         self.logprobs: dict | None = None
+        self.relay = relay
+        self.passing = False
+        self._await_text = partial_head         # decode's first text is not to be trusted
+        self.passed_events = 0                  # decode's events passed on as bytes
+        self.made_events = 0                    # ... and parsed and made again here
         lp = head.logprobs
         # Completion logprobs' text offsets count the tokens' strings from the answer's start.
         self._offset = (lp["text_offset"][-1] + len(lp["tokens"][-1] or "")) if lp and lp.get("tokens") else 0
@@ -164,22 +192,72 @@ class Tail:
         its own output's start, which is the text so far."""
         self._offset = len(self.gen)
 
+    def rejoin(self) -> None:
+        """Stop passing: the text passed is made here again (the router's detokenizer
+        stepped through its tokens), so that the router goes on from where it is."""
+        relay, self.relay, self.passing = self.relay, None, False
+        if relay is None:
+            return
+        relay.take_text()
+        for t in (ids := relay.take_ids()):
+            self.gen += self.out.step(t)
+        self.token_ids += ids
+        self.sent = max(self.sent, len(self.gen) - self.hold)
+
+    def settle(self) -> None:
+        """The text and token ids passed, joined onto ``gen`` and ``token_ids`` (the whole
+        answer). What ``gen`` held back at the switch, decode's text has sent since."""
+        if self.passing:
+            self.gen = self.gen[:self.sent] + self.relay.take_text()
+            self.token_ids += self.relay.take_ids()
+
     def head_text(self) -> str:
         """What the first streamed event may show: the first token's text, less what a
         stop string could still claim."""
         self.sent = max(0, len(self.gen) - self.hold)
         return self.gen[:self.sent]
 
+    def take(self, payload: bytes) -> "bytes | Piece | None":
+        """One of decode's events (the JSON after ``data:``): the client's event as
+        bytes when passed on, else what it adds (None: nothing)."""
+        relay = self.relay
+        if self.passing:
+            parts = relay.steady(payload)
+            if parts is not None:
+                relay.keep(*parts)
+                self.passed_events += 1
+                return relay.client_event(*parts)
+        try:
+            chunk = json.loads(payload)
+        except ValueError as exc:
+            raise DecodeStreamError(f"decode sent what is not JSON: {exc}") from None
+        if not isinstance(chunk, dict):
+            raise DecodeStreamError("decode sent an event that is not an object")
+        if "error" in chunk:
+            raise DecodeStreamError(str(chunk["error"]))
+        if relay is not None:
+            relay.learn(payload)
+        return self.add(chunk)
+
     def add(self, chunk: dict) -> Piece | None:
         choices = chunk.get("choices") or []
         if not choices or self.finish_reason is not None:
             return None
+        self.made_events += 1
         c = choices[0]
         ids = [int(t) for t in (c.get("token_ids") or [])]
         finish, stop_reason = c.get("finish_reason"), c.get("stop_reason")
+        if self.passing:  # decode's text, as it is
+            text = c.get("text") or ""
+            self.relay.keep(js(text), ",".join(map(str, ids)).encode())
+            if finish is not None:
+                self.finish_reason, self.stop_reason = finish, stop_reason
+            return Piece(text, ids, None, finish, stop_reason if finish is not None else None)
         # vLLM does not detokenize the token that stopped a request (EOS or a stop token
-        # id) unless stop strings are to be included in the output.
-        skipped = ids[-1] if ids and finish == "stop" and not self.include_stop else None
+        # id) unless stop strings are to be included in the output. (A stop string decode
+        # matched is named by its stop_reason, a string; its token was detokenized.)
+        skipped = ids[-1] if ids and finish == "stop" and not self.include_stop \
+            and not isinstance(stop_reason, str) else None
         new = ids[:-1] if skipped is not None else ids
         before = 1 + len(self.token_ids)  # output tokens so far, the head's included
         offsets = [len(self.gen)]
@@ -214,11 +292,20 @@ class Tail:
         upto = len(self.gen) - (0 if finish is not None else self.hold)
         text = self.gen[self.sent:upto] if upto > self.sent else ""
         self.sent = max(self.sent, upto)
+        if self.relay is not None and finish is None:
+            if c.get("text"):
+                self._await_text = False
+            self.passing = not self._await_text and len(self.gen) - self._head_len >= self.reach
         return Piece(text, kept, logprobs, finish, stop_reason if finish is not None else None)
 
     @property
+    def received(self) -> bool:
+        """Decode sent a token already."""
+        return bool(self.token_ids) or (self.relay is not None and any(self.relay.ids))
+
+    @property
     def completion_tokens(self) -> int:
-        return 1 + len(self.token_ids)
+        return 1 + len(self.token_ids) + (self.relay.count() if self.relay is not None else 0)
 
     def usage(self) -> dict:
         """As vLLM streams it: the counts, and the prompt's details where the engine gives them."""
@@ -245,6 +332,8 @@ def final_answer(ask: Ask, head: Head, tail: Tail | None) -> dict:
     out = copy.deepcopy(head.raw)
     out.pop("kv_transfer_params", None)
     choice = out["choices"][0]
+    if tail is not None:
+        tail.settle()
     token_ids = [head.token_id] + (tail.token_ids if tail else [])
     text = tail.gen if tail else head.text
     if ask.endpoint == "completions":
@@ -274,20 +363,19 @@ class Chunks:
                       else "chat.completion.chunk", "created": raw.get("created"), "model": raw.get("model")}
         self.head = head
 
-    def _event(self, obj: dict) -> bytes:
-        return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+    _event = staticmethod(event)
 
     def _choice(self, text: str, token_ids: list[int], logprobs, finish, stop_reason, first: bool = False) -> dict:
+        """In vLLM's field order, with the fields it sets (``Relay`` writes the same)."""
+        ids = token_ids if self.ask.return_token_ids else None
         if self.ask.endpoint == "completions":
-            c = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop_reason}
-            if self.ask.return_token_ids:
-                c["prompt_token_ids"] = self.head.prompt_ids if first else None
-        else:
-            c = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
-            if finish is not None:
-                c["stop_reason"] = stop_reason
-        if self.ask.return_token_ids:
-            c["token_ids"] = token_ids
+            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop_reason,
+                    "prompt_token_ids": self.head.prompt_ids if first and self.ask.return_token_ids else None,
+                    "token_ids": ids}
+        c = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
+        if finish is not None:
+            c["stop_reason"] = stop_reason
+        c["token_ids"] = ids
         return c
 
     def chunk(self, choice: dict, usage: dict | None = None) -> bytes:
@@ -301,9 +389,8 @@ class Chunks:
         out = b""
         if self.ask.endpoint == "chat":
             role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            obj = dict(self._base, choices=[role])
-            if self.ask.return_token_ids:
-                obj["prompt_token_ids"] = h.prompt_ids
+            obj = dict(self._base, choices=[role], prompt_token_ids=h.prompt_ids if self.ask.return_token_ids else None,
+                       prompt_text=None)
             out += self._event(obj)
         finish = h.finish_reason if h.finished or self.ask.max_tokens == 1 else None
         out += self.chunk(self._choice(text, [h.token_id], h.logprobs, finish, h.stop_reason if finish else None,
@@ -314,7 +401,10 @@ class Chunks:
         return self.chunk(self._choice(p.text, p.token_ids, p.logprobs, p.finish_reason, p.stop_reason), usage)
 
     def usage_event(self, usage: dict) -> bytes:
-        return self._event(dict(self._base, choices=[], usage=usage)) if self.ask.include_usage else b""
+        if not self.ask.include_usage:
+            return b""
+        # As vLLM writes the last event: without null fields (a whole answer's usage has them).
+        return self._event(dict(self._base, choices=[], usage={k: v for k, v in usage.items() if v is not None}))
 
     def error_event(self, message: str, status: int) -> bytes:
         return self._event(error_body(message, status))

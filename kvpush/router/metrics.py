@@ -48,3 +48,7 @@ CONNECTIONS_SHED = Counter("kvpush_router_connections_shed_total", "Client conne
                            "for --keepalive-timeout between requests (idle)", ["reason"], registry=REGISTRY)
 OPEN_CONNECTIONS = Gauge("kvpush_router_open_connections", "Client connections open now (each holds a file "
                          "descriptor)", registry=REGISTRY)
+CONTINUATION_EVENTS = Counter("kvpush_router_continuation_events_total", "First-token path: decode's events, passed on "
+                              "as bytes past the first-token boundary (passed) or made again in the router (made: the "
+                              "boundary, the last event, and answers with logprobs or usage in every event)", ["how"],
+                              registry=REGISTRY)

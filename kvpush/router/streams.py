@@ -31,12 +31,20 @@ class BoundedStream(web.StreamResponse):
 
     async def _bounded(self, write) -> None:
         try:
-            await asyncio.wait_for(write, self.timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.timeout_s):
+                await write
+        except TimeoutError:
             raise ClientTooSlow(f"the client took nothing for {self.timeout_s:g} s") from None
 
     async def write(self, data) -> None:
-        await self._bounded(super().write(data))
+        # A write waits only once the transport's buffer passes its high-water mark; below
+        # it (nearly always), no timer is worth arming for every streamed event.
+        transport = self._req.transport if self._req is not None else None
+        if transport is not None and \
+                transport.get_write_buffer_size() + len(data) + 64 < transport.get_write_buffer_limits()[1]:
+            await super().write(data)
+        else:
+            await self._bounded(super().write(data))
 
     async def write_eof(self, data: bytes = b"") -> None:
         await self._bounded(super().write_eof(data))
@@ -48,6 +56,34 @@ async def sse_response(request: web.Request, timeout_s: float) -> web.StreamResp
     out.headers["Cache-Control"] = "no-cache"
     await out.prepare(request)
     return out
+
+
+async def sse_batches(resp: aiohttp.ClientResponse):
+    """Decode's events as they arrive: for each read, the payloads (after ``data:``) of
+    the events it completed, up to ``[DONE]``. One read often holds several events,
+    and handling them together costs one wakeup and one write to the client."""
+    pending = b""
+    try:
+        async for data in resp.content.iter_any():
+            pending += data
+            if b"\n\n" not in pending:
+                continue
+            *events, pending = pending.split(b"\n\n")
+            batch = []
+            for e in events:
+                e = e.strip()
+                if not e.startswith(b"data:"):
+                    continue
+                e = e[5:].lstrip()
+                if e == b"[DONE]":
+                    if batch:
+                        yield batch
+                    return
+                batch.append(e)
+            if batch:
+                yield batch
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        raise DecodeStreamError(f"decode's stream broke: {type(exc).__name__}: {exc}") from None
 
 
 async def sse_events(resp: aiohttp.ClientResponse):

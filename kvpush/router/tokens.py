@@ -32,6 +32,7 @@ class TokenCounter(Protocol):
 
     def completion_ids(self, prompt) -> list[int]: ...
     def chat_ids(self, messages: list[dict]) -> list[int]: ...
+    def ends_partial(self, prompt_ids: list[int], token_id: int, skip_special_tokens: bool = True) -> bool: ...
 
 
 class OutputText:
@@ -73,6 +74,14 @@ class HFTokenCounter:
     def output_text(self, prompt_ids: list[int], skip_special_tokens: bool = True) -> OutputText:
         return OutputText(self._rust, prompt_ids, skip_special_tokens)
 
+    def ends_partial(self, prompt_ids: list[int], token_id: int, skip_special_tokens: bool = True) -> bool:
+        """Whether decode's prompt (the prompt and the first token) ends inside a UTF-8
+        character: its detokenizer's first text is then not the aggregated engine's. (A
+        character's bytes are in the last four tokens at most; eight is a margin.)"""
+        if self._rust is None:
+            return True
+        return self._rust.decode(list(prompt_ids[-8:]) + [token_id], skip_special_tokens).endswith("\ufffd")
+
 
 class WhitespaceCounter:
     """For tests with fake engines only: one token per whitespace-separated word (its
@@ -80,6 +89,9 @@ class WhitespaceCounter:
 
     fast = False
     vocab_size = None
+
+    def ends_partial(self, prompt_ids, token_id, skip_special_tokens=True) -> bool:
+        return False
 
     def completion_ids(self, prompt) -> list[int]:
         if isinstance(prompt, list):

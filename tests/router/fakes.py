@@ -34,6 +34,7 @@ class FakeEngine:
         # one whose prompt its prefix cache lacks.
         self.holds_alone = asyncio.Event()
         self.holds_alone.set()
+        self.decode_text = lambda t: f" w{t}"   # decode's text for token t (WordTokenizer's)
 
     async def _with_token_ids(self, request: web.Request, body: dict):
         base = {"id": f"cmpl-{self.name}", "created": 1, "model": "tiny"}
@@ -54,11 +55,30 @@ class FakeEngine:
         resp = web.StreamResponse()
         resp.content_type = "text/event-stream"
         await resp.prepare(request)
+        stop = body.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else stop
+        include = bool(body.get("include_stop_str_in_output"))
+        hold = max(map(len, stop)) - 1 if stop and not include else 0
+        text, sent = "", 0
         for i in range(body["max_tokens"]):
-            last = i == body["max_tokens"] - 1
-            chunk = dict(base, choices=[{"index": 0, "text": "(decode's text is not used)", "token_ids": [10 + i],
-                                         "finish_reason": "length" if last else None, "stop_reason": None}])
-            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            finish, reason = ("length" if i == body["max_tokens"] - 1 else None), None
+            new = self.decode_text(10 + i)
+            text += new
+            for s in stop:  # vLLM's rule, simply: the stop string found in the new text, cut
+                at = text.find(s, max(0, len(text) - len(new) - len(s) + 1))
+                if at != -1:
+                    text, finish, reason = text[:at + len(s) if include else at], "stop", s
+                    break
+            upto = len(text) - (hold if finish is None else 0)
+            # As vLLM writes them (field order, compact JSON); the text as WordTokenizer makes it.
+            chunk = dict(base, object="text_completion", choices=[{
+                "index": 0, "text": text[sent:upto] if upto > sent else "", "logprobs": None,
+                "finish_reason": finish, "stop_reason": reason,
+                "prompt_token_ids": body["prompt"] if i == 0 else None, "token_ids": [10 + i]}])
+            sent = max(sent, upto)
+            await resp.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
+            if finish is not None:
+                break
             if self.chunk_delay:
                 await asyncio.sleep(self.chunk_delay)
         usage = {"prompt_tokens": 4, "completion_tokens": body["max_tokens"]}

@@ -277,9 +277,10 @@ async def test_every_unsuccessful_answer_releases(stack):
 
 
 async def test_stop_strings_across_the_first_and_second_tokens(stack):
-    """Stop strings are matched on the whole generated text in the router (decode is not
-    given them): one that starts in the prefill engine's token and ends in decode's cuts
-    there, with vLLM's truncation, token count and streaming hold-back."""
+    """Stop strings are matched on the whole generated text in the router at the boundary,
+    and decode is given them for what follows (its text is passed on): one that starts in
+    the prefill engine's token and ends in decode's cuts there, one inside decode's text
+    ends decode, each with vLLM's truncation, token count and streaming hold-back."""
     s = stack
     s["prefill"].mode = s["decode"].mode = "token_ids"
     cases = [({"stop": " w11"}, " w7 w10", [7, 10, 11], " w11"),        # inside decode's text
@@ -301,7 +302,7 @@ async def test_stop_strings_across_the_first_and_second_tokens(stack):
                     got_text, got_ids = last["text"], last["token_ids"]
             assert (got_text, got_ids, last["finish_reason"], last["stop_reason"]) == (text, ids, "stop", reason), \
                 (extra, stream)
-            assert "stop" not in s["decode"].bodies[-1]
+            assert s["decode"].bodies[-1]["stop"] == extra["stop"]
     # The stand-in decode never consumes its reservations (a real one does on admission):
     # they stay live here, and the registry must still be sound.
     report = await settle(s["etcd"].endpoint)

@@ -1,0 +1,102 @@
+"""Decode's events passed on as bytes once the first-token boundary is settled.
+
+Past the boundary (``first_token.Tail`` says when) decode's text is the text the
+aggregated engine would stream, so the router does not make it again: a steady event
+(a text, its token ids, nothing finished) is matched as bytes and written back in the
+client's shape with one concatenation, its text's JSON string copied as decode's
+encoder wrote it (vLLM's, the aggregated engine's too). Anything else (the finishing
+event, usage, an error, an event whose shape is not the one expected) is not steady
+and goes the parsed way. So a decode engine that writes its events differently costs
+CPU, never a wrong answer.
+
+The client's events are written as vLLM's OpenAI server writes them (pydantic's
+compact JSON, its field order); ``tests/router/test_relay.py`` holds these shapes
+against vLLM's own response classes.
+"""
+
+from __future__ import annotations
+
+import json
+
+# What follows the text in a steady completion event of decode (vLLM, return_token_ids).
+_STEADY_AFTER_TEXT = b',"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,"token_ids":['
+_STEADY_END = b"]}]}"
+_TEXT_AT = b',"choices":[{"index":0,"text":'
+
+
+def js(value) -> bytes:
+    """One JSON value as vLLM's encoder writes it (compact, UTF-8 unescaped)."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def event(obj: dict) -> bytes:
+    return b"data: " + js(obj) + b"\n\n"
+
+
+class Relay:
+    """One answer's steady events, decode's shape to the client's. Keeps the JSON
+    string of each text passed and the token ids (digits), in order, for what needs
+    them later (the whole answer, a usage count, a resume elsewhere)."""
+
+    def __init__(self, endpoint: str, head_raw: dict, return_token_ids: bool) -> None:
+        opening = b'data: {"id":' + js(head_raw.get("id")) + b',"object":'
+        opening += b'"text_completion"' if endpoint == "completions" else b'"chat.completion.chunk"'
+        opening += b',"created":' + js(head_raw.get("created")) + b',"model":' + js(head_raw.get("model"))
+        if endpoint == "completions":
+            self._open = opening + _TEXT_AT
+            self._ids_open = b',"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,' \
+                             b'"token_ids":'
+            self._close = b"}]}\n\n"
+        else:
+            self._open = opening + b',"choices":[{"index":0,"delta":{"content":'
+            self._ids_open = b'},"logprobs":null,"finish_reason":null,"token_ids":'
+            self._close = b"}]}\n\n"
+        self._with_ids = return_token_ids
+        self._decode_open: bytes | None = None  # decode's event up to its text: learned from its first
+        self.texts: list[bytes] = []            # JSON strings, in order
+        self.ids: list[bytes] = []              # "12,13" per event, in order
+
+    def learn(self, payload: bytes) -> None:
+        """Decode's opening (its id, created and model), from any event of its stream."""
+        if self._decode_open is None:
+            at = payload.find(_TEXT_AT)
+            if at > 0:
+                self._decode_open = payload[:at + len(_TEXT_AT)]
+
+    def steady(self, payload: bytes) -> tuple[bytes, bytes] | None:
+        """(the text's JSON string, its token ids) of a steady decode event, else None.
+        The text ends where the fields after it begin: they hold quotes, which a JSON
+        string cannot hold unescaped, so the last match is theirs."""
+        opening = self._decode_open
+        if opening is None or not payload.startswith(opening) or not payload.endswith(_STEADY_END):
+            return None
+        at = payload.rfind(_STEADY_AFTER_TEXT)
+        if at < len(opening):
+            return None
+        return payload[len(opening):at], payload[at + len(_STEADY_AFTER_TEXT):-len(_STEADY_END)]
+
+    def keep(self, text: bytes, ids: bytes) -> None:
+        self.texts.append(text)
+        self.ids.append(ids)
+
+    def client_event(self, text: bytes, ids: bytes) -> bytes:
+        tail = (b"[" + ids + b"]") if self._with_ids else b"null"
+        return self._open + text + self._ids_open + tail + self._close
+
+    def take_text(self) -> str:
+        """The texts kept so far as one string (and forgotten)."""
+        if not self.texts:
+            return ""
+        joined = b'"' + b"".join(t[1:-1] for t in self.texts) + b'"'
+        self.texts.clear()
+        return json.loads(joined)
+
+    def take_ids(self) -> list[int]:
+        """The token ids kept so far (and forgotten)."""
+        kept = b",".join(i for i in self.ids if i)
+        self.ids.clear()
+        return json.loads(b"[" + kept + b"]") if kept else []
+
+    def count(self) -> int:
+        """Token ids kept so far, not parsed."""
+        return sum(i.count(b",") + 1 for i in self.ids if i)
