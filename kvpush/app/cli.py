@@ -189,6 +189,11 @@ def cmd_router(args) -> None:
                        prefix_hash=args.prefix_hash, prefix_hash_seed=args.prefix_hash_seed,
                        local_prefill_tokens=(args.local_prefill_tokens if args.local_prefill_tokens is not None
                                              else LOCAL_PREFILL_TOKENS if args.prefix_block_size else 0))
+    if args.workers < 1:
+        sys.exit("kvpush router: --workers must be at least 1")
+    if args.workers > 1:
+        from kvpush.router.workers import supervise
+        sys.exit(supervise(cfg, args.workers, args.ready_file, args.log_level))
     aio.run(serve(cfg, args.ready_file))
 
 
@@ -325,6 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-server-name", default="", help="the name the control plane's certificate carries")
     p.add_argument("--http-tls-cert", default="", help="serve HTTPS on --port with this certificate")
     p.add_argument("--http-tls-key", default="")
+    p.add_argument("--workers", type=int, default=1,
+                   help="router processes on --port (SO_REUSEPORT; the one started supervises them): about one per "
+                        "core it is given. They share the turns they sent (KV-aware routing) and their metrics")
     p.add_argument("--ready-file", default=None)
     p.add_argument("--log-level", default=None)
     p.set_defaults(fn=cmd_router)

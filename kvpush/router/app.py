@@ -8,7 +8,6 @@ import time
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import generate_latest
 
 from kvpush.client.control_plane import ControlPlaneClient
 from kvpush import log
@@ -79,7 +78,7 @@ def build_app(cfg: RouterConfig, counter: TokenCounter | None = None) -> web.App
         return web.json_response({"status": "ok"})  # liveness: the process answers, engines or not
 
     async def prom(request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(metrics.REGISTRY), content_type="text/plain")
+        return web.Response(body=metrics.collect(), content_type="text/plain")
 
     for path in OPENAI:
         app.router.add_post(path, openai)
@@ -160,24 +159,36 @@ def http_ssl_context(cfg: RouterConfig) -> ssl.SSLContext | None:
     return context
 
 
-async def start(cfg: RouterConfig, counter: TokenCounter | None = None) -> web.AppRunner:
-    """The router serving on ``cfg.listen_host:listen_port`` (HTTPS with ``http_tls_*``)."""
+async def start(cfg: RouterConfig, counter: TokenCounter | None = None, worker=None) -> web.AppRunner:
+    """The router serving on ``cfg.listen_host:listen_port`` (HTTPS with ``http_tls_*``);
+    ``worker`` (``workers.Worker``): one of several on that port."""
     app = build_app(cfg, counter)
+    if worker is not None:
+        async def siblings(app: web.Application) -> None:
+            app[DISPATCHER].kv_aware.siblings = worker.siblings
+            await worker.siblings.start(app[DISPATCHER].kv_aware.heard)
+
+        async def siblings_closed(app: web.Application) -> None:
+            worker.siblings.close()
+        app.on_startup.append(siblings)
+        app.on_cleanup.append(siblings_closed)
     # handler_cancellation: a client that disconnects cancels its handler, which
     # aborts both engine requests and releases the reservation.
     guard = connections.ConnectionGuard(cfg.header_timeout_s, cfg.keepalive_timeout_s)
     runner = connections.GuardedRunner(app, guard, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, cfg.listen_host, cfg.listen_port, ssl_context=http_ssl_context(cfg))
+    site = web.TCPSite(runner, cfg.listen_host, cfg.listen_port, ssl_context=http_ssl_context(cfg),
+                       reuse_port=worker is not None)
     await site.start()
     _log.info("router listening", host=cfg.listen_host, port=cfg.listen_port, model=cfg.model,
+              worker=worker.index if worker is not None else None,
               https=bool(cfg.http_tls_cert), controlplane_tls=bool(cfg.tls_ca or cfg.tls_cert),
               header_timeout_s=cfg.header_timeout_s, keepalive_timeout_s=cfg.keepalive_timeout_s)
     return runner
 
 
-async def serve(cfg: RouterConfig, ready_file: str | None = None) -> None:
-    runner = await start(cfg)
+async def serve(cfg: RouterConfig, ready_file: str | None = None, worker=None) -> None:
+    runner = await start(cfg, worker=worker)
     tune_gc()
     write_ready_file(ready_file, f"{cfg.listen_port}\n")
     await until_signalled()

@@ -17,7 +17,7 @@ The paths (``Ask.path``):
 ``push``         prefill pushes the KV, decode computes every output token (the
                  request uses something whose state would not carry over from the
                  prefill engine's token: output penalties, structured output, chat
-                 logprobs, echo, ...);
+                 logprobs, echo, a seeded draw, ...);
 ``prefill_only`` ``max_tokens`` of 1: the prefill engine's answer is the answer,
                  nothing is reserved;
 ``decode_only``  what one reservation cannot serve (``n > 1``, a list of prompts,
@@ -231,6 +231,11 @@ def _why_not_first_token(body: dict, endpoint: str, fast_detokenizer: bool) -> s
         return "echo"  # vLLM echoes no prompt text when token ids are asked for, as the first-token path does
     if body.get("spaces_between_special_tokens") is False or body.get("skip_special_tokens") is False:
         return "special_tokens"
+    if body.get("seed") is not None and (body.get("temperature") is None or float(body["temperature"]) > 0):
+        # A seeded draw: decode's generator would begin again at the second token, so the
+        # answer would repeat, but not be the one engine's. On the push path decode draws
+        # every token from the seed, as the aggregated engine does.
+        return "seeded_sampling"
     if not fast_detokenizer:
         return "slow_tokenizer"
     return ""

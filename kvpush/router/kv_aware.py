@@ -62,20 +62,19 @@ class RecentTurns:
     def __len__(self) -> int:
         return len(self._ends)
 
-    def add(self, keys: Sequence[int], covers: int) -> None:
-        """A prompt of ``keys`` sent on; with its answer it covers at most ``covers`` tokens."""
-        if not keys:
-            return
-        self._ends[keys[-1]] = (covers, "")
-        self._ends.move_to_end(keys[-1])
+    def add(self, key: int, covers: int) -> None:
+        """A prompt whose last full block's key is ``key`` sent on; with its answer it
+        covers at most ``covers`` tokens."""
+        self._ends[key] = (covers, "")
+        self._ends.move_to_end(key)
         while len(self._ends) > self.capacity:
             self._ends.popitem(last=False)
 
-    def served(self, keys: Sequence[int], engine_id: str) -> None:
-        """The prompt of ``keys`` (added before) is served by decode engine ``engine_id``."""
-        entry = self._ends.get(keys[-1]) if keys else None
+    def served(self, key: int, engine_id: str) -> None:
+        """The prompt ending in block ``key`` (added before) is served by decode engine ``engine_id``."""
+        entry = self._ends.get(key)
         if entry is not None:
-            self._ends[keys[-1]] = (entry[0], sys.intern(engine_id))  # (one string per engine, not per turn)
+            self._ends[key] = (entry[0], sys.intern(engine_id))  # (one string per engine, not per turn)
 
     def extends(self, keys: Sequence[int], num_tokens: int) -> tuple[int, str] | None:
         """For a prompt (``keys``, ``num_tokens`` long) extending remembered ones: its tokens
@@ -108,7 +107,7 @@ class GuessHold:
         self._recent: deque[float] = deque(maxlen=self.WINDOW)
         self._unsorted = 0
         self.ms = self.ceiling_ms
-        metrics.GUESS_HOLD.set_function(lambda: self.ms / 1000)  # (read when scraped)
+        metrics.GUESS_HOLD.set(self.ms / 1000)
 
     def observe(self, seconds: float) -> None:
         """One Reserve's round trip, whatever it answered (a timeout counts as its timeout)."""
@@ -119,6 +118,7 @@ class GuessHold:
             ordered = sorted(self._recent)
             p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
             self.ms = int(min(self.ceiling_ms, max(self.floor_ms, round(2000 * p99))))
+            metrics.GUESS_HOLD.set(self.ms / 1000)
 
 
 class KvAware:
@@ -128,6 +128,7 @@ class KvAware:
         self.threshold = cfg.local_prefill_tokens
         self.turns = RecentTurns() if self.hasher is not None and self.threshold else None
         self.hold = GuessHold(HOLD_FLOOR_MS, hold_ceiling_ms)
+        self.siblings = None  # the other workers of this router (siblings.Siblings), told what this one sends
 
     def keys(self, prompt_ids: Sequence[int], cache_salt: str | None = None) -> tuple[int, ...]:
         """The prompt's block keys (none when off or the prompt unknown); a salted
@@ -157,15 +158,30 @@ class KvAware:
 
     def served(self, keys: Sequence[int], engine_id: str) -> None:
         """The Reserve chose ``engine_id`` for the prompt of ``keys`` (decode alone or P/D)."""
-        if self.turns is not None:
-            self.turns.served(keys, engine_id)
+        if self.turns is not None and keys:
+            self.turns.served(keys[-1], engine_id)
+            if self.siblings is not None:
+                self.siblings.tell("s", keys[-1], engine_id)
 
     def sent(self, keys: Sequence[int], num_tokens: int, max_tokens: int | None) -> None:
         """Remember a prompt sent on (to be served whichever way), and the most its answer
         may add: decode computes that answer, so a next turn need not bring it."""
-        if self.turns is not None:
+        if self.turns is not None and keys:
             # (None: the context is unknown, so is the answer's bound: any extension may be its answer)
-            self.turns.add(keys, num_tokens + (max_tokens if max_tokens is not None else UNBOUNDED))
+            covers = num_tokens + (max_tokens if max_tokens is not None else UNBOUNDED)
+            self.turns.add(keys[-1], covers)
+            if self.siblings is not None:
+                self.siblings.tell("a", keys[-1], covers)
+
+    def heard(self, fields: list[str]) -> None:
+        """What a sibling worker told (``siblings.Siblings``): a turn it sent, or who served it."""
+        if self.turns is None:
+            return
+        kind, key, value = fields
+        if kind == "a":
+            self.turns.add(int(key), int(value))
+        elif kind == "s":
+            self.turns.served(int(key), value)
 
     def observed(self, reservation):
         """Count a granted reservation's prompt and what its decode engine held of it."""

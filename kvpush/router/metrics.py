@@ -1,8 +1,12 @@
-"""Prometheus metrics of the router (served at /metrics)."""
+"""Prometheus metrics of the router (served at /metrics). With several workers
+(``--workers``) each writes its values to prometheus_client's multiprocess directory and
+/metrics on any of them adds them up (``collect``); each gauge says how."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 REGISTRY = CollectorRegistry()
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -26,7 +30,7 @@ PATHS = Counter("kvpush_router_paths_total", "Requests by path (first_token, pus
                 "why a request is not on the first-token path", ["path", "reason"], registry=REGISTRY)
 TOKEN2 = Histogram("kvpush_router_token2_seconds", "First-token path: the prefill engine's answer to decode's first "
                    "token (the second token)", buckets=_BUCKETS, registry=REGISTRY)
-IN_FLIGHT = Gauge("kvpush_router_in_flight", "Requests being served", registry=REGISTRY)
+IN_FLIGHT = Gauge("kvpush_router_in_flight", "Requests being served", registry=REGISTRY, multiprocess_mode="livesum")
 PREFIX_TOKENS = Counter("kvpush_router_prefix_tokens_total", "KV-aware routing: prompt tokens of reservations "
                         "(asked), and of those the chosen decode engine held in its prefix cache (cached)",
                         ["kind"], registry=REGISTRY)
@@ -42,13 +46,23 @@ TURN_GUESSES = Counter("kvpush_router_turn_guesses_total", "KV-aware routing: lo
 GUESS_HOLD = Gauge("kvpush_router_guess_hold_seconds", "KV-aware routing: how long a decode engine holds a turn "
                    "guessed decode alone that lacks its prefix before computing it anyway (twice the p99 of the "
                    "router's recent Reserve round trips, bounded): what a stale view of that engine's cache costs "
-                   "such a turn", registry=REGISTRY)
+                   "such a turn (the longest of the workers')", registry=REGISTRY, multiprocess_mode="livemax")
 CONNECTIONS_SHED = Counter("kvpush_router_connections_shed_total", "Client connections closed for sending no request "
                            "in time: its headers not whole within --header-timeout (header_timeout), or nothing sent "
                            "for --keepalive-timeout between requests (idle)", ["reason"], registry=REGISTRY)
 OPEN_CONNECTIONS = Gauge("kvpush_router_open_connections", "Client connections open now (each holds a file "
-                         "descriptor)", registry=REGISTRY)
+                         "descriptor)", registry=REGISTRY, multiprocess_mode="livesum")
 CONTINUATION_EVENTS = Counter("kvpush_router_continuation_events_total", "First-token path: decode's events, passed on "
                               "as bytes past the first-token boundary (passed) or made again in the router (made: the "
                               "boundary, the last event, and answers with logprobs or usage in every event)", ["how"],
                               registry=REGISTRY)
+
+
+def collect() -> bytes:
+    """The exposition: this process's metrics, or every worker's added up."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import multiprocess
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return generate_latest(registry)
+    return generate_latest(REGISTRY)

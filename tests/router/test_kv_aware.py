@@ -28,7 +28,7 @@ def alone(kv: KvAware, prompt, salt=None) -> bool | None:
 def test_a_prompt_extending_a_sent_one_has_the_rest_beyond_it_and_its_answer():
     turns = RecentTurns()
     first = list(range(100, 170))                      # 70 tokens: 4 full blocks
-    turns.add(HASHER.keys(first), 70 + 8)              # its answer adds at most 8
+    turns.add(HASHER.keys(first)[-1], 70 + 8)              # its answer adds at most 8
     assert rest(turns, HASHER.keys(first + list(range(12))), 82) == 4
     assert rest(turns, HASHER.keys(first + list(range(5))), 75) == 0  # (within the answer's bound)
     # Another conversation, or this one changed before the end of the sent prompt: no match.
@@ -36,17 +36,17 @@ def test_a_prompt_extending_a_sent_one_has_the_rest_beyond_it_and_its_answer():
     assert rest(turns, HASHER.keys(first[:40] + [1] * 60), 100) is None
     # The longest sent prompt it extends counts.
     second = first + list(range(8)) + list(range(500, 540))  # turn 2: 118 tokens
-    turns.add(HASHER.keys(second), 118 + 8)
+    turns.add(HASHER.keys(second)[-1], 118 + 8)
     assert rest(turns, HASHER.keys(second + list(range(8)) + [9] * 10), 136) == 10
 
 
 def test_the_memory_is_bounded_and_keeps_the_recently_extended():
     turns = RecentTurns(capacity=2)
     prompts = [[k] * 32 for k in range(3)]
-    turns.add(HASHER.keys(prompts[0]), 32)
-    turns.add(HASHER.keys(prompts[1]), 32)
+    turns.add(HASHER.keys(prompts[0])[-1], 32)
+    turns.add(HASHER.keys(prompts[1])[-1], 32)
     assert rest(turns, HASHER.keys(prompts[0] + [1]), 33) == 1  # a hit: prompts[0] is the newest now
-    turns.add(HASHER.keys(prompts[2]), 32)                     # ... so prompts[1] goes
+    turns.add(HASHER.keys(prompts[2])[-1], 32)                     # ... so prompts[1] goes
     assert len(turns) == 2
     assert rest(turns, HASHER.keys(prompts[1] + [1]), 33) is None
     assert rest(turns, HASHER.keys(prompts[0] + [1]), 33) == 1

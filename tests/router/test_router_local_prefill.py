@@ -196,3 +196,59 @@ async def test_a_turn_extending_one_it_sent_by_a_short_rest_goes_to_its_decode_e
     finally:
         await router.close()
         await prefill_sim.stop()
+
+
+async def test_a_next_turn_reaching_another_worker_is_guessed_as_by_the_first(stack, engine_client, tmp_path):
+    """With several router workers (``--workers``) a conversation's next turn may reach
+    another worker than its last: the worker that sent a turn tells its siblings
+    (``kvpush.router.siblings``), so the other guesses the next turn decode alone and
+    sends it at once to the decode engine that served the first, as the first would."""
+    from kvpush.router.siblings import Siblings
+    s = stack
+    prefill_sim = SimulatedEngine(engine_client, "prefill-0", num_blocks=8, model="tiny", role=types_pb2.PREFILL)
+    await prefill_sim.register()
+    for fake in (s["prefill"], s["decode"]):
+        fake.mode = "token_ids"
+    cfg = RouterConfig(controlplane=s["cp"].address, token=s["token"], model="tiny", prefill_urls=(s["prefill_url"],),
+                       prefill_ids=("prefill-0",), max_model_len=1000, prefix_block_size=16, local_prefill_tokens=20,
+                       decode=(DecodeEngine("decode-0", s["decode_url"]),))
+    routers, urls, siblings = [], [], []
+    for i in range(2):
+        router = TestServer(build_app(cfg, WordTokenizer()), handler_cancellation=True)
+        await router.start_server()
+        kv = router.app[DISPATCHER].kv_aware
+        kv.siblings = Siblings(str(tmp_path), i, 2)
+        await kv.siblings.start(kv.heard)
+        routers.append(router)
+        siblings.append(kv.siblings)
+        urls.append(str(router.make_url("")).rstrip("/") + "/v1/completions")
+    hasher = BlockHasher(16, cfg.prefix_hash, cfg.prefix_hash_seed)
+    decode0 = s["cp"].view.engine("decode-0")
+
+    async def turn(url, prompt) -> list[int]:
+        async with s["session"].post(url, json={"model": "tiny", "prompt": prompt, "max_tokens": 3,
+                                                "return_token_ids": True},
+                                     timeout=aiohttp.ClientTimeout(total=30)) as resp:
+            assert resp.status == 200, await resp.text()
+            return (await resp.json())["choices"][0]["token_ids"]
+    try:
+        p1 = list(range(100, 132))
+        a1 = await turn(urls[0], p1)                         # turn 1 on worker 0: P/D
+        assert len(s["prefill"].bodies) == 1
+        await engine_client.registry.ReportPrefixes(registry_pb2.ReportPrefixesRequest(
+            engine_id="decode-0", incarnation=decode0.incarnation, epoch=1, seq=0, block_size=16,
+            stored=hasher.keys(p1)), metadata=engine_client.metadata, timeout=5)
+        await asyncio.sleep(0.2)
+        b_turns = routers[1].app[DISPATCHER].kv_aware.turns
+        assert b_turns.extends(hasher.keys(p1 + a1), len(p1) + 3) == (0, "decode-0")  # worker 1 heard it
+        decode_bodies = len(s["decode"].bodies)
+        await turn(urls[1], p1 + a1 + [5, 6, 7, 8, 9])        # turn 2 on worker 1: guessed decode alone
+        assert len(s["prefill"].bodies) == 1 and s["prefill"].cancelled == 0
+        assert len(s["decode"].bodies) == decode_bodies + 1
+        assert "alone" in s["decode"].bodies[-1]["kv_transfer_params"]["kvpush"]
+    finally:
+        for sib in siblings:
+            sib.close()
+        for router in routers:
+            await router.close()
+        await prefill_sim.stop()
