@@ -50,8 +50,8 @@ from kvpush.router.alone_path import AlonePath
 from kvpush.router.push_path import PushPath
 from kvpush.router.errors import ApiError, json_error
 from kvpush.router.failover import Failover, with_reservation
-from kvpush.router.relay import Relay
-from kvpush.router.streams import DecodeStreamError, sse_batches, sse_response
+from kvpush.router.relay import Passthrough, Relay
+from kvpush.router.streams import DecodeStreamError, EventStream, sse_response
 from kvpush.router.upstream import Answering, Upstream
 from kvpush.router.first_token import (BadHead, Chunks, Tail, decode_body, final_answer, parse_head, prefill_body,
                                 resume_body)
@@ -60,6 +60,20 @@ from kvpush.router.tokens import TokenCounter
 
 _log = log.get("router")
 ENGINES_WAIT_S = 5.0
+
+
+async def reuse(resp: aiohttp.ClientResponse) -> None:
+    """Decode's answer read to its end (after ``[DONE]`` only the body's last chunk is
+    left), so that its connection goes back to the pool: a new one per request costs the
+    router a connect, and the engine an accept, on every request."""
+    try:
+        if not resp.closed:
+            async with asyncio.timeout(1.0):
+                await resp.content.read()
+    except (aiohttp.ClientError, TimeoutError):
+        pass
+    finally:
+        resp.release()
 
 
 class Dispatcher(PushPath, AlonePath):
@@ -351,6 +365,8 @@ class Dispatcher(PushPath, AlonePath):
                         await self.release(res.id, f"decode unreachable: {exc}")
                     raise
                 return await failed(f"decode unreachable: {exc}")
+            streamed = False  # decode's answer read to its [DONE]: its connection is reused
+            direct = None     # decode's steady events relayed from its connection's callback
             try:
                 if resp.status != 200:
                     payload = await resp.read()
@@ -359,8 +375,9 @@ class Dispatcher(PushPath, AlonePath):
                                                      content_type="application/json"))
                 resumes = 0
                 while True:
+                    events = EventStream(resp)
                     try:
-                        async for batch in sse_batches(resp):
+                        async for batch in events:
                             wire = []
                             for payload in batch:
                                 got = tail.take(payload)
@@ -379,8 +396,13 @@ class Dispatcher(PushPath, AlonePath):
                             if tail.stopped_here:
                                 resp.close()  # a stop string ended it: decode's request is aborted
                                 break
+                            if direct is None and tail.passing and out is not None and not events.pending:
+                                direct = self._passthrough(resp, request, out, tail)
                         break
                     except DecodeStreamError as exc:
+                        if direct is not None:
+                            direct.stop()
+                            direct = None
                         # Decode died part way: once, another engine goes on from the tokens
                         # received, so the client's answer is whole (not a 502 or a cut stream).
                         moved = None if resumes or tail.received else await self.failover.relocate(res, str(exc))
@@ -409,14 +431,21 @@ class Dispatcher(PushPath, AlonePath):
                         if resp.status != 200:
                             payload = await resp.read()
                             return await failed(f"decode answered {resp.status}: {payload[:200]!r}")
+                streamed = True
             finally:
-                resp.release()
+                if direct is not None:
+                    direct.stop()
+                if not streamed:
+                    resp.release()
             timings["decode_done"] = time.perf_counter()
-            if out is None:
-                return web.json_response(final_answer(ask, head, tail))
-            await out.write(chunks.usage_event(tail.usage()) + Chunks.DONE)
-            await out.write_eof()
-            return out
+            try:
+                if out is None:
+                    return web.json_response(final_answer(ask, head, tail))
+                await out.write(chunks.usage_event(tail.usage()) + Chunks.DONE)
+                await out.write_eof()
+                return out
+            finally:
+                await reuse(resp)
         except DecodeStreamError as exc:
             return await failed(f"decode failed: {exc}")
         finally:
@@ -425,6 +454,21 @@ class Dispatcher(PushPath, AlonePath):
             answering.done()
             metrics.CONTINUATION_EVENTS.labels(how="passed").inc(tail.passed_events)
             metrics.CONTINUATION_EVENTS.labels(how="made").inc(tail.made_events)
+
+    @staticmethod
+    def _passthrough(resp, request: web.Request, out: web.StreamResponse, tail: Tail) -> Passthrough | None:
+        """Past the boundary, decode's steady events relayed from its connection's callback
+        (``relay.Passthrough``); None where the client's response is not one it can
+        write to (a writer of another kind)."""
+        writer = getattr(out, "_payload_writer", None)  # (aiohttp's; its framing, for the relayed bytes)
+        chunked = getattr(writer, "chunked", None)
+        if request.transport is None or not isinstance(chunked, bool) or getattr(writer, "_compress", None) \
+                or not Passthrough.possible(resp.content):
+            return None
+
+        def counted(n: int) -> None:
+            tail.passed_events += n
+        return Passthrough(resp.content, request.transport, chunked, tail.relay, counted)
 
     async def _continuation(self, answering: Answering, d_body: dict, res):
         """POST the continuation to ``answering.url``; (response, reservation still in use),

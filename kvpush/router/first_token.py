@@ -113,9 +113,13 @@ def decode_body(ask: Ask, head: Head, model: str, kv_transfer_params: dict | Non
 def resume_body(d_body: dict, tail: "Tail") -> dict | None:
     """Decode's continuation again, on another engine, after the first broke part way:
     its prompt is everything generated so far, so the client's stream goes on where it
-    stopped (greedy decoding gives the same tokens). None: nothing is left to generate."""
+    stopped (greedy decoding gives the same tokens). None: nothing is left to generate.
+    The router makes the text again from here (the other engine's prompt may end inside
+    a character, where its first text is not to be trusted), so that engine is not given
+    the stop strings: they are matched here."""
+    tail.rejoin()
     done = len(tail.token_ids)
-    out = {k: v for k, v in d_body.items() if k != "kv_transfer_params"}
+    out = {k: v for k, v in d_body.items() if k not in ("kv_transfer_params", "stop")}
     out["prompt"] = list(d_body["prompt"]) + tail.token_ids
     if "max_tokens" in d_body:
         out["max_tokens"] = d_body["max_tokens"] - done

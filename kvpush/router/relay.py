@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 
+from aiohttp import StreamReader
+
 # What follows the text in a steady completion event of decode (vLLM, return_token_ids).
 _STEADY_AFTER_TEXT = b',"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,"token_ids":['
 _STEADY_END = b"]}]}"
@@ -100,3 +102,90 @@ class Relay:
     def count(self) -> int:
         """Token ids kept so far, not parsed."""
         return sum(i.count(b",") + 1 for i in self.ids if i)
+
+
+_RELAYING: dict[int, "Passthrough"] = {}  # id(reader) -> its passthrough, while on
+
+
+class _RelayedReader(StreamReader):
+    """A response stream whose data goes to its ``Passthrough`` (aiohttp's StreamReader has
+    slots: its class is swapped for this one, of the same layout, while relaying). The end
+    of each HTTP chunk would wake the sleeping coroutine for nothing."""
+    __slots__ = ()
+
+    def feed_data(self, data: bytes, size: int = 0) -> bool:
+        return _RELAYING[id(self)].feed(data)
+
+    def end_http_chunk_receiving(self) -> None:
+        return None
+
+
+class Passthrough:
+    """Decode's steady events relayed to the client from the connection's own callback.
+
+    Once the boundary is settled the router has nothing to decide per event, so it does
+    not wake a coroutine for each: while this is on, what aiohttp's parser hands decode's
+    response stream (``feed_data``) is cut into events here, each steady one written to
+    the client's transport at once (in the HTTP chunk framing its response uses), and
+    the coroutine reading the stream sleeps. The first event that is not steady (the
+    last, usage, an error), a client whose buffer is past its high-water mark, or a
+    closing client hands the stream back to the coroutine (``stop``) with every byte not
+    relayed, in order, and the parsed way (with its write timeout) takes it from there.
+    """
+
+    @staticmethod
+    def possible(reader) -> bool:
+        return type(reader) is StreamReader
+
+    def __init__(self, reader, transport, chunked: bool, relay: Relay, counted) -> None:
+        self._reader, self._transport, self._chunked = reader, transport, chunked
+        self._relay, self._counted = relay, counted
+        self._pending = b""
+        self._high = transport.get_write_buffer_limits()[1]
+        self.active = True
+        _RELAYING[id(reader)] = self
+        reader.__class__ = _RelayedReader
+
+    def feed(self, data: bytes, size: int = 0) -> bool:
+        buf = self._pending + data if self._pending else data
+        relay, out, start = self._relay, [], 0
+        while True:
+            end = buf.find(b"\n\n", start)
+            if end < 0:
+                break
+            event = buf[start:end]
+            parts = relay.steady(event[6:]) if event.startswith(b"data: ") else None
+            if parts is None:
+                self._counted(len(out))
+                self._write(out)
+                self._pending = b""
+                self.stop(buf[start:])
+                return False
+            relay.keep(*parts)
+            out.append(relay.client_event(*parts))
+            start = end + 2
+        self._pending = buf[start:]
+        self._counted(len(out))
+        self._write(out)
+        if self._transport.is_closing() or self._transport.get_write_buffer_size() > self._high:
+            self.stop()
+        return False
+
+    def _write(self, events: list[bytes]) -> None:
+        if not events or self._transport.is_closing():
+            return
+        body = b"".join(events)
+        self._transport.write(b"%x\r\n%b\r\n" % (len(body), body) if self._chunked else body)
+
+    def stop(self, rest: bytes = b"") -> None:
+        """Back to the coroutine, with ``rest`` (bytes not relayed) and what was pending."""
+        if not self.active:
+            return
+        self.active = False
+        reader = self._reader
+        reader.__class__ = StreamReader
+        del _RELAYING[id(reader)]
+        left = rest or self._pending
+        self._pending = b""
+        if left and not reader.is_eof():
+            reader.feed_data(left)

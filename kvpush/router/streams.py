@@ -4,7 +4,6 @@ the one it reads from a decode engine."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import aiohttp
 from aiohttp import web
@@ -58,45 +57,38 @@ async def sse_response(request: web.Request, timeout_s: float) -> web.StreamResp
     return out
 
 
-async def sse_batches(resp: aiohttp.ClientResponse):
-    """Decode's events as they arrive: for each read, the payloads (after ``data:``) of
-    the events it completed, up to ``[DONE]``. One read often holds several events,
-    and handling them together costs one wakeup and one write to the client."""
-    pending = b""
-    try:
-        async for data in resp.content.iter_any():
-            pending += data
-            if b"\n\n" not in pending:
-                continue
-            *events, pending = pending.split(b"\n\n")
-            batch = []
-            for e in events:
-                e = e.strip()
-                if not e.startswith(b"data:"):
+class EventStream:
+    """Decode's events as they arrive: for each read, the payloads (after ``data:``) of the
+    events it completed, up to ``[DONE]``. One read often holds several events, and
+    handling them together costs one wakeup and one write to the client. ``pending``:
+    the start of an event not yet whole."""
+
+    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+        self.resp = resp
+        self.pending = b""
+
+    def __aiter__(self):
+        return self._batches()
+
+    async def _batches(self):
+        try:
+            async for data in self.resp.content.iter_any():
+                self.pending += data
+                if b"\n\n" not in self.pending:
                     continue
-                e = e[5:].lstrip()
-                if e == b"[DONE]":
-                    if batch:
-                        yield batch
-                    return
-                batch.append(e)
-            if batch:
-                yield batch
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        raise DecodeStreamError(f"decode's stream broke: {type(exc).__name__}: {exc}") from None
-
-
-async def sse_events(resp: aiohttp.ClientResponse):
-    """The JSON objects of a server-sent event stream, up to ``[DONE]``; a stream that
-    breaks or does not parse is a failed decode (``DecodeStreamError``)."""
-    try:
-        async for line in resp.content:
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                return
-            yield json.loads(data)
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-        raise DecodeStreamError(f"decode's stream broke: {type(exc).__name__}: {exc}") from None
+                *events, self.pending = self.pending.split(b"\n\n")
+                batch = []
+                for e in events:
+                    e = e.strip()
+                    if not e.startswith(b"data:"):
+                        continue
+                    e = e[5:].lstrip()
+                    if e == b"[DONE]":
+                        if batch:
+                            yield batch
+                        return
+                    batch.append(e)
+                if batch:
+                    yield batch
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise DecodeStreamError(f"decode's stream broke: {type(exc).__name__}: {exc}") from None

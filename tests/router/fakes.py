@@ -35,6 +35,7 @@ class FakeEngine:
         self.holds_alone = asyncio.Event()
         self.holds_alone.set()
         self.decode_text = lambda t: f" w{t}"   # decode's text for token t (WordTokenizer's)
+        self.break_after: int | None = None      # decode's stream: the connection aborted after this many events
 
     async def _with_token_ids(self, request: web.Request, body: dict):
         base = {"id": f"cmpl-{self.name}", "created": 1, "model": "tiny"}
@@ -60,9 +61,13 @@ class FakeEngine:
         include = bool(body.get("include_stop_str_in_output"))
         hold = max(map(len, stop)) - 1 if stop and not include else 0
         text, sent = "", 0
+        first = 6 + len(body["prompt"])  # ids 10, 11, ... after a 4-token prompt: a resumed prompt goes on
         for i in range(body["max_tokens"]):
+            if self.break_after is not None and i == self.break_after:
+                request.transport.abort()   # the engine dies part way
+                return resp
             finish, reason = ("length" if i == body["max_tokens"] - 1 else None), None
-            new = self.decode_text(10 + i)
+            new = self.decode_text(first + i)
             text += new
             for s in stop:  # vLLM's rule, simply: the stop string found in the new text, cut
                 at = text.find(s, max(0, len(text) - len(new) - len(s) + 1))
@@ -74,7 +79,7 @@ class FakeEngine:
             chunk = dict(base, object="text_completion", choices=[{
                 "index": 0, "text": text[sent:upto] if upto > sent else "", "logprobs": None,
                 "finish_reason": finish, "stop_reason": reason,
-                "prompt_token_ids": body["prompt"] if i == 0 else None, "token_ids": [10 + i]}])
+                "prompt_token_ids": body["prompt"] if i == 0 else None, "token_ids": [first + i]}])
             sent = max(sent, upto)
             await resp.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
             if finish is not None:

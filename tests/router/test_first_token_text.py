@@ -14,6 +14,7 @@ so these are the cases where that could go wrong.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -142,6 +143,7 @@ class ScriptedVllm:
                                                      prompt_token_ids=prompt if ids_back and i == 0 else None,
                                                      token_ids=ids if ids_back else None)])
             await resp.write(f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n".encode())
+            await asyncio.sleep(0.001)   # an engine's steps: the events arrive one by one
         if (body.get("stream_options") or {}).get("include_usage"):
             cls = ChatCompletionStreamResponse if chat else CompletionStreamResponse
             last = cls(id=rid, created=created, model=MODEL, choices=[], usage=usage)
@@ -232,8 +234,12 @@ def scripts(counter, n: int, seed: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
-async def test_router_text_equals_vllm_aggregated(system, counter, endpoint):
+async def test_router_text_equals_vllm_aggregated(system, counter, endpoint, monkeypatch):
     engine, engine_url, router_url, session = system
+    from kvpush.router import relay
+    relayed = []   # events relayed from decode's connection's callback (relay.Passthrough)
+    feed = relay.Passthrough.feed
+    monkeypatch.setattr(relay.Passthrough, "feed", lambda self, data, size=0: relayed.append(data) or feed(self, data))
     partial_first = 0
     for i, script in enumerate(scripts(counter, 12, seed=7 + len(endpoint))):
         if endpoint == "completions":
@@ -282,6 +288,7 @@ async def test_router_text_equals_vllm_aggregated(system, counter, endpoint):
     async with session.get(f"{router_url}/metrics") as r:
         metrics_text = await r.text()
     assert "kvpush_router_fallbacks_total{" not in metrics_text, metrics_text   # all went by the first-token path
+    assert len(relayed) > 50, len(relayed)   # (most of the streamed answers past their boundary)
     assert partial_first >= 6   # the cases where decode's own first text is wrong were there
     # Decode was given the stop strings where its text is passed on, never where its
     # prompt ends inside a character.

@@ -7,6 +7,9 @@ push again from staging, is tested with real sidecars and real vLLM engines.)"""
 from __future__ import annotations
 
 import asyncio
+import json
+
+import pytest
 
 from aiohttp.test_utils import TestServer
 
@@ -155,3 +158,46 @@ async def test_on_the_push_path_an_unreachable_decode_engine_is_replaced_by_movi
         await router.close()
         await prefill_sim.stop()
         await dead_sim.stop()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_decode_dying_part_way_is_resumed_elsewhere_with_the_text_whole(stack, engine_client, stream):
+    """Decode's stream breaks after three tokens, while its events were being passed on
+    (``relay.Passthrough``): another decode engine goes on from the tokens received, and
+    the client's answer is the one an unbroken stream gives, no token lost or repeated."""
+    s = stack
+    other_sim = SimulatedEngine(engine_client, "decode-1", num_blocks=8, model="tiny")
+    await other_sim.register()
+    other = FakeEngine("D1")
+    other_server = TestServer(other.app(), handler_cancellation=True)
+    await other_server.start_server()
+    for fake in (s["prefill"], s["decode"], other):
+        fake.mode = "token_ids"
+        fake.chunk_delay = 0.01    # events one by one, as an engine streams them
+    s["decode"].break_after = 3
+    cfg = RouterConfig(controlplane=s["cp"].address, token=s["token"], model="tiny", prefill_urls=(s["prefill_url"],),
+                       max_model_len=1000, decode=(DecodeEngine("decode-0", s["decode_url"]),
+                                                   DecodeEngine("decode-1", str(other_server.make_url("")).rstrip("/"))))
+    router = TestServer(build_app(cfg, WordTokenizer()), handler_cancellation=True)
+    await router.start_server()
+    try:
+        for _ in range(2):  # (whichever decode engine the Reserve picks first)
+            async with s["session"].post(str(router.make_url("/v1/completions")), json={
+                    "model": "tiny", "prompt": "a b c", "max_tokens": 8, "stream": stream,
+                    "return_token_ids": True}) as r:
+                assert r.status == 200
+                if stream:
+                    events = [json.loads(e[6:]) for e in (await r.read()).decode().split("\n\n")
+                              if e.startswith("data: {")]
+                    text = "".join(c["text"] for e in events for c in e["choices"])
+                    ids = [t for e in events for c in e["choices"] for t in c.get("token_ids") or []]
+                else:
+                    choice = (await r.json())["choices"][0]
+                    text, ids = choice["text"], choice["token_ids"]
+            assert ids == [7] + list(range(10, 17)), ids
+            assert text == "".join(f" w{t}" for t in ids)
+        assert any(len(b.get("prompt") or []) > 4 for b in other.bodies + s["decode"].bodies)  # a resume happened
+    finally:
+        await router.close()
+        await other_server.close()
+        await other_sim.stop()

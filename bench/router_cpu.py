@@ -1,0 +1,431 @@
+"""The router's CPU per streamed token, beside the engines', and what one router worker
+can stream when no engine is the limit.
+
+    .venv/bin/python bench/router_cpu.py --report   # ~8 minutes on 2 cores; writes the
+                                                    # "Router CPU" section of docs/BENCHMARKS.md
+
+engines   one stack, real parts (etcd, a control plane, a prefill and a decode vLLM engine
+          with their sidecars, the router): 16 concurrent streamed requests of 200 tokens
+          each (greedy, ignore_eos) through the router (the first-token path), then the
+          same 16 straight to the decode engine; each process's CPU over each phase divided
+          by the tokens the clients received. Then TTFT, sequential and interleaved:
+          through the router, and the prefill engine alone (max_tokens=1, its floor).
+fake      the router alone in front of a stand-in engine process that answers the prefill
+          request at once and writes decode's whole stream (200 events as vLLM writes them)
+          in one go, and a simulated decode engine registered with the control plane (so
+          every request is reserved and takes the first-token path): concurrent clients
+          for a fixed time, with 1 and 2 router workers. Tokens/s, and the router's CPU
+          per token (its workers together). On 2 cores the stand-in and the clients share
+          the cores with the router, so 2 workers cannot double what 1 does here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import aiohttp
+import psutil
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import CpuMeter, pct, update_section  # noqa: E402
+from kvpush.app import engines  # noqa: E402
+from kvpush.app.etcd_server import free_port  # noqa: E402
+from kvpush.app.procs import ManagedProcess, file_exists, python  # noqa: E402
+from kvpush.app.stack import Stack, StackSpec  # noqa: E402
+from kvpush.app.tiny_model import DEFAULT_DIR, ensure_model  # noqa: E402
+
+T0 = time.monotonic()
+BASELINE = "daaff16"  # main before issue #31: the router re-made every token's event
+TOKENS = 200
+CONCURRENT = 16
+REPS = 3
+PROMPT = 64
+
+
+def say(msg: str) -> None:
+    print(f"[router-cpu {time.monotonic() - T0:6.1f}s] {msg}", flush=True)
+
+
+def prompt_ids(i: int, n: int = PROMPT) -> list[int]:
+    return [100 + (i * 7 + k * 13) % 800 for k in range(n)]
+
+
+async def stream(session: aiohttp.ClientSession, url: str, body: dict) -> dict:
+    """One streamed request: TTFT (s) and the content events received (one per token
+    here: greedy, one token a step)."""
+    started = time.perf_counter()
+    ttft, events, pending = None, 0, b""
+    async with session.post(url + "/v1/completions", json=body) as r:
+        if r.status != 200:
+            return {"error": f"{r.status}: {(await r.read())[:200]!r}"}
+        async for data in r.content.iter_any():
+            if ttft is None:
+                ttft = time.perf_counter() - started
+            *whole, pending = (pending + data).split(b"\n\n")
+            events += sum(1 for e in whole if b'"text":' in e)
+    return {"ttft": ttft, "tokens": events, "error": None}
+
+
+async def many(url: str, count: int, tokens: int, tag: str) -> list[dict]:
+    body = {"model": "tiny", "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True, "stream": True}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+        return await asyncio.gather(*(stream(s, url, dict(body, prompt=prompt_ids(hash((tag, i)) % 1000)))
+                                      for i in range(count)))
+
+
+def baseline_checkout(ref: str) -> str:
+    """``ref``'s tree (a git worktree in /tmp), with this tree's generated gRPC stubs."""
+    import glob
+    import shutil
+    path = os.path.join(tempfile.gettempdir(), f"kvpush-baseline-{ref}")
+    if not os.path.exists(path):
+        subprocess.run(["git", "-C", engines.ROOT, "worktree", "add", "--detach", path, ref], check=True,
+                       stdout=subprocess.DEVNULL)
+    for stub in glob.glob(os.path.join(engines.ROOT, "kvpush", "contract", "v1", "*_pb2*.py*")):
+        shutil.copy(stub, os.path.join(path, "kvpush", "contract", "v1"))
+    return path
+
+
+def other_router(stack: Stack, name: str, checkout: str, extra: tuple[str, ...]) -> tuple[ManagedProcess, str]:
+    """A router of another checkout (the baseline) in front of ``stack``'s control plane."""
+    port = free_port()
+    ready = os.path.join(stack.run_dir, f"{name}.ready")
+    proc = ManagedProcess(name, [python(), "-m", "kvpush.app.cli", "router", "--controlplane", stack.controlplane,
+                                 "--token", stack.tenant_token, "--model", "tiny", "--model-dir", stack.spec.model_dir,
+                                 "--port", str(port), "--ready-file", ready, *extra],
+                          os.path.join(stack.spec.log_dir, f"{name}.log"), env={"PYTHONPATH": checkout}, cwd=checkout)
+    proc.wait_until(file_exists(ready), 60, "serving", say)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def per_token_ms(cpu: dict[str, float], tokens: int) -> dict[str, float]:
+    return {k: 1e3 * v / max(tokens, 1) for k, v in cpu.items()}
+
+
+# -- engines ------------------------------------------------------------------------------------
+def engines_part(model: str, logs: str, baseline: str) -> dict:
+    os.makedirs(logs, exist_ok=True)
+    stack = Stack(StackSpec(model_dir=model, log_dir=logs, max_num_seqs=CONCURRENT, decode_blocks=2048,
+                            engine_env=dict(engines.PD_PAIR_ENV)), progress=say)
+    base_proc = None
+    try:
+        stack.start()
+        decode_url = stack.urls["decode-0"]
+        prefill_url = stack.prefill_url
+        base_proc, base_url = other_router(stack, "router-baseline", baseline_checkout(baseline), (
+            "--prefill", f"prefill-0={prefill_url}", "--decode", f"decode-0={decode_url}"))
+        procs = {p.name: psutil.Process(p.pid) for p in stack.procs}
+        procs["router-baseline"] = psutil.Process(base_proc.pid)
+        groups = {"decode vLLM": [n for n in procs if n.startswith("vllm-decode")],
+                  "prefill vLLM": [n for n in procs if n.startswith("vllm-prefill")],
+                  "sidecars + control plane + etcd": [n for n in procs if n.startswith(("sidecar", "controlplane"))]}
+        for url in (stack.router_url, base_url, decode_url):
+            asyncio.run(many(url, 4, 16, "warm"))
+        out = {}
+        phases = (("through the router", stack.router_url, "router"),
+                  (f"through the baseline router ({baseline})", base_url, "router-baseline"),
+                  ("straight to decode", decode_url, None))
+        for rep in range(REPS):  # interleaved, so that a busier moment of the machine hits each
+            for phase, url, router in phases:
+                names = dict(groups, router=[router] if router else [])
+                meter = CpuMeter({f"{n}+": procs[n] for ns in names.values() for n in ns})
+                meter.start()
+                t = time.monotonic()
+                results = asyncio.run(many(url, CONCURRENT, TOKENS, f"{phase}-{rep}"))
+                wall = time.monotonic() - t
+                cpu = meter.stop()
+                got = out.setdefault(phase, {"tokens": 0, "wall_s": 0.0, "errors": [], "cpu_s": {},
+                                             "router_ms_per_token_each": []})
+                tokens = sum(r.get("tokens", 0) for r in results)
+                got["tokens"] += tokens
+                got["wall_s"] += wall
+                got["errors"] += [r["error"] for r in results if r["error"]]
+                for g, ns in names.items():
+                    got["cpu_s"][g] = got["cpu_s"].get(g, 0.0) + sum(cpu.get(n, 0.0) for n in ns)
+                if router:
+                    got["router_ms_per_token_each"].append(1e3 * sum(cpu.get(n, 0.0) for n in names["router"])
+                                                           / max(tokens, 1))
+        for phase, got in out.items():
+            got["ms_per_token"] = per_token_ms(got["cpu_s"], got["tokens"])
+            say(f"{phase}: {got['tokens']} tokens in {got['wall_s']:.1f} s, errors {len(got['errors'])}, ms/token " +
+                ", ".join(f"{k} {v:.3f}" for k, v in got["ms_per_token"].items()) +
+                f"; router each run {[round(x, 3) for x in got['router_ms_per_token_each']]}")
+        modes = {"router": (stack.router_url, 8), "baseline router": (base_url, 8), "prefill alone": (prefill_url, 1)}
+        ttft: dict[str, list[float]] = {m: [] for m in modes}
+        for i in range(10):
+            order = list(modes)[i % 3:] + list(modes)[:i % 3]
+            for mode in order:
+                url, n = modes[mode]
+                r = asyncio.run(many(url, 1, n, f"ttft-{i}-{mode}"))[0]
+                if r["error"] is None:
+                    ttft[mode].append(r["ttft"] * 1e3)
+                time.sleep(0.2)
+        out["ttft_ms"] = {k: {"p50": pct(v, 50), "p90": pct(v, 90), "n": len(v)} for k, v in ttft.items()}
+        say("TTFT p50: " + ", ".join(f"{k} {v['p50']:.1f} ms" for k, v in out["ttft_ms"].items()))
+        return out
+    finally:
+        if base_proc is not None:
+            base_proc.stop()
+        stack.stop()
+
+
+# -- fake upstream --------------------------------------------------------------------------------
+def fake_upstream(port: int, model: str, pace_ms: float = 0.0) -> None:
+    """A stand-in engine: prefill answers (one token, its ids, the push report) at once;
+    decode's continuation is written whole, as vLLM writes its events, in one write."""
+    from aiohttp import web
+    from tokenizers import Tokenizer
+    from tokenizers.decoders import DecodeStream
+    from kvpush.contract.transfer_params import push_report
+    tok = Tokenizer.from_file(os.path.join(model, "tokenizer.json"))
+    text = " ".join(["Push each layer while the next one is still being computed, and decode starts at once."] * 40)
+    out_ids = tok.encode(text, add_special_tokens=False).ids
+    streams: dict[tuple[int, int], bytes] = {}
+
+    def rendered(n: int, prompt_len: int) -> bytes:
+        key = (n, prompt_len)
+        if key not in streams:
+            ds = DecodeStream(ids=out_ids[:1], skip_special_tokens=True)
+            parts = []
+            for i, t in enumerate(out_ids[1:n + 1]):
+                choice = {"index": 0, "text": ds.step(tok, t) or "", "logprobs": None,
+                          "finish_reason": "length" if i == n - 1 else None, "stop_reason": None,
+                          "prompt_token_ids": list(range(prompt_len)) if i == 0 else None, "token_ids": [t]}
+                parts.append(b"data: " + json.dumps({"id": "cmpl-fake", "object": "text_completion", "created": 1,
+                                                     "model": "tiny", "choices": [choice]},
+                                                    ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n")
+            usage = {"prompt_tokens": prompt_len, "total_tokens": prompt_len + n, "completion_tokens": n}
+            parts.append(b"data: " + json.dumps({"id": "cmpl-fake", "object": "text_completion", "created": 1,
+                                                 "model": "tiny", "choices": [], "usage": usage},
+                                                separators=(",", ":")).encode() + b"\n\ndata: [DONE]\n\n")
+            streams[key] = b"".join(parts)
+        return streams[key]
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        prompt = body["prompt"]
+        if not body.get("stream"):
+            kv = (body.get("kv_transfer_params") or {}).get("kvpush") or {}
+            choice = {"index": 0, "text": tok.decode(out_ids[:1]), "logprobs": None, "finish_reason": "length",
+                      "stop_reason": None, "prompt_token_ids": prompt, "token_ids": out_ids[:1]}
+            answer = {"id": "cmpl-fake-p", "object": "text_completion", "created": 1, "model": "tiny",
+                      "choices": [choice], "usage": {"prompt_tokens": len(prompt), "completion_tokens": 1,
+                                                     "total_tokens": len(prompt) + 1}}
+            if "reservation_id" in kv:
+                answer["kv_transfer_params"] = push_report(kv["reservation_id"], True)
+            return web.json_response(answer)
+        resp = web.StreamResponse()
+        resp.content_type = "text/event-stream"
+        await resp.prepare(request)
+        whole = rendered(int(body["max_tokens"]), len(prompt))
+        if not pace_ms:
+            await resp.write(whole)
+            return resp
+        for event in whole.split(b"\n\n")[:-1]:   # one event a step, as an engine streams them
+            await resp.write(event + b"\n\n")
+            await asyncio.sleep(pace_ms / 1e3)
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handle)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+class SimulatedDecode:
+    """A decode engine registered with the control plane (blocks to reserve), no engine behind it."""
+
+    def __init__(self, controlplane: str, token: str) -> None:
+        self.controlplane, self.token = controlplane, token
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(30)
+
+    async def _start(self) -> None:
+        from kvpush.app.simulated import SimulatedEngine
+        from kvpush.client.control_plane import ControlPlaneClient
+        self.client = ControlPlaneClient(self.controlplane, self.token)
+        self.engine = SimulatedEngine(self.client, "sim-decode", num_blocks=200_000, model="tiny")
+        await self.engine.register()
+
+    def stop(self) -> None:
+        async def stop():
+            await self.engine.stop()
+            await self.client.close()
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+async def drive(url: str, clients: int, seconds: float, tokens: int) -> dict:
+    """``clients`` loops, each streaming one request after another, for ``seconds``."""
+    body = {"model": "tiny", "max_tokens": tokens, "stream": True}
+    stop_at = time.monotonic() + seconds
+    results: list[dict] = []
+
+    async def client(i: int, s: aiohttp.ClientSession) -> None:
+        n = 0
+        while time.monotonic() < stop_at:
+            results.append(await stream(s, url, dict(body, prompt=prompt_ids(i * 1000 + n))))
+            n += 1
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+        await asyncio.gather(*(client(i, s) for i in range(clients)))
+    return {"requests": len(results), "tokens": sum(r.get("tokens", 0) for r in results),
+            "errors": [r["error"] for r in results if r["error"]],
+            "ttft_ms_p50": pct([r["ttft"] * 1e3 for r in results if r.get("ttft")], 50)}
+
+
+async def router_counts(url: str) -> dict[str, float]:
+    """What the router says it did: paths, fallbacks, decode events passed or made."""
+    import re
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        text = await r.text()
+    out: dict[str, float] = {}
+    for name, labels, value in re.findall(r'^kvpush_router_(paths_total|fallbacks_total|continuation_events_total)'
+                                          r'\{([^}]*)\} (\S+)$', text, re.M):
+        out[f"{name}{{{labels}}}"] = out.get(f"{name}{{{labels}}}", 0.0) + float(value)
+    return out
+
+
+def fake_part(model: str, logs: str, seconds: float, clients: int, workers_list: list[int], baseline: str,
+              pace_ms: float = 0.0) -> dict:
+    os.makedirs(logs, exist_ok=True)
+    stack = Stack(StackSpec(model_dir=model, log_dir=logs, engines=False, deadline_ms=3000, quarantine_ms=100),
+                  progress=say)
+    upstream = None
+    out = {}
+    try:
+        stack.start()
+        sim = SimulatedDecode(stack.controlplane, stack.engine_token)
+        port = free_port()
+        upstream = subprocess.Popen([python(), os.path.abspath(__file__), "--fake-upstream", str(port),
+                                     "--model", model, "--pace-ms", str(pace_ms)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        up = f"http://127.0.0.1:{port}"
+        engine_args = ("--prefill", up, "--decode", f"sim-decode={up}", "--deadline-ms", "3000")
+        for workers in [0, *workers_list]:   # 0: the baseline router (one process)
+            name = f"router-w{workers}" if workers else "router-baseline"
+            if workers:
+                url = stack.add_router(name, discover=True, extra=(*engine_args, "--workers", str(workers)))
+                proc = stack.process(name)
+            else:
+                proc, url = other_router(stack, name, baseline_checkout(baseline), engine_args)
+            router = psutil.Process(proc.pid)
+            asyncio.run(drive(url, clients, 2.0, TOKENS))  # warm (connections, first reservations)
+            meters = CpuMeter({"router+": router, "upstream": psutil.Process(upstream.pid),
+                               "bench (clients)": psutil.Process(),
+                               "control plane": psutil.Process(stack.process("controlplane").pid)})
+            meters.start()
+            t = time.monotonic()
+            got = asyncio.run(drive(url, clients, seconds, TOKENS))
+            wall = time.monotonic() - t
+            cpu = meters.stop()
+            got.update(wall_s=wall, cpu_s=cpu, tokens_per_s=got["tokens"] / wall,
+                       router_ms_per_token=1e3 * cpu["router"] / max(got["tokens"], 1),
+                       tokens_per_router_core_s=got["tokens"] / max(cpu["router"], 1e-9))
+            got["router_metrics"] = asyncio.run(router_counts(url))
+            out[workers or f"baseline ({baseline})"] = got
+            say(f"fake upstream, {name}: {got['tokens_per_s']:.0f} tokens/s, router "
+                f"{got['router_ms_per_token'] * 1e3:.1f} us/token ({got['tokens_per_router_core_s']:.0f} tokens per "
+                f"router CPU second), errors {len(got['errors'])}, cpu {cpu}")
+            proc.stop()
+        sim.stop()
+        return out
+    finally:
+        if upstream is not None:
+            upstream.terminate()
+            upstream.wait(10)
+        stack.stop()
+
+
+def report(eng: dict | None, fake: dict | None, clients: int, seconds: float) -> str:
+    lines = ["## Router CPU", "",
+             "`.venv/bin/python bench/router_cpu.py --report` (`bench/router_cpu.py` says what each part does). "
+             "CPU of each process over the phase divided by the tokens the clients received; the baseline is "
+             "main before issue #31 (its router re-made every token's event), run beside in the same session.", ""]
+    if eng:
+        lines += [f"**Engines** ({CONCURRENT} concurrent streamed requests of {TOKENS} tokens, greedy, real vLLM "
+                  f"engines, one OpenMP thread each; {REPS} runs of each path, interleaved: the router's figure is "
+                  "all of them together, then each):", "",
+                  "| path | tokens | wall s | router ms/token | decode vLLM ms/token | prefill vLLM ms/token | "
+                  "sidecars + control plane ms/token |", "|---|---:|---:|---:|---:|---:|---:|"]
+        for name, p in eng.items():
+            if name == "ttft_ms":
+                continue
+            m = p["ms_per_token"]
+            each = ", ".join(f"{x:.3f}" for x in p["router_ms_per_token_each"])
+            router = f"**{m['router']:.3f}** ({each})" if p["cpu_s"].get("router") else "-"
+            lines.append(f"| {name} | {p['tokens']} | {p['wall_s']:.1f} | {router} | {m['decode vLLM']:.3f} | "
+                         f"{m['prefill vLLM']:.3f} | {m['sidecars + control plane + etcd']:.3f} |")
+        t = eng["ttft_ms"]
+        alone = t["prefill alone"]["p50"]
+        lines += ["", f"TTFT (sequential, interleaved, n={t['router']['n']} each), p50 / p90: through the router "
+                      f"{t['router']['p50']:.1f} / {t['router']['p90']:.1f} ms (**{t['router']['p50'] / alone:.2f}x** "
+                      f"the prefill engine alone), through the baseline router {t['baseline router']['p50']:.1f} / "
+                      f"{t['baseline router']['p90']:.1f} ms ({t['baseline router']['p50'] / alone:.2f}x), the prefill "
+                      f"engine alone {alone:.1f} / {t['prefill alone']['p90']:.1f} ms.", ""]
+    if fake:
+        lines += [f"**Fake upstream** ({clients} clients streaming {TOKENS}-token answers back to back for "
+                  f"{seconds:g} s, every request reserved on a simulated decode engine; the stand-in engine, the "
+                  "clients and the control plane on the same 2 cores):", "",
+                  "| router | tokens/s | router us/token | tokens per router CPU second | requests | TTFT p50 ms | "
+                  "CPU s: router, stand-in engine, clients, control plane | decode events passed / made |",
+                  "|---|---:|---:|---:|---:|---:|---|---|"]
+        for w, g in fake.items():
+            c = g["cpu_s"]
+            rm = g.get("router_metrics", {})
+            passed = rm.get('continuation_events_total{how="passed"}')
+            made = rm.get('continuation_events_total{how="made"}')
+            ev = f"{passed:.0f} / {made:.0f}" if passed is not None else "-"
+            label = f"{w} worker{'s' if w != 1 else ''}" if isinstance(w, int) else w
+            lines.append(f"| {label} | {g['tokens_per_s']:.0f} | {g['router_ms_per_token'] * 1e3:.1f} | "
+                         f"{g['tokens_per_router_core_s']:.0f} | {g['requests']} | {g['ttft_ms_p50']:.1f} | "
+                         f"{c['router']:.1f}, {c['upstream']:.1f}, {c['bench (clients)']:.1f}, "
+                         f"{c['control plane']:.1f} | {ev} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", choices=("engines", "fake", "both"), default="both")
+    ap.add_argument("--seconds", type=float, default=20.0, help="fake part: seconds per worker count")
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--workers", default="1,2", help="fake part: router worker counts")
+    ap.add_argument("--baseline", default=BASELINE, help="the git ref whose router runs beside, for comparison")
+    ap.add_argument("--report", action="store_true", help="write docs/BENCHMARKS.md's section")
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--fake-upstream", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--pace-ms", type=float, default=0.0, help="fake part: the stand-in writes one event every "
+                    "this many ms (an engine's pace) instead of all at once")
+    args = ap.parse_args()
+    if args.fake_upstream:
+        fake_upstream(args.fake_upstream, args.model, args.pace_ms)
+        return
+    model = os.path.abspath(ensure_model(os.path.join(engines.ROOT, DEFAULT_DIR)))
+    logs = tempfile.mkdtemp(prefix="router-cpu-")
+    say(f"logs in {logs}")
+    eng = engines_part(model, os.path.join(logs, "engines"), args.baseline) if args.part in ("engines", "both") \
+        else None
+    fake = fake_part(model, os.path.join(logs, "fake"), args.seconds, args.clients,
+                     [int(w) for w in args.workers.split(",")], args.baseline, args.pace_ms) \
+        if args.part in ("fake", "both") else None
+    text = report(eng, fake, args.clients, args.seconds)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"engines": eng, "fake": fake}, f, indent=1, default=str)
+    if args.report:
+        update_section("router-cpu", text)
+
+
+if __name__ == "__main__":
+    main()

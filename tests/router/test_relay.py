@@ -1,0 +1,103 @@
+"""``relay.Passthrough`` on its own: decode's bytes as aiohttp's parser hands them over
+(events split anywhere), relayed in order; the stream handed back to the reader at the
+first event that is not steady, when the client's buffer is past its high-water mark,
+and on ``stop``; nothing lost or reordered on the way back."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import StreamReader
+
+from kvpush.router.relay import Passthrough, Relay
+
+
+class Transport:
+    def __init__(self, high: int = 1 << 20) -> None:
+        self.written: list[bytes] = []
+        self.high, self.buffered, self.closing = high, 0, False
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    def get_write_buffer_limits(self):
+        return (0, self.high)
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+
+class Protocol:
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def steady(i: int) -> bytes:
+    return (b'data: {"id":"cmpl-d","object":"text_completion","created":5,"model":"tiny","choices":[{"index":0,'
+            b'"text":"t%d \\"q\\"","logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,'
+            b'"token_ids":[%d]}]}\n\n' % (i, i))
+
+
+LAST = (b'data: {"id":"cmpl-d","object":"text_completion","created":5,"model":"tiny","choices":[{"index":0,'
+        b'"text":"end","logprobs":null,"finish_reason":"length","stop_reason":null,"prompt_token_ids":null,'
+        b'"token_ids":[9]}]}\n\n')
+
+
+def relay() -> Relay:
+    r = Relay("completions", {"id": "cmpl-p", "created": 1, "model": "tiny"}, False)
+    r.learn(steady(0)[6:-2])
+    return r
+
+
+def unchunk(written: list[bytes]) -> bytes:
+    out = b""
+    for w in written:
+        size, rest = w.split(b"\r\n", 1)
+        assert int(size, 16) == len(rest) - 2 and rest.endswith(b"\r\n")
+        out += rest[:-2]
+    return out
+
+
+async def test_relayed_in_order_and_handed_back_at_the_last_event():
+    reader = StreamReader(Protocol(), 1 << 16, loop=asyncio.get_running_loop())
+    t, counted = Transport(), []
+    r = relay()
+    p = Passthrough(reader, t, True, r, counted.append)
+    stream = b"".join(steady(i) for i in range(1, 6)) + LAST
+    for k in range(0, len(stream), 37):   # split anywhere, as TCP may
+        reader.feed_data(stream[k:k + 37])
+    assert not p.active and sum(counted) == 5
+    relayed = unchunk(t.written)
+    assert relayed == b"".join(r.client_event(b'"t%d \\"q\\""' % i, b"%d" % i) for i in range(1, 6))
+    assert b'"id":"cmpl-p"' in relayed and b'"token_ids":null' in relayed
+    assert await reader.read(len(LAST)) == LAST   # the last event, whole, for the coroutine
+    assert r.take_text() == "".join(f't{i} "q"' for i in range(1, 6)) and r.take_ids() == [1, 2, 3, 4, 5]
+    assert type(reader) is StreamReader
+
+
+async def test_a_client_past_its_high_water_mark_hands_the_stream_back():
+    reader = StreamReader(Protocol(), 1 << 16, loop=asyncio.get_running_loop())
+    t = Transport(high=100)
+    p = Passthrough(reader, t, False, relay(), lambda n: None)
+    reader.feed_data(steady(1) + steady(2)[:20])
+    t.buffered = 500                      # the client stopped reading
+    reader.feed_data(steady(2)[20:40])
+    assert not p.active
+    assert len(t.written) == 1            # unframed: the client's response is not chunked
+    reader.feed_data(steady(2)[40:])
+    assert await reader.read(len(steady(2))) == steady(2)   # nothing lost or doubled
+
+
+async def test_stop_gives_back_what_was_pending():
+    reader = StreamReader(Protocol(), 1 << 16, loop=asyncio.get_running_loop())
+    p = Passthrough(reader, Transport(), True, relay(), lambda n: None)
+    reader.feed_data(steady(1)[:50])
+    p.stop()
+    p.stop()                              # (twice: nothing more)
+    assert await reader.read(50) == steady(1)[:50]
