@@ -52,7 +52,7 @@ from kvpush.router.errors import ApiError, json_error
 from kvpush.router.failover import Failover, with_reservation
 from kvpush.router.relay import Passthrough, Relay
 from kvpush.router.streams import DecodeStreamError, EventStream, sse_response
-from kvpush.router.upstream import Answering, Upstream
+from kvpush.router.upstream import Answering, Upstream, reuse
 from kvpush.router.first_token import (BadHead, Chunks, Tail, decode_body, final_answer, parse_head, prefill_body,
                                 resume_body)
 from kvpush.router.kv_aware import KvAware
@@ -60,20 +60,6 @@ from kvpush.router.tokens import TokenCounter
 
 _log = log.get("router")
 ENGINES_WAIT_S = 5.0
-
-
-async def reuse(resp: aiohttp.ClientResponse) -> None:
-    """Decode's answer read to its end (after ``[DONE]`` only the body's last chunk is
-    left), so that its connection goes back to the pool: a new one per request costs the
-    router a connect, and the engine an accept, on every request."""
-    try:
-        if not resp.closed:
-            async with asyncio.timeout(1.0):
-                await resp.content.read()
-    except (aiohttp.ClientError, TimeoutError):
-        pass
-    finally:
-        resp.release()
 
 
 class Dispatcher(PushPath, AlonePath):
@@ -397,7 +383,7 @@ class Dispatcher(PushPath, AlonePath):
                                 resp.close()  # a stop string ended it: decode's request is aborted
                                 break
                             if direct is None and tail.passing and out is not None and not events.pending:
-                                direct = self._passthrough(resp, request, out, tail)
+                                direct = Passthrough.begin(resp, request, out, tail)
                         break
                     except DecodeStreamError as exc:
                         if direct is not None:
@@ -454,21 +440,6 @@ class Dispatcher(PushPath, AlonePath):
             answering.done()
             metrics.CONTINUATION_EVENTS.labels(how="passed").inc(tail.passed_events)
             metrics.CONTINUATION_EVENTS.labels(how="made").inc(tail.made_events)
-
-    @staticmethod
-    def _passthrough(resp, request: web.Request, out: web.StreamResponse, tail: Tail) -> Passthrough | None:
-        """Past the boundary, decode's steady events relayed from its connection's callback
-        (``relay.Passthrough``); None where the client's response is not one it can
-        write to (a writer of another kind)."""
-        writer = getattr(out, "_payload_writer", None)  # (aiohttp's; its framing, for the relayed bytes)
-        chunked = getattr(writer, "chunked", None)
-        if request.transport is None or not isinstance(chunked, bool) or getattr(writer, "_compress", None) \
-                or not Passthrough.possible(resp.content):
-            return None
-
-        def counted(n: int) -> None:
-            tail.passed_events += n
-        return Passthrough(resp.content, request.transport, chunked, tail.relay, counted)
 
     async def _continuation(self, answering: Answering, d_body: dict, res):
         """POST the continuation to ``answering.url``; (response, reservation still in use),

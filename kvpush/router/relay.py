@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 
-from aiohttp import StreamReader
+from aiohttp import ClientError, StreamReader
 
 # What follows the text in a steady completion event of decode (vLLM, return_token_ids).
 _STEADY_AFTER_TEXT = b',"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,"token_ids":['
@@ -133,9 +133,23 @@ class Passthrough:
     relayed, in order, and the parsed way (with its write timeout) takes it from there.
     """
 
-    @staticmethod
-    def possible(reader) -> bool:
-        return type(reader) is StreamReader
+    @classmethod
+    def begin(cls, resp, request, out, tail) -> "Passthrough | None":
+        """Relay ``resp``'s steady events (decode's) to ``request``'s client, whose answer is
+        ``out`` (``tail``: the answer's ``first_token.Tail``, passing); None where this cannot
+        (another reader or writer than aiohttp's plain ones, the stream broken already)."""
+        writer = getattr(out, "_payload_writer", None)  # (aiohttp's; its framing, for the relayed bytes)
+        chunked = getattr(writer, "chunked", None)
+        if request.transport is None or not isinstance(chunked, bool) or getattr(writer, "_compress", None) \
+                or type(resp.content) is not StreamReader:
+            return None
+
+        def counted(n: int) -> None:
+            tail.passed_events += n
+        try:
+            return cls(resp.content, request.transport, chunked, tail.relay, counted)
+        except ClientError:  # the stream broke already: the coroutine's next read says so
+            return None
 
     def __init__(self, reader, transport, chunked: bool, relay: Relay, counted) -> None:
         self._reader, self._transport, self._chunked = reader, transport, chunked
@@ -143,8 +157,13 @@ class Passthrough:
         self._pending = b""
         self._high = transport.get_write_buffer_limits()[1]
         self.active = True
+        # What the reader holds already came first: relayed before anything newer (else a
+        # client would get the newer events ahead of it).
+        buffered = reader.read_nowait(-1)
         _RELAYING[id(reader)] = self
         reader.__class__ = _RelayedReader
+        if buffered:
+            self.feed(buffered)
 
     def feed(self, data: bytes, size: int = 0) -> bool:
         buf = self._pending + data if self._pending else data

@@ -136,3 +136,17 @@ def nothing_sent(exc: aiohttp.ClientError, ask_or_body) -> bool:
 
 def path_of(endpoint: str) -> str:
     return "chat/completions" if endpoint == "chat" else "completions"
+
+
+async def reuse(resp: aiohttp.ClientResponse) -> None:
+    """Decode's answer read to its end (after ``[DONE]`` only the body's last chunk is
+    left), so that its connection goes back to the pool: a new one per request costs the
+    router a connect, and the engine an accept, on every request."""
+    try:
+        if not resp.closed:
+            async with asyncio.timeout(1.0):
+                await resp.content.read()
+    except (aiohttp.ClientError, TimeoutError):
+        pass
+    finally:
+        resp.release()

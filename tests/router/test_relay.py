@@ -101,3 +101,12 @@ async def test_stop_gives_back_what_was_pending():
     p.stop()
     p.stop()                              # (twice: nothing more)
     assert await reader.read(50) == steady(1)[:50]
+
+
+async def test_what_the_reader_held_already_goes_first():
+    reader = StreamReader(Protocol(), 1 << 16, loop=asyncio.get_running_loop())
+    reader.feed_data(steady(1) + steady(2)[:30])   # arrived before the passthrough began
+    t, r = Transport(), relay()
+    Passthrough(reader, t, True, r, lambda n: None)
+    reader.feed_data(steady(2)[30:] + steady(3))
+    assert unchunk(t.written) == b"".join(r.client_event(b'"t%d \\"q\\""' % i, b"%d" % i) for i in (1, 2, 3))
