@@ -9,7 +9,7 @@ import grpc
 from kvpush.controlplane import errors, keys, validation as v
 from kvpush.controlplane.api import unary
 from kvpush.controlplane.auth import Auth, new_token
-from kvpush.controlplane.etcd import EtcdClient, EtcdUnavailable, cmp_create, cmp_mod, op_delete, op_put
+from kvpush.controlplane.etcd import KV, EtcdClient, EtcdUnavailable, cmp_create, cmp_mod, op_delete, op_put
 from kvpush.controlplane.lifecycle import Lifecycle
 from kvpush.contract.states import State
 from kvpush.controlplane.records import TenantRecord
@@ -60,14 +60,22 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         result = await self._txn([cmp_create(keys.tenant(rec.name), 0)], [op_put(keys.tenant(rec.name), rec.encode())])
         if not result.succeeded:
             raise errors.ApiError(grpc.StatusCode.ALREADY_EXISTS, f"tenant {rec.name!r} already exists")
+        self._applied(rec, result.revision, created=result.revision)
         await self.view.wait_for_revision(result.revision, 2.0)
         return rec.to_proto(token=token)
+
+    def _applied(self, rec: TenantRecord, revision: int, created: int) -> None:
+        """This replica's own write, in its view at once: the token it answers works on it
+        for the next call even while its watch lags (under load, past the 2 s it waits)."""
+        key = keys.tenant(rec.name)
+        self.view.apply(KV(key, rec.encode(), revision, created, 0), False, revision)
 
     async def _replace(self, entry, rec: TenantRecord) -> None:
         result = await self._txn([cmp_mod(keys.tenant(rec.name), entry.mod_revision)],
                                  [op_put(keys.tenant(rec.name), rec.encode())])
         if not result.succeeded:
             raise errors.ApiError(grpc.StatusCode.ABORTED, f"tenant {rec.name!r} changed concurrently; retry")
+        self._applied(rec, result.revision, created=0)
         await self.view.wait_for_revision(result.revision, 2.0)
 
     @unary

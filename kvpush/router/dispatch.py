@@ -365,15 +365,20 @@ class Dispatcher(PushPath, AlonePath):
                     try:
                         async for batch in events:
                             wire = []
-                            for payload in batch:
-                                got = tail.take(payload)
-                                if got is None:
-                                    continue
-                                if out is not None:
-                                    wire.append(got if isinstance(got, bytes) else chunks.piece(
-                                        got, tail.usage() if ask.continuous_usage else None))
-                                if tail.stopped_here:
-                                    break
+                            try:
+                                for payload in batch:
+                                    got = tail.take(payload)
+                                    if got is None:
+                                        continue
+                                    if out is not None:
+                                        wire.append(got if isinstance(got, bytes) else chunks.piece(
+                                            got, tail.usage() if ask.continuous_usage else None))
+                                    if tail.stopped_here:
+                                        break
+                            except DecodeStreamError:
+                                if wire:  # what came before the error is the client's: a resume goes on after it
+                                    await out.write(b"".join(wire))
+                                raise
                             if "second_token" not in timings and (wire or tail.received):
                                 timings["second_token"] = time.perf_counter()
                                 metrics.TOKEN2.observe(timings["second_token"] - timings["prefill_answered"])

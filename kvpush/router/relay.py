@@ -141,8 +141,8 @@ class Passthrough:
         writer = getattr(out, "_payload_writer", None)  # (aiohttp's; its framing, for the relayed bytes)
         chunked = getattr(writer, "chunked", None)
         if request.transport is None or not isinstance(chunked, bool) or getattr(writer, "_compress", None) \
-                or type(resp.content) is not StreamReader:
-            return None
+                or type(resp.content) is not StreamReader or resp.content.is_eof():
+            return None  # (at its end, all of it is in the reader already: the coroutine has it)
 
         def counted(n: int) -> None:
             tail.passed_events += n

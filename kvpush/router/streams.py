@@ -30,16 +30,17 @@ class BoundedStream(web.StreamResponse):
 
     async def _bounded(self, write) -> None:
         try:
-            async with asyncio.timeout(self.timeout_s):
-                await write
-        except TimeoutError:
+            await asyncio.wait_for(write, self.timeout_s)
+        except asyncio.TimeoutError:
             raise ClientTooSlow(f"the client took nothing for {self.timeout_s:g} s") from None
 
     async def write(self, data) -> None:
-        # A write waits only once the transport's buffer passes its high-water mark; below
-        # it (nearly always), no timer is worth arming for every streamed event.
-        transport = self._req.transport if self._req is not None else None
-        if transport is not None and \
+        # A write waits only while the connection is paused (its transport's buffer went past
+        # the high-water mark and has not yet fallen below the low one): when it is not, and
+        # this write cannot take the buffer past the mark, no timer is worth arming for it.
+        req = self._req
+        transport = req.transport if req is not None else None
+        if transport is not None and not req.protocol.writing_paused and \
                 transport.get_write_buffer_size() + len(data) + 64 < transport.get_write_buffer_limits()[1]:
             await super().write(data)
         else:
@@ -90,5 +91,9 @@ class EventStream:
                     batch.append(e)
                 if batch:
                     yield batch
+            last = self.pending.strip()   # an event its stream ended without the blank line after
+            if last.startswith(b"data:") and last[5:].lstrip() != b"[DONE]":
+                self.pending = b""
+                yield [last[5:].lstrip()]
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise DecodeStreamError(f"decode's stream broke: {type(exc).__name__}: {exc}") from None

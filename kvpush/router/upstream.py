@@ -144,9 +144,8 @@ async def reuse(resp: aiohttp.ClientResponse) -> None:
     router a connect, and the engine an accept, on every request."""
     try:
         if not resp.closed:
-            async with asyncio.timeout(1.0):
-                await resp.content.read()
-    except (aiohttp.ClientError, TimeoutError):
+            await asyncio.wait_for(resp.content.read(), 1.0)
+    except (aiohttp.ClientError, asyncio.TimeoutError):
         pass
     finally:
         resp.release()

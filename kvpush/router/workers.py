@@ -32,7 +32,7 @@ import time
 from kvpush import log
 from kvpush.aio import write_ready_file
 from kvpush.router.config import RouterConfig
-from kvpush.router.siblings import Siblings
+from kvpush.router.siblings import Siblings, socket_path
 
 _log = log.get("router")
 RESTART_AFTER_S = 1.0
@@ -74,6 +74,11 @@ def _reserve_port(host: str, port: int) -> socket.socket:
 def supervise(cfg: RouterConfig, count: int, ready_file: str | None, log_level: str = "info") -> int:
     """Run ``count`` workers until signalled; the exit status."""
     run_dir = tempfile.mkdtemp(prefix="kvpush-router-")
+    if len(socket_path(run_dir, count - 1).encode()) > 100:  # (a Unix socket's path has at most 107 bytes)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        _log.error("the temporary directory's path is too long for the workers' sockets; set TMPDIR shorter",
+                   run_dir=run_dir)
+        return 2
     metrics_dir = os.path.join(run_dir, "metrics")
     os.makedirs(metrics_dir)
     # Read by prometheus_client when each worker imports it (spawned: a fresh interpreter).

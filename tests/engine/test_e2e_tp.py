@@ -81,7 +81,13 @@ class TpStack:
         self._engine("AGG", None, 1)
         for name, tp in tps.items():
             role = "kv_producer" if name.startswith("P") else "kv_consumer"
-            self._engine(name, kvpush_transfer_config(role, self.sidecars[name].socket, str(self.stats), name), tp)
+            # Decode waits for a landing up to just under the reservations' 60 s deadline, not
+            # the default 30 s: on 2 cores, with four TP workers and the aggregated engine
+            # beside a full test run, a push has been seen to land later than 30 s (twice in
+            # CI), and the claim here is that every rank loads by push, not how fast.
+            extra = {"load_timeout_s": 55} if role == "kv_consumer" else {}
+            self._engine(name, kvpush_transfer_config(role, self.sidecars[name].socket, str(self.stats), name,
+                                                      **extra), tp)
         for e in self.engines.values():
             e.wait_ready(timeout_s=420)
         # One plain request each, one engine at a time, before any test: a TP engine's first

@@ -36,6 +36,7 @@ class FakeEngine:
         self.holds_alone.set()
         self.decode_text = lambda t: f" w{t}"   # decode's text for token t (WordTokenizer's)
         self.break_after: int | None = None      # decode's stream: the connection aborted after this many events
+        self.error_after: int | None = None      # ... or an error event after this many
 
     async def _with_token_ids(self, request: web.Request, body: dict):
         base = {"id": f"cmpl-{self.name}", "created": 1, "model": "tiny"}
@@ -65,6 +66,9 @@ class FakeEngine:
         for i in range(body["max_tokens"]):
             if self.break_after is not None and i == self.break_after:
                 request.transport.abort()   # the engine dies part way
+                return resp
+            if self.error_after is not None and i == self.error_after:  # ... or says it failed, as vLLM does
+                await resp.write(b'data: {"error": {"message": "engine failed", "code": 500}}\n\n')
                 return resp
             finish, reason = ("length" if i == body["max_tokens"] - 1 else None), None
             new = self.decode_text(first + i)

@@ -34,7 +34,7 @@ class Protocol:
     def pause_reading(self) -> None:
         pass
 
-    def resume_reading(self) -> None:
+    def resume_reading(self, resume_parser: bool = True) -> None:
         pass
 
 
@@ -110,3 +110,17 @@ async def test_what_the_reader_held_already_goes_first():
     Passthrough(reader, t, True, r, lambda n: None)
     reader.feed_data(steady(2)[30:] + steady(3))
     assert unchunk(t.written) == b"".join(r.client_event(b'"t%d \\"q\\""' % i, b"%d" % i) for i in (1, 2, 3))
+
+
+async def test_no_passthrough_on_a_stream_already_at_its_end():
+    """Everything decode sent is in the reader already (the client was slow to take the
+    last write): the coroutine reads it, finish and usage included."""
+    import types
+    reader = StreamReader(Protocol(), 1 << 16, loop=asyncio.get_running_loop())
+    reader.feed_data(steady(1) + LAST + b"data: [DONE]\n\n")
+    reader.feed_eof()
+    writer = types.SimpleNamespace(chunked=True, _compress=None)
+    tail = types.SimpleNamespace(relay=relay(), passed_events=0)
+    assert Passthrough.begin(types.SimpleNamespace(content=reader), types.SimpleNamespace(transport=Transport()),
+                             types.SimpleNamespace(_payload_writer=writer), tail) is None
+    assert (await reader.read()).endswith(b"[DONE]\n\n")
