@@ -10,8 +10,8 @@ and goes the parsed way. So a decode engine that writes its events differently c
 CPU, never a wrong answer.
 
 The client's events are written as vLLM's OpenAI server writes them (pydantic's
-compact JSON, its field order); ``tests/router/test_relay.py`` holds these shapes
-against vLLM's own response classes.
+compact JSON, its field order); ``tests/router/test_first_token_text.py`` holds these
+shapes against vLLM's own response classes.
 """
 
 from __future__ import annotations
@@ -48,11 +48,10 @@ class Relay:
             self._open = opening + _TEXT_AT
             self._ids_open = b',"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,' \
                              b'"token_ids":'
-            self._close = b"}]}\n\n"
         else:
             self._open = opening + b',"choices":[{"index":0,"delta":{"content":'
             self._ids_open = b'},"logprobs":null,"finish_reason":null,"token_ids":'
-            self._close = b"}]}\n\n"
+        self._close = b"}]}\n\n"
         self._with_ids = return_token_ids
         self._decode_open: bytes | None = None  # decode's event up to its text: learned from its first
         self.texts: list[bytes] = []            # JSON strings, in order
