@@ -203,7 +203,14 @@ async def main() -> None:
     # each), so the rows show what scale costs, not queueing.
     parser.add_argument("--rate", type=float, default=300.0, help="Reserve + Release pairs per second")
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--replicas", action="store_true",
+                        help="CPU per request on each replica with 1, 2 and 4 replicas (bench/scaling_replicas.py)")
     args = parser.parse_args()
+    if args.replicas:
+        from bench.scaling_replicas import replicas
+        await replicas([1, 2] if args.quick else [1, 2, 4], rate=400.0 if args.quick else 600.0,
+                       seconds=2.0 if args.quick else 6.0, write=not args.quick)
+        return
     grid = [(10, 1_000), (100, 1_000), (1_000, 1_000), (10, 100_000), (100, 100_000), (1_000, 100_000)]
     if args.quick:
         grid, args.seconds = [(10, 200), (100, 2_000)], 1.0

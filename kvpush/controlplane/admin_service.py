@@ -12,6 +12,7 @@ from kvpush.controlplane.auth import Auth, new_token
 from kvpush.controlplane.etcd import KV, EtcdClient, EtcdUnavailable, cmp_create, cmp_mod, op_delete, op_put
 from kvpush.controlplane.lifecycle import Lifecycle
 from kvpush.contract.states import State
+from kvpush.controlplane.ownership import Ownership
 from kvpush.controlplane.records import TenantRecord
 from kvpush.controlplane.engine_events import engine_proto
 from kvpush.controlplane.view import View, token_hash
@@ -19,12 +20,12 @@ from kvpush.contract.v1 import admin_pb2, admin_pb2_grpc, types_pb2
 
 
 class AdminService(admin_pb2_grpc.AdminServicer):
-    def __init__(self, view: View, auth: Auth, etcd: EtcdClient, lifecycle: Lifecycle, replica_id: str) -> None:
+    def __init__(self, view: View, auth: Auth, etcd: EtcdClient, lifecycle: Lifecycle, ownership: Ownership) -> None:
         self.view = view
         self._auth = auth
         self._etcd = etcd
         self._lifecycle = lifecycle
-        self._replica_id = replica_id
+        self._ownership = ownership
 
     def _pools(self, pools) -> list[str]:
         if len(pools) > 64:
@@ -124,8 +125,10 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         by_state = self.view.live_by_state()
         by_state.update(self.view.ended)  # ended reservations this replica has seen
         live = sorted((r for r in self.view.live_reservations()), key=lambda r: r.created_ms)
+        owner = self._ownership
         return admin_pb2.StatusResponse(
             engines=sorted((engine_proto(self.view, e.record) for e in self.view.engines.values()),
                            key=lambda e: e.engine_id),
             reservations_by_state=dict(by_state), live_reservations=[r.to_proto() for r in live[:1000]],
-            revision=self.view.revision, replica_id=self._replica_id)
+            revision=self.view.revision, replica_id=owner.replica_id, live_replicas=len(owner.members),
+            owned_slots=len(owner.owned))

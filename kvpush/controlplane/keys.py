@@ -10,6 +10,7 @@ RESERVATIONS = ROOT + b"reservations/"
 REQUESTS = ROOT + b"requests/"        # (tenant, request id) -> reservation id, for idempotency
 USAGE = ROOT + b"usage/"              # per-tenant fence: bumped by every reservation of it
 PREFIXES = ROOT + b"prefixes/"        # per decode engine: its last prefix report (on the engine's lease)
+REPLICAS = ROOT + b"replicas/"        # per live control-plane replica (on its own lease): who owns what
 
 
 def tenant(name: str) -> bytes:
@@ -34,6 +35,10 @@ def request(tenant_name: str, request_id: str) -> bytes:
 
 def prefixes(engine_id: str) -> bytes:
     return PREFIXES + engine_id.encode()
+
+
+def replica(replica_id: str) -> bytes:
+    return REPLICAS + replica_id.encode()
 
 
 def usage(tenant_name: str) -> bytes:

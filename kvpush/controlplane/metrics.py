@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import time
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
@@ -27,6 +27,13 @@ DECODE_ALONE = Counter("kvpush_reserve_decode_alone_total",
 TRANSITIONS = Counter("kvpush_transitions_total", "Lifecycle transitions written", ["to"])
 RELOCATIONS = Counter("kvpush_relocations_total",
                       "Decode failovers asked (Scheduler.Relocate), by outcome (OK or the gRPC status code)", ["outcome"])
+
+OWNED_SLOTS = Gauge("kvpush_owned_slots", "Engine slots this replica owns (of kvpush.controlplane.ownership.SLOTS)")
+LIVE_REPLICAS = Gauge("kvpush_live_replicas", "Control-plane replicas this replica sees live (itself included)")
+RESERVE_OWNER = Counter("kvpush_reserve_engine_owner_total",
+                        "Reservations committed by this replica, by who owns the engine chosen: this replica "
+                        "(own) or another (other: it owned none that fitted, a longer cached prefix was elsewhere, "
+                        "or the router preferred that engine)", ["owner"])
 
 _RESULT_CHILDREN: dict = {}
 

@@ -160,3 +160,19 @@ class TenantRecord:
         return types_pb2.Tenant(name=self.name, quota_blocks=self.quota_blocks,
                                 allowed_pools=self.allowed_pools, token=token,
                                 reserved_blocks=reserved_blocks)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaRecord:
+    """A live control-plane replica, kept under its own lease (kvpush/controlplane/ownership.py)."""
+    replica_id: str
+    address: str
+    started_ms: int
+
+    def encode(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "ReplicaRecord":
+        fields = json.loads(raw)
+        return cls(str(fields["replica_id"]), str(fields.get("address", "")), int(fields.get("started_ms", 0)))

@@ -27,6 +27,7 @@ from kvpush.controlplane.etcd import (KV, EtcdClient, EtcdLeaseNotFound, EtcdUna
                                op_put, op_touch)
 from kvpush.controlplane.leases import LeaseBuckets
 from kvpush.controlplane.lifecycle import move_writes
+from kvpush.controlplane.ownership import Ownership
 from kvpush.contract.states import State
 from kvpush.contract.engine import EngineRecord
 from kvpush.controlplane.records import DecodeAlone, ReservationRecord, TenantRecord, now_ms, to_extents
@@ -85,10 +86,12 @@ def new_reservation_id() -> str:
 
 
 class Reserver:
-    def __init__(self, etcd: EtcdClient, view: View, leases: LeaseBuckets, max_batch: int = 60) -> None:
+    def __init__(self, etcd: EtcdClient, view: View, leases: LeaseBuckets, max_batch: int = 60,
+                 ownership: Ownership | None = None) -> None:
         self._etcd = etcd
         self._view = view
         self._leases = leases
+        self._ownership = ownership
         self.max_batch = max_batch
         # Operations (and compares) in one transaction: etcd's default --max-txn-ops (128), or
         # what --max-batch asks for (etcd configured to match, as the embedded one is).
@@ -316,17 +319,21 @@ class Reserver:
             raise errors.exhausted(f"no decode engine has room for num_tokens={ask.num_tokens} "
                                    f"({cands.need_on(need, most)} blocks; most free: {free[most]} on "
                                    f"{cands.engines[most].engine_id})")
+        # This replica's own engines first (ownership.py: replicas serving at once then do not
+        # collide on the same engine's fence); a move takes any engine of its geometry.
+        eligible = (self._ownership.prefer(cands, fits, cached)
+                    if self._ownership is not None and ask.moving is None else fits)
         chosen = cands.index.get(ask.preferred_engine_id) if ask.preferred_engine_id else None
         while True:
             if chosen is None or not fits[chosen]:
-                chosen = self._best(ask, cands, free, cached, fits)
+                chosen = self._best(ask, cands, free, cached, eligible if eligible.any() else fits)
             engine = cands.engines[chosen]
             eid = engine.engine_id
             # Its lease is running out this very moment (the view applies a revision's
             # deletions a slice at a time): its fence may be gone before its record.
             if eid in view.pool_fences and eid in view.allocated:
                 break
-            fits[chosen] = False
+            fits[chosen] = eligible[chosen] = False
             if not fits.any():
                 raise errors.exhausted(f"no decode engine for model {ask.model!r} is available to tenant "
                                        f"{tenant.name!r}")
@@ -336,6 +343,8 @@ class Reserver:
                                              view.cursors.get(eid, 0))
         batch.free[cands.slots[chosen]] -= len(blocks)
         batch.used[tenant.name] = batch.used.get(tenant.name, 0) + len(blocks)
+        if self._ownership is not None:
+            metrics.RESERVE_OWNER.labels(owner="own" if self._ownership.owns(eid) else "other").inc()
         return engine, blocks, int(cached[chosen]) if cached is not None else 0
 
     @staticmethod
@@ -455,9 +464,13 @@ class _Plan:
         if ("t", rec.tenant) not in self._fenced:
             self._fenced.add(("t", rec.tenant))
             self.compares.append(cmp_mod(keys.tenant(rec.tenant), view.tenants[rec.tenant].mod_revision))
-            self.compares.append(cmp_mod(keys.usage(rec.tenant), view.usage_fences.get(rec.tenant, 0)))
-            self.ops.append(op_put(keys.usage(rec.tenant), b""))
-            self.writes.append((keys.usage(rec.tenant), b"", 0, None))
+            # The usage fence guards a quota only: without one, replicas reserving for the same
+            # tenant at once would fail each other's transactions for nothing. (Setting a quota
+            # changes the tenant record, which the compare above catches.)
+            if tenant.quota_blocks:
+                self.compares.append(cmp_mod(keys.usage(rec.tenant), view.usage_fences.get(rec.tenant, 0)))
+                self.ops.append(op_put(keys.usage(rec.tenant), b""))
+                self.writes.append((keys.usage(rec.tenant), b"", 0, None))
 
     async def attach_records(self, leases: LeaseBuckets) -> None:
         """Add the reservation and request-index puts, bound to their deadline lease."""

@@ -20,7 +20,9 @@ from kvpush.controlplane.auth import Auth
 from kvpush.controlplane.etcd import EtcdClient, EtcdSecurity
 from kvpush.controlplane.leases import LeaseBuckets
 from kvpush.controlplane.lifecycle import Lifecycle
+from kvpush.controlplane.ownership import Membership, Ownership
 from kvpush.controlplane.reaper import Reaper
+from kvpush.controlplane.records import ReplicaRecord, now_ms
 from kvpush.controlplane.registry_service import RegistryService
 from kvpush.controlplane.reserver import Reserver
 from kvpush.controlplane.scheduler_service import DEFAULT_DEADLINE_MS, SchedulerService
@@ -98,7 +100,8 @@ class ControlPlane:
         self.view = View(cfg.quarantine_ms)
         self.leases = LeaseBuckets(self.etcd, cfg.tombstone_ttl_s)
         self.lifecycle = Lifecycle(self.etcd, self.view, self.leases, group_commit=cfg.group_commit)
-        self.reserver = Reserver(self.etcd, self.view, self.leases, max_batch=cfg.max_batch)
+        self.ownership = Ownership(self.view, self.replica_id)
+        self.reserver = Reserver(self.etcd, self.view, self.leases, max_batch=cfg.max_batch, ownership=self.ownership)
         self.reserver.batch_all_of_queue = cfg.group_commit
         self.reaper = Reaper(self.view, self.lifecycle, cfg.sweep_interval_s)
         self.auth = Auth(self.view, cfg.admin_token, cfg.engine_token or None)
@@ -106,6 +109,7 @@ class ControlPlane:
         self.port = 0
         self._stop = asyncio.Event()
         self._follow: asyncio.Task | None = None
+        self._member: asyncio.Task | None = None
         self._health = health.aio.HealthServicer()
 
     async def start(self) -> None:
@@ -123,7 +127,7 @@ class ControlPlane:
         self.registry = RegistryService(self.view, self.auth, self.etcd, self.lifecycle)
         add_service(self.server, registry_pb2_grpc.add_RegistryServicer_to_server, self.registry)
         add_service(self.server, admin_pb2_grpc.add_AdminServicer_to_server,
-                    AdminService(self.view, self.auth, self.etcd, self.lifecycle, self.replica_id))
+                    AdminService(self.view, self.auth, self.etcd, self.lifecycle, self.ownership))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
         names = [d.services_by_name[n].full_name for d, n in (
             (scheduler_pb2.DESCRIPTOR, "Scheduler"), (registry_pb2.DESCRIPTOR, "Registry"),
@@ -142,9 +146,16 @@ class ControlPlane:
         if self.cfg.metrics_port:
             REGISTRY.register(_ViewCollector(self.view))
             start_http_server(self.cfg.metrics_port, addr=self.cfg.metrics_host)
+        self._membership = Membership(self.etcd, ReplicaRecord(self.replica_id, self._advertised(), now_ms()))
+        self._member = asyncio.create_task(self._membership.run(self._stop), name="membership")
         asyncio.create_task(self._serving_when_ready(names + [""]))
         _log.info("control plane listening", listen=self.cfg.listen, port=self.port, etcd=self.cfg.etcd,
                   replica_id=self.replica_id, tls=creds is not None, metrics_port=self.cfg.metrics_port)
+
+    def _advertised(self) -> str:
+        """Where other processes reach this replica: the listen address with the port bound."""
+        host = self.cfg.listen.rpartition(":")[0] or "127.0.0.1"
+        return f"{host}:{self.port}"
 
     async def _serving_when_ready(self, names: list[str]) -> None:
         await self.view.ready.wait()
@@ -159,6 +170,9 @@ class ControlPlane:
             await self.server.stop(grace)
         await self.reserver.stop()
         await self.reaper.stop()
+        if self._member is not None:
+            await asyncio.gather(self._member, return_exceptions=True)
+            await self._membership.leave()  # the others take its engines now, not after the TTL
         if self._follow:
             self._follow.cancel()
             await asyncio.gather(self._follow, return_exceptions=True)

@@ -23,8 +23,9 @@ from kvpush.controlplane import keys
 from kvpush.controlplane.etcd import KV, EtcdClient, EtcdUnavailable, WatchCompacted, watch_event
 from kvpush.contract.states import State
 from kvpush.contract.engine import EngineRecord
+from kvpush.controlplane.free_counts import FreeCounts
 from kvpush.controlplane.prefixes import PrefixIndex
-from kvpush.controlplane.records import ReservationRecord, TenantRecord, now_ms
+from kvpush.controlplane.records import ReplicaRecord, ReservationRecord, TenantRecord, now_ms
 from kvpush import log
 
 _log = log.get("view")
@@ -34,49 +35,6 @@ _log = log.get("view")
 # transfer timeout is 2 s), and a late write must never land in someone else's KV.
 QUARANTINE_MS = 5_000
 APPLY_SLICE = 256  # watch events applied per loop turn
-
-
-class FreeCounts:
-    """Engine id -> blocks not in its bitmap, as a dict reads, kept in one numpy array
-    (``array[slot(id)]``) so a Reserve compares every candidate engine in C, not one by
-    one in Python. Slots are never reused within a view's life (ids are few and stable)."""
-
-    def __init__(self) -> None:
-        self.array = np.zeros(64, dtype=np.int64)
-        self._slots: dict[str, int] = {}
-        self._present: set[str] = set()
-
-    def slot(self, engine_id: str) -> int:
-        slot = self._slots.get(engine_id)
-        if slot is None:
-            slot = self._slots[engine_id] = len(self._slots)
-            if slot >= len(self.array):
-                self.array = np.concatenate([self.array, np.zeros(len(self.array), dtype=np.int64)])
-        return slot
-
-    def __contains__(self, engine_id: str) -> bool:
-        return engine_id in self._present
-
-    def __getitem__(self, engine_id: str) -> int:
-        if engine_id not in self._present:
-            raise KeyError(engine_id)
-        return int(self.array[self._slots[engine_id]])
-
-    def __setitem__(self, engine_id: str, value: int) -> None:
-        slot = self.slot(engine_id)  # first: it may grow (replace) the array
-        self.array[slot] = value
-        self._present.add(engine_id)
-
-    def get(self, engine_id: str, default: int = 0) -> int:
-        return self[engine_id] if engine_id in self._present else default
-
-    def pop(self, engine_id: str, default=None):
-        if engine_id not in self._present:
-            return default
-        value = self[engine_id]
-        self._present.discard(engine_id)
-        self.array[self._slots[engine_id]] = 0
-        return value
 
 
 @dataclasses.dataclass(slots=True)
@@ -130,6 +88,8 @@ class View:
         self.engines_version = 0                     # bumped at every engine change (candidate caches)
         self.cursors: dict[str, int] = {}            # engine -> next-fit allocation cursor
         self.tenant_used: dict[str, int] = {}
+        self.replicas: dict[str, ReplicaRecord] = {}  # live control-plane replicas (ownership.py)
+        self.replicas_version = 0
         self._key_revs: dict[bytes, int] = {}         # newest revision applied per key, deletes too
         self._deleted: collections.deque = collections.deque()  # (revision, key) to prune from _key_revs
         self._expired_ids: dict[str, int] = {}        # ids whose EXPIRED we already announced
@@ -270,6 +230,13 @@ class View:
             self._apply_tenant(keys.name_of(key, keys.TENANTS), kv, deleted, revision)
         elif key.startswith(keys.PREFIXES):
             self.prefixes.apply_value(keys.name_of(key, keys.PREFIXES), None if deleted else kv.value)
+        elif key.startswith(keys.REPLICAS):
+            name = keys.name_of(key, keys.REPLICAS)
+            if deleted:
+                self.replicas.pop(name, None)
+            else:
+                self.replicas[name] = ReplicaRecord.decode(kv.value)
+            self.replicas_version += 1
 
     def _mark(self, engine_id: str, incarnation: str, extents, taken: bool) -> None:
         engine = self.engine(engine_id)
@@ -451,12 +418,13 @@ class View:
         listeners, waiters, ready = self._listeners, self._revision_waiters, self.ready
         engine_listeners = self._engine_listeners
         expired, cursors, ended = self._expired_ids, self.cursors, self.ended
-        version = self.engines_version
+        version, replicas_version = self.engines_version, self.replicas_version
         self.__init__(self.quarantine_ms)
         self._listeners, self._revision_waiters, self.ready = listeners, waiters, ready
         self._engine_listeners = engine_listeners
         self._expired_ids, self.cursors, self.ended = expired, cursors, ended
         self.engines_version = version + 1  # a new FreeCounts: every cached slot is stale
+        self.replicas_version = replicas_version + 1
 
 
 async def follow(view: View, etcd: EtcdClient, stop: asyncio.Event) -> None:

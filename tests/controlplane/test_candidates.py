@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvpush.controlplane.view import FreeCounts
+from kvpush.controlplane.free_counts import FreeCounts
 
 
 def test_free_counts_behave_as_a_dict_through_growth():

@@ -1,6 +1,8 @@
 """Two control-plane replicas (separate processes), hundreds of concurrent Reserves
 for more blocks than exist: exactly the capacity is granted, the rest are
-RESOURCE_EXHAUSTED, and etcd shows no block booked twice."""
+RESOURCE_EXHAUSTED, and etcd shows no block booked twice. Also with both replicas
+believing they own every engine (the same replica id: kvpush/controlplane/ownership.py),
+as two replicas briefly do while one has not yet seen the other join or leave."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import asyncio
 import collections
 
 import grpc
+import pytest
 
 from kvpush.client.control_plane import ControlPlaneClient
 from kvpush.app.simulated import SimulatedEngine
@@ -18,8 +21,9 @@ ENGINES = {"decode-a": 40, "decode-b": 24, "decode-c": 16}   # 80 blocks in all
 ASKS = 400                                                   # each wants 1 or 2 blocks
 
 
-async def test_two_replicas_never_double_book(etcd, cp_processes):
-    replicas = cp_processes(2, extra=["--max-batch", "50"])
+@pytest.mark.parametrize("ids", [[], ["--replica-id", "twin"]], ids=["engines-shared-out", "both-own-every-engine"])
+async def test_two_replicas_never_double_book(etcd, cp_processes, ids):
+    replicas = cp_processes(2, extra=["--max-batch", "50", *ids])
     admin = ControlPlaneClient(replicas[0].address, ADMIN_TOKEN)
     engine_client = ControlPlaneClient(replicas[1].address, ENGINE_TOKEN)
     engines = [SimulatedEngine(engine_client, eid, n, lease_ttl_s=30) for eid, n in ENGINES.items()]
