@@ -208,8 +208,9 @@ async def main() -> None:
     args = parser.parse_args()
     if args.replicas:
         from bench.scaling_replicas import replicas
-        await replicas([1, 2] if args.quick else [1, 2, 4], rate=400.0 if args.quick else 600.0,
-                       seconds=2.0 if args.quick else 6.0, write=not args.quick)
+        points = [(1, 100.0), (2, 100.0)] if args.quick else \
+            [(1, 100.0), (1, 300.0), (1, 600.0), (1, 1200.0), (2, 100.0), (4, 100.0)]
+        await replicas(points, seconds=2.0 if args.quick else 6.0, write=not args.quick)
         return
     grid = [(10, 1_000), (100, 1_000), (1_000, 1_000), (10, 100_000), (100, 100_000), (1_000, 100_000)]
     if args.quick:

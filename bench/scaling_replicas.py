@@ -1,7 +1,8 @@
 """What each control-plane replica pays per request as replicas are added: 1, 2 and 4
 replicas over one etcd, 1,000 simulated decode engines, full lifecycles (Reserve over the
-router's stream client, CONSUMED over the sidecars' report stream) spread evenly over the
-replicas, plus one replica that serves nothing (what following the registry costs a replica
+router's stream client, CONSUMED over the sidecars' report stream) at the same rate on every
+serving replica (so the registry carries N times one replica's load, as a registry scaled out
+would), plus one replica that serves nothing (what following the registry costs a replica
 that has no part in a request). Run by ``bench/scaling.py --replicas``; writes the section
 "scaling-replicas" of docs/BENCHMARKS.md.
 
@@ -76,7 +77,8 @@ async def _tenant_everywhere(fronts_planes: list[Plane], token: str) -> None:
         await client.close()
 
 
-async def point(etcd: EmbeddedEtcd, replicas: int, rate: float, seconds: float) -> dict:
+async def point(etcd: EmbeddedEtcd, replicas: int, per_replica: float, seconds: float) -> dict:
+    rate = per_replica * replicas
     planes = [Plane(etcd.endpoint, group_commit=True) for _ in range(replicas)]
     passive = Plane(etcd.endpoint, group_commit=True)
     names = {f"r{i}": psutil.Process(p.proc.pid) for i, p in enumerate(planes)}
@@ -141,17 +143,18 @@ async def point(etcd: EmbeddedEtcd, replicas: int, rate: float, seconds: float) 
     return row
 
 
-async def replicas(counts: list[int], rate: float, seconds: float, write: bool) -> None:
+async def replicas(points: list[tuple[int, float]], seconds: float, write: bool) -> None:
+    """``points``: (serving replicas, lifecycles/s on each)."""
     etcd = EmbeddedEtcd(max_txn_ops=4096).start()
     rows = []
     try:
-        print(f"etcd {etcd.endpoint}; {ENGINES} simulated decode engines; {rate:.0f} lifecycles/s for {seconds:g} s, "
-              f"spread over the serving replicas, plus one replica serving nothing", flush=True)
-        for n in counts:
-            rows.append(await point(etcd, n, rate, seconds))
+        print(f"etcd {etcd.endpoint}; {ENGINES} simulated decode engines; {seconds:g} s a point, "
+              f"plus one replica serving nothing", flush=True)
+        for n, per_replica in points:
+            rows.append(await point(etcd, n, per_replica, seconds))
     finally:
         etcd.stop()
-    headers = ["serving replicas", "lifecycles/s", "errors", "Reserve p50 ms", "p99 ms",
+    headers = ["serving replicas", "lifecycles/s (registry)", "errors", "Reserve p50 ms", "p99 ms",
                "CPU per request served, each replica (ms)", "follow per request, replica serving nothing (ms)",
                "etcd cores", "load generator cores"]
     table = [[r["replicas"], f"{r['rate']:.0f}", r["errors"], f"{r['p50']:.2f}", f"{r['p99']:.2f}",
@@ -160,21 +163,25 @@ async def replicas(counts: list[int], rate: float, seconds: float, write: bool) 
     print(render(headers, table))
     if not write:
         return
-    first, last = rows[0], rows[-1]
-    growth = (sum(last["per_request_ms"]) / len(last["per_request_ms"])) / first["per_request_ms"][0]
-    text = f"""## Scaling out: CPU per request on each replica, 1 to {last['replicas']} replicas
+    alone = [r for r in rows if r["replicas"] == 1]
+    text = f"""## Scaling out: what each replica pays per request, and what following costs
 
 Command: `.venv/bin/python bench/scaling.py --replicas` (one run; one etcd with fsync; {ENGINES} simulated
 decode engines, their heartbeats spread over the serving replicas; full lifecycles, a Reserve over the
-router's stream client and the decode's CONSUMED over the sidecars' report stream, open loop at
-{rate:.0f}/s for {seconds:g} s, request i sent to serving replica i mod N; one more replica serves nothing).
-"CPU per request served" is each serving replica's CPU under load less its CPU at rest, over the requests it
-served; the last CPU column is the idle replica's CPU under load less at rest, over all requests.
+router's stream client and the decode's CONSUMED over the sidecars' report stream, open loop for
+{seconds:g} s a point, request i sent to serving replica i mod N; one more replica serves nothing). The rows
+with one serving replica raise the registry's rate; the others keep 100/s on each serving replica, so N
+replicas carry N times one's load. "CPU per request served" is each serving replica's CPU under load less
+its CPU at rest, over the requests it served; the follow column is the idle replica's CPU under load less
+at rest, over all the registry's requests. Every process shares this machine's 2 cores.
 
 {markdown(headers, table)}
 
-- From 1 to {last['replicas']} serving replicas the CPU each replica spends per request it serves grows
-  {growth:.2f}x; the replica that serves nothing spends {last['follow_ms']:.3f} ms per request of the registry.
+- Following the registry costs a replica {', '.join(f"{r['follow_ms']:.2f} ms" for r in alone)} per request
+  at {', '.join(f"{r['rate']:.0f}" for r in alone)} requests/s: a replica applies every change any other made
+  (watch responses carry more changes each as the rate grows, so the cost per request falls).
+- Serving costs the replica {', '.join(f"{r['per_request_ms'][0]:.2f} ms" for r in alone)} per request at the
+  same rates, its own follow of its own writes included.
 - Invariants checked in etcd after every point: {'all hold' if all(r['invariants'] for r in rows) else 'VIOLATED'}.
 """
     update_section("scaling-replicas", text)
