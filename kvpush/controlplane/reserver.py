@@ -321,7 +321,7 @@ class Reserver:
                                    f"{cands.engines[most].engine_id})")
         # This replica's own engines first (ownership.py: replicas serving at once then do not
         # collide on the same engine's fence); a move takes any engine of its geometry.
-        eligible = (self._ownership.prefer(cands, fits, cached)
+        eligible = (self._ownership.prefer(cands, fits, self._score(ask, cands, free, cached))
                     if self._ownership is not None and ask.moving is None else fits)
         chosen = cands.index.get(ask.preferred_engine_id) if ask.preferred_engine_id else None
         while True:
@@ -348,14 +348,20 @@ class Reserver:
         return engine, blocks, int(cached[chosen]) if cached is not None else 0
 
     @staticmethod
-    def _best(ask: ReserveAsk, cands, free: np.ndarray, cached: np.ndarray | None, eligible,
-              penalty: np.ndarray | None = None) -> int:
-        """The eligible candidate with the largest free fraction, plus, with the prompt's block
-        keys, the share of the prompt it already holds (OVERLAP_WEIGHT: a whole prompt held
-        outweighs an idle engine), less ``penalty``; ties to the largest id, for determinism."""
+    def _score(ask: ReserveAsk, cands, free: np.ndarray, cached: np.ndarray | None) -> np.ndarray:
+        """Each candidate's free fraction, plus, with the prompt's block keys, the share of the
+        prompt it already holds (OVERLAP_WEIGHT: a whole prompt held outweighs an idle engine)."""
         score = free / cands.divisor
         if cached is not None:
             score = score + OVERLAP_WEIGHT * cached / ask.num_tokens
+        return score
+
+    @classmethod
+    def _best(cls, ask: ReserveAsk, cands, free: np.ndarray, cached: np.ndarray | None, eligible,
+              penalty: np.ndarray | None = None) -> int:
+        """The eligible candidate with the best ``_score`` less ``penalty``; ties to the largest
+        id, for determinism."""
+        score = cls._score(ask, cands, free, cached)
         if penalty is not None:
             score = score - penalty
         score = np.where(eligible, score, -1.0)

@@ -10,7 +10,7 @@ import numpy as np
 
 from kvpush.controlplane import keys
 from kvpush.controlplane.etcd import KV
-from kvpush.controlplane.ownership import SLOTS, Ownership, assign, slot_of
+from kvpush.controlplane.ownership import OWN_SLACK, SLOTS, Ownership, assign, slot_of
 from kvpush.controlplane.records import ReplicaRecord
 from kvpush.controlplane.view import View
 
@@ -61,7 +61,7 @@ def test_the_views_replicas_decide_and_a_replica_always_counts_itself():
     assert len(me.owned) == SLOTS and me.owns(engine)
 
 
-def test_a_reserve_prefers_its_own_engines_unless_a_longer_prefix_is_elsewhere():
+def test_a_reserve_prefers_its_own_engines_while_they_score_near_the_best():
     view = View()
     _join(view, "cp-a", 2)
     _join(view, "cp-b", 3)
@@ -71,12 +71,13 @@ def test_a_reserve_prefers_its_own_engines_unless_a_longer_prefix_is_elsewhere()
     mine = np.array([me.owns(e) for e in ids])
     assert mine.any() and not mine.all()
     fits = np.ones(len(ids), dtype=bool)
-    assert (me.prefer(cands, fits, None) == mine).all()
+    score = np.ones(len(ids))  # every engine as free as the others
+    assert (me.prefer(cands, fits, score) == mine).all()
     # None of its own fits: every engine that fits is a choice.
-    assert (me.prefer(cands, fits & ~mine, None) == (fits & ~mine)).all()
-    # An engine it does not own holds more of the prompt: KV-aware routing wins.
-    cached = np.zeros(len(ids), dtype=np.int64)
-    cached[int(np.flatnonzero(~mine)[0])] = 64
-    assert (me.prefer(cands, fits, cached) == fits).all()
-    cached[int(np.flatnonzero(mine)[0])] = 64  # ... unless one of its own holds as much
-    assert (me.prefer(cands, fits, cached) == mine).all()
+    assert (me.prefer(cands, fits & ~mine, score) == (fits & ~mine)).all()
+    # Its own are fuller than another by more than the slack (or another holds more of the
+    # prompt: the score counts that too): every engine is a choice.
+    score[mine] = 1.0 - OWN_SLACK - 0.01
+    assert (me.prefer(cands, fits, score) == fits).all()
+    score[int(np.flatnonzero(mine)[0])] = 1.0 - OWN_SLACK / 2  # one of its own within the slack
+    assert (me.prefer(cands, fits, score) == mine).all()

@@ -7,6 +7,7 @@ and etcd shows no reservation lost or made twice and no block booked twice."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 
 import grpc
@@ -141,3 +142,35 @@ async def test_a_replica_stopped_cleanly_hands_its_engines_over_at_once(etcd, cp
     finally:
         for a in admins:
             await a.close()
+
+
+async def test_a_replica_owning_few_engines_does_not_pile_its_requests_on_them(etcd, cp_processes):
+    """Three engines, two replicas: one owns two, the other one. Each takes half the
+    Reserves; preferring its own engines without a limit, the second would put its whole
+    half on its one engine. Within the slack, the engines stay level."""
+    engine_ids = ["decode-x", "decode-y", "decode-z"]
+    ids = next((a, b) for a, b in ((f"cp-{i}", f"cp-{i + 1}") for i in range(0, 200, 2))
+               if sorted(collections.Counter(assign([a, b])[slot_of(e)] for e in engine_ids).values()) == [1, 2])
+    procs = cp_processes(1, ["--replica-id", ids[0]]) + cp_processes(1, ["--replica-id", ids[1]])
+    admins = [ControlPlaneClient(p.address, ADMIN_TOKEN) for p in procs]
+    engine_client = ControlPlaneClient(procs[0].address, ENGINE_TOKEN)
+    engines = [SimulatedEngine(engine_client, e, 100, lease_ttl_s=30) for e in engine_ids]
+    try:
+        await until_shared(admins, 2, 15)
+        for engine in engines:
+            await engine.register()
+        tenant = await make_tenant(admins[0], procs[0].address, "acme")
+        token = tenant.metadata[0][1].split()[1]
+        clients = [tenant, ControlPlaneClient(procs[1].address, token)]
+        await asyncio.sleep(0.5)
+        placed = collections.Counter()
+        for i in range(60):  # held, one block each
+            placed[(await reserve(clients[i % 2], f"r{i}", 16, deadline_ms=60_000)).engine_id] += 1
+        assert max(placed.values()) - min(placed.values()) <= 8, placed  # 30 on one, 15 on two without the slack
+        for client in clients:
+            await client.close()
+    finally:
+        for engine in engines:
+            await engine.stop()
+        for client in admins + [engine_client]:
+            await client.close()
