@@ -298,14 +298,18 @@ def soak(minutes: float, rate: float, fault_every: float, faults: tuple[str, ...
         injected, windows = [], []
         buckets = reserve_buckets(stack.cp_metrics)
         i, turns = 0, collections.Counter()
-        while time.monotonic() - started < minutes * 60:
-            wait = min(fault_every, minutes * 60 - (time.monotonic() - started))
+        # Every fault of the list at least once, even when slow recoveries push the last
+        # past the planned minutes (a sidecar's restart takes 3 to 8 s on a loaded machine),
+        # and a whole gap of load after a fault injected past them.
+        while True:
+            remaining = minutes * 60 - (time.monotonic() - started)
+            wait = min(fault_every, remaining) if remaining > 0 and i >= len(faults) else fault_every
             time.sleep(max(0.0, wait))
             now_buckets = reserve_buckets(stack.cp_metrics)
             windows.append((round(time.monotonic() - started), *p99_between(buckets, now_buckets)))
             buckets = now_buckets
             ledger.sample()
-            if time.monotonic() - started >= minutes * 60 - 1:
+            if time.monotonic() - started >= minutes * 60 - 1 and i >= len(faults):
                 break
             fault = faults[i % len(faults)]
             i += 1

@@ -32,8 +32,8 @@ OWNED_SLOTS = Gauge("kvpush_owned_slots", "Engine slots this replica owns (of kv
 LIVE_REPLICAS = Gauge("kvpush_live_replicas", "Control-plane replicas this replica sees live (itself included)")
 RESERVE_OWNER = Counter("kvpush_reserve_engine_owner_total",
                         "Reservations committed by this replica, by who owns the engine chosen: this replica "
-                        "(own) or another (other: it owned none that fitted, a longer cached prefix was elsewhere, "
-                        "or the router preferred that engine)", ["owner"])
+                        "(own) or another (other: its own scored more than OWN_SLACK below the best, counting free "
+                        "blocks and the prompt share held, or none fitted, or the router preferred that engine)", ["owner"])
 
 _RESULT_CHILDREN: dict = {}
 

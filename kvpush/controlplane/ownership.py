@@ -27,7 +27,7 @@ import numpy as np
 
 from kvpush import log
 from kvpush.controlplane import keys, metrics
-from kvpush.controlplane.etcd import EtcdClient, EtcdLeaseNotFound, EtcdUnavailable
+from kvpush.controlplane.etcd import EtcdClient, EtcdLeaseNotFound
 from kvpush.controlplane.records import ReplicaRecord
 from kvpush.controlplane.view import View
 
@@ -123,7 +123,8 @@ class Ownership:
         score: free fraction plus the share of the prompt held, reserver.py); else every one
         that fits. Without the slack a replica owning few engines would pile its whole share
         of the requests on them; with it, the engines' free fractions stay within OWN_SLACK
-        of each other, and a longer cached prefix elsewhere wins (KV-aware routing)."""
+        of each other. KV-aware routing goes through the same rule: an engine elsewhere
+        holding enough more of the prompt to score OWN_SLACK higher wins."""
         if len(self.members) == 1:
             return fits
         own = fits & self.mask(cands)
@@ -155,17 +156,21 @@ class Membership:
             except EtcdLeaseNotFound:
                 self.lease = 0  # it ran out (etcd unreachable past the TTL): join again
                 continue
-            except EtcdUnavailable as exc:
-                _log.warning("replica lease not refreshed", reason=str(exc))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # etcd unavailable, out of space, refusing: try again
+                _log.warning("replica lease not refreshed", reason=str(exc) or type(exc).__name__)
             try:
                 await asyncio.wait_for(stop.wait(), self.ttl_s / 3)
             except asyncio.TimeoutError:
                 pass
 
-    async def leave(self) -> None:
+    async def leave(self, timeout_s: float = 1.0) -> None:
+        """Revoke the lease (its key goes with it), waiting at most ``timeout_s``: a replica
+        stopping while etcd is unreachable must not hang on it; the lease runs out anyway."""
         if self.lease:
             try:
-                await self._etcd.revoke_lease(self.lease)
-            except EtcdUnavailable:
-                pass  # it runs out by itself
+                await asyncio.wait_for(self._etcd.revoke_lease(self.lease), timeout_s)
+            except Exception:  # (unavailable, timed out, refused) the lease runs out by itself
+                pass
             self.lease = 0

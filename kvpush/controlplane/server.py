@@ -153,7 +153,8 @@ class ControlPlane:
                   replica_id=self.replica_id, tls=creds is not None, metrics_port=self.cfg.metrics_port)
 
     def _advertised(self) -> str:
-        """Where other processes reach this replica: the listen address with the port bound."""
+        """The listen address with the port bound, as its membership record says it (for
+        operators: nothing reads it yet; a replica listening on 0.0.0.0 says so)."""
         host = self.cfg.listen.rpartition(":")[0] or "127.0.0.1"
         return f"{host}:{self.port}"
 
@@ -171,6 +172,7 @@ class ControlPlane:
         await self.reserver.stop()
         await self.reaper.stop()
         if self._member is not None:
+            self._member.cancel()  # (it may be waiting on a keep-alive to an unreachable etcd)
             await asyncio.gather(self._member, return_exceptions=True)
             await self._membership.leave()  # the others take its engines now, not after the TTL
         if self._follow:

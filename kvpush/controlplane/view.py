@@ -235,7 +235,10 @@ class View:
             if deleted:
                 self.replicas.pop(name, None)
             else:
-                self.replicas[name] = ReplicaRecord.decode(kv.value)
+                try:
+                    self.replicas[name] = ReplicaRecord.decode(kv.value)
+                except (ValueError, KeyError, TypeError):  # only its name counts: never stop a load
+                    self.replicas[name] = ReplicaRecord(name, "", 0)
             self.replicas_version += 1
 
     def _mark(self, engine_id: str, incarnation: str, extents, taken: bool) -> None:

@@ -17,9 +17,13 @@ from kvpush.app.etcd_server import EtcdCluster
 from kvpush.app.simulated import SimulatedEngine
 from kvpush.client.control_plane import ControlPlaneClient
 from kvpush.contract.v1 import admin_pb2
+from kvpush.controlplane import keys
+from kvpush.controlplane.etcd import EtcdClient
 from kvpush.controlplane.ownership import LEASE_TTL_S, SLOTS, assign, slot_of
+from kvpush.controlplane.server import ControlPlane, ControlPlaneConfig
+from kvpush.controlplane.view import follow
 from tests.conftest import ADMIN_TOKEN, ENGINE_TOKEN, ControlPlaneProcess
-from tests.controlplane.helpers import make_tenant, reserve, settle
+from tests.controlplane.helpers import expect_code, make_tenant, reserve, settle
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -63,7 +67,9 @@ async def test_three_replicas_share_the_engines_and_a_killed_one_gives_them_up(c
 
         engine_client = ControlPlaneClient(procs[0].address, ENGINE_TOKEN)
         clients.append(engine_client)
-        engines = [SimulatedEngine(engine_client, f"decode-{i:02d}", 2000, lease_ttl_s=30) for i in range(ENGINES)]
+        # Roomy engines: a replica keeps to its own while they are within 5% of the emptiest,
+        # and the few a replica may own must stay within that for the whole run.
+        engines = [SimulatedEngine(engine_client, f"decode-{i:02d}", 40_000, lease_ttl_s=30) for i in range(ENGINES)]
         for engine in engines:
             await engine.register()
         owned = {ids[i]: {e.engine_id for e in engines if owners[slot_of(e.engine_id)] == ids[i]} for i in range(3)}
@@ -134,12 +140,17 @@ async def test_three_replicas_share_the_engines_and_a_killed_one_gives_them_up(c
 async def test_a_replica_stopped_cleanly_hands_its_engines_over_at_once(etcd, cp_processes):
     procs = cp_processes(2)
     admins = [ControlPlaneClient(p.address, ADMIN_TOKEN) for p in procs]
+    reader = EtcdClient(etcd.endpoint)
     try:
         await until_shared(admins, 2, 15)
+        assert len((await reader.get_prefix(keys.REPLICAS))[0]) == 2
         procs[1].stop()  # SIGTERM: it revokes its lease on the way out
+        # Its key is gone as it exits, not when its lease would have run out.
+        assert len((await reader.get_prefix(keys.REPLICAS))[0]) == 1
         took = await until_shared(admins[:1], 1, 3)
         assert took < LEASE_TTL_S
     finally:
+        await reader.close()
         for a in admins:
             await a.close()
 
@@ -174,3 +185,52 @@ async def test_a_replica_owning_few_engines_does_not_pile_its_requests_on_them(e
             await engine.stop()
         for client in admins + [engine_client]:
             await client.close()
+
+
+async def test_a_quota_set_through_a_lagging_replica_still_holds(etcd):
+    """Reserves for a tenant without a quota leave its usage fence alone. A quota set through
+    a replica whose view has not yet seen another replica's reservations for that tenant (on
+    another engine: the other fences pass too) must not be checked against that short count:
+    setting it bumps the fence, so the lagging replica's Reserve waits until it has caught up."""
+    planes = []
+    for _ in range(2):
+        plane = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd.endpoint, admin_token=ADMIN_TOKEN,
+                                                engine_token=ENGINE_TOKEN))
+        await plane.start()
+        await plane.view.ready.wait()
+        planes.append(plane)
+    lagging, other = planes
+    addresses = [f"127.0.0.1:{p.port}" for p in planes]
+    admin = ControlPlaneClient(addresses[0], ADMIN_TOKEN)
+    engine_client = ControlPlaneClient(addresses[0], ENGINE_TOKEN)
+    engines = [SimulatedEngine(engine_client, e, 100, lease_ttl_s=30) for e in ("decode-p", "decode-q")]
+    clients = [admin, engine_client]
+    try:
+        for engine in engines:
+            await engine.register()
+        tenant = await make_tenant(admin, addresses[0], "acme")
+        token = tenant.metadata[0][1].split()[1]
+        via_other = ControlPlaneClient(addresses[1], token)
+        clients += [tenant, via_other]
+        await asyncio.sleep(0.3)
+        lagging._follow.cancel()  # its view stops here
+        await asyncio.gather(lagging._follow, return_exceptions=True)
+        for i in range(4):
+            await reserve(via_other, f"held-{i}", 16, preferred_engine_id="decode-p")
+        await admin.admin.UpdateTenant(admin_pb2.UpdateTenantRequest(name="acme", quota_blocks=4),
+                                       metadata=admin.metadata, timeout=10)
+        ask = asyncio.create_task(reserve(tenant, "one-more", 16, preferred_engine_id="decode-q"))
+        await asyncio.sleep(0.5)
+        assert not ask.done(), "granted on a count that missed the other replica's reservations"
+        lagging._follow = asyncio.create_task(follow(lagging.view, lagging.etcd, lagging._stop))
+        details = await expect_code(grpc.StatusCode.RESOURCE_EXHAUSTED, ask)
+        assert "quota" in details
+        report = await settle(etcd.endpoint)
+        assert report.tenant_usage["acme"] == 4
+    finally:
+        for engine in engines:
+            await engine.stop()
+        for client in clients:
+            await client.close()
+        for plane in planes:
+            await plane.stop(grace=0.1)
