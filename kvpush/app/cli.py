@@ -9,11 +9,14 @@ import os
 import sys
 
 
+CONTROLPLANE_HELP = ("the control plane as a gRPC target: host:port, or every replica, as "
+                     "ipv4:10.0.0.1:50051,10.0.0.2:50051 (IPv4 addresses) or dns:///name:port (a name resolving "
+                     "to each): a dead replica is left for the next by itself")
+
+
 def _add_client_args(p: argparse.ArgumentParser, token_env: str) -> None:
     p.add_argument("--controlplane", default=os.environ.get("KVPUSH_CONTROLPLANE", "127.0.0.1:50051"),
-                   help="the control plane as a gRPC target: host:port, or every replica, as "
-                        "ipv4:10.0.0.1:50051,10.0.0.2:50051 (IPv4 addresses) or dns:///name:port (a name "
-                        "resolving to each): a dead replica is left for the next by itself")
+                   help=CONTROLPLANE_HELP)
     p.add_argument("--token", default=os.environ.get(token_env, ""),
                    help=f"bearer token (default: ${token_env})")
     p.add_argument("--tls-ca", default="")
@@ -285,9 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("router", help="run the OpenAI-compatible P/D router")
     p.add_argument("--controlplane", default=os.environ.get("KVPUSH_CONTROLPLANE", "127.0.0.1:50051"),
-                   help="the control plane as a gRPC target: host:port, or every replica, as "
-                        "ipv4:10.0.0.1:50051,10.0.0.2:50051 (IPv4 addresses) or dns:///name:port (a name "
-                        "resolving to each): a dead replica is left for the next by itself")
+                   help=CONTROLPLANE_HELP)
     p.add_argument("--token", default="", help="tenant token (default: $KVPUSH_TENANT_TOKEN)")
     p.add_argument("--model", required=True, help="the served model name")
     p.add_argument("--model-dir", default="", help="local model directory (its tokenizer counts prompt tokens)")

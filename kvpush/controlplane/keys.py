@@ -8,7 +8,7 @@ ENGINES = ROOT + b"engines/"
 POOLS = ROOT + b"pools/"              # per-engine fence: bumped by every reservation on it
 RESERVATIONS = ROOT + b"reservations/"
 REQUESTS = ROOT + b"requests/"        # (tenant, request id) -> reservation id, for idempotency
-USAGE = ROOT + b"usage/"              # per-tenant fence: bumped by every reservation of it
+USAGE = ROOT + b"usage/"              # per-tenant fence: bumped by its quota-checked Reserves and record writes
 PREFIXES = ROOT + b"prefixes/"        # per decode engine: its last prefix report (on the engine's lease)
 REPLICAS = ROOT + b"replicas/"        # per live control-plane replica (on its own lease): who owns what
 

@@ -34,6 +34,8 @@ RESERVE_OWNER = Counter("kvpush_reserve_engine_owner_total",
                         "Reservations committed by this replica, by who owns the engine chosen: this replica "
                         "(own) or another (other: its own scored more than OWN_SLACK below the best, counting free "
                         "blocks and the prompt share held, or none fitted, or the router preferred that engine)", ["owner"])
+# (labels() takes a lock and builds a key: once, not per Reserve)
+RESERVED_ON_OWN, RESERVED_ON_OTHER = RESERVE_OWNER.labels(owner="own"), RESERVE_OWNER.labels(owner="other")
 
 _RESULT_CHILDREN: dict = {}
 

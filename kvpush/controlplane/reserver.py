@@ -321,12 +321,13 @@ class Reserver:
                                    f"{cands.engines[most].engine_id})")
         # This replica's own engines first (ownership.py: replicas serving at once then do not
         # collide on the same engine's fence); a move takes any engine of its geometry.
-        eligible = (self._ownership.prefer(cands, fits, self._score(ask, cands, free, cached))
+        score = self._score(ask, cands, free, cached)
+        eligible = (self._ownership.prefer(cands, fits, score)
                     if self._ownership is not None and ask.moving is None else fits)
         chosen = cands.index.get(ask.preferred_engine_id) if ask.preferred_engine_id else None
         while True:
             if chosen is None or not fits[chosen]:
-                chosen = self._best(ask, cands, free, cached, eligible if eligible.any() else fits)
+                chosen = self._best(score, eligible if eligible.any() else fits)
             engine = cands.engines[chosen]
             eid = engine.engine_id
             # Its lease is running out this very moment (the view applies a revision's
@@ -344,7 +345,7 @@ class Reserver:
         batch.free[cands.slots[chosen]] -= len(blocks)
         batch.used[tenant.name] = batch.used.get(tenant.name, 0) + len(blocks)
         if self._ownership is not None:
-            metrics.RESERVE_OWNER.labels(owner="own" if self._ownership.owns(eid) else "other").inc()
+            (metrics.RESERVED_ON_OWN if self._ownership.owns(eid) else metrics.RESERVED_ON_OTHER).inc()
         return engine, blocks, int(cached[chosen]) if cached is not None else 0
 
     @staticmethod
@@ -356,12 +357,10 @@ class Reserver:
             score = score + OVERLAP_WEIGHT * cached / ask.num_tokens
         return score
 
-    @classmethod
-    def _best(cls, ask: ReserveAsk, cands, free: np.ndarray, cached: np.ndarray | None, eligible,
-              penalty: np.ndarray | None = None) -> int:
-        """The eligible candidate with the best ``_score`` less ``penalty``; ties to the largest
-        id, for determinism."""
-        score = cls._score(ask, cands, free, cached)
+    @staticmethod
+    def _best(score: np.ndarray, eligible, penalty: np.ndarray | None = None) -> int:
+        """The eligible candidate with the best ``score`` (``_score``) less ``penalty``; ties to
+        the largest id, for determinism."""
         if penalty is not None:
             score = score - penalty
         score = np.where(eligible, score, -1.0)
@@ -383,7 +382,7 @@ class Reserver:
             load = np.zeros(len(free))
             for j in np.flatnonzero(eligible):
                 load[j] = self._recent_alone(cands.engines[j].engine_id, now)
-            i = self._best(ask, cands, free, cached, eligible, ALONE_LOAD_WEIGHT * load)
+            i = self._best(self._score(ask, cands, free, cached), eligible, ALONE_LOAD_WEIGHT * load)
         engine = cands.engines[i]
         self._alone_load[engine.engine_id] = (self._recent_alone(engine.engine_id, now) + 1.0, now)
         metrics.DECODE_ALONE.labels(reason="cached_prefix" if cached is not None and cached[i] else
