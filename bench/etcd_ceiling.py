@@ -42,7 +42,7 @@ from kvpush.controlplane.reserver import new_reservation_id  # noqa: E402
 def _record(engine_id: str, request_id: str) -> ReservationRecord:
     created = now_ms()
     return ReservationRecord(
-        id=new_reservation_id(), tenant="fleet", request_id=request_id, engine_id=engine_id,
+        id=new_reservation_id(engine_id), tenant="fleet", request_id=request_id, engine_id=engine_id,
         incarnation="0123456789ab", nixl_agent=f"agent-{engine_id}", extents=to_extents(list(range(8))),
         block_size=16, num_tokens=128, model="fleet-model", state=State.RESERVED, deadline_ms=created + 60_000,
         created_ms=created, prefill_engine_id="prefill-0001", prefill_incarnation="ba9876543210", decode_tp=1)

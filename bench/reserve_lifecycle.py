@@ -137,7 +137,8 @@ async def run_mode(etcd: EmbeddedEtcd, group_commit: bool, seconds: float, rate:
                           lambda ops: opened(ops.lifecycle, rate, seconds * 1.5))
         for engine in engines:
             await engine.crash()
-        await wiper.txn([], [op_delete_prefix(keys.RESERVATIONS)])
+        for prefix in keys.in_every_slot(keys.RESERVATIONS):
+            await wiper.txn([], [op_delete_prefix(prefix)])
         await wiper.close()
         await reporter.close()
         await reserver.close()

@@ -57,12 +57,14 @@ async def db_size(endpoint: str) -> int:
 
 async def keyspace(etcd: EtcdClient) -> dict[str, tuple[int, int]]:
     """prefix name -> (keys, bytes of keys and values)."""
-    out = {}
-    for name, prefix in (("engines", keys.ENGINES), ("reservations", keys.RESERVATIONS),
-                         ("requests", keys.REQUESTS)):
-        kvs, _ = await etcd.get_prefix(prefix)
-        out[name] = (len(kvs), sum(len(kv.key) + len(kv.value) for kv in kvs))
-    return out
+    engines, _ = await etcd.get_prefix(keys.ENGINES)
+    slotted, _ = await etcd.get_prefix(keys.SLOTTED)
+    groups = {"engines": engines, "reservations": [], "requests": []}
+    for kv in slotted:
+        kind = keys.split_slotted(kv.key)[0]
+        if kind != keys.POOLS:
+            groups["reservations" if kind == keys.RESERVATIONS else "requests"].append(kv)
+    return {name: (len(kvs), sum(len(kv.key) + len(kv.value) for kv in kvs)) for name, kvs in groups.items()}
 
 
 async def fill(reserver: StreamReserver, count: int, concurrency: int = 256) -> float:

@@ -66,24 +66,35 @@ async def check(etcd: EtcdClient | str, quiet: bool = False, allow_orphans: bool
     requests: dict[tuple[str, str], str] = {}
     tenants: dict[str, TenantRecord] = {}
     prefix_reports: dict[str, bytes] = {}
+    misplaced: list[str] = []  # a per-request key outside its slot: a replica following that slot misses it
     for kv in kvs:
         if kv.key.startswith(keys.ENGINES):
             rec = EngineRecord.decode(kv.value)
             engines[rec.engine_id] = rec
-        elif kv.key.startswith(keys.POOLS):
-            pools.add(keys.name_of(kv.key, keys.POOLS))
-        elif kv.key.startswith(keys.RESERVATIONS):
-            reservations.append(ReservationRecord.decode(kv.value))
-        elif kv.key.startswith(keys.REQUESTS):
-            tenant, _, request_id = keys.name_of(kv.key, keys.REQUESTS).partition("/")
-            requests[(tenant, request_id)] = kv.value.decode()
+        elif kv.key.startswith(keys.SLOTTED):
+            kind, name = keys.split_slotted(kv.key)
+            if kind == keys.POOLS:
+                pools.add(name)
+                right = keys.pool(name)
+            elif kind == keys.RESERVATIONS:
+                res = ReservationRecord.decode(kv.value)
+                reservations.append(res)
+                right = keys.reservation(res.id)
+                if keys.reservation_slot(res.id) != keys.slot_of(res.engine_id):
+                    misplaced.append(f"reservation {res.id} is not in engine {res.engine_id}'s slot")
+            else:
+                tenant, _, request_id = name.partition("/")
+                requests[(tenant, request_id)] = kv.value.decode()
+                right = keys.request(tenant, request_id)
+            if right != kv.key:
+                misplaced.append(f"key {kv.key!r} belongs at {right!r}")
         elif kv.key.startswith(keys.TENANTS):
             rec = TenantRecord.decode(kv.value)
             tenants[rec.name] = rec
         elif kv.key.startswith(keys.PREFIXES):
             prefix_reports[keys.name_of(kv.key, keys.PREFIXES)] = kv.value
 
-    violations: list[str] = []
+    violations: list[str] = misplaced
     for engine_id, value in prefix_reports.items():  # a report lives and dies with its engine's life
         eng = engines.get(engine_id)
         try:

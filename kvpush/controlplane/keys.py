@@ -1,16 +1,65 @@
-"""The etcd key schema (DESIGN.md §4). Every key the control plane writes is built here."""
+"""The etcd key schema (DESIGN.md §4). Every key the control plane writes is built here.
+
+Keys fall in two parts. The registry's shared state (tenants, engines, prefix reports,
+replicas, quota fences) lives under ``ROOT`` and every replica follows all of it. What
+each request writes (its reservation, its request-index key, its engine's fence) lives
+under ``SLOTTED``, partitioned by the decode engine's slot: ``SLOTTED/<slot>/...``, two
+hex digits. A replica follows the slots it needs (kvpush/controlplane/ownership.py), so
+one prefix watch per slot brings it just those requests. A reservation id begins with
+its slot, so a key is found from an id alone.
+"""
 
 from __future__ import annotations
+
+import zlib
 
 ROOT = b"/kvpush/v1/"
 TENANTS = ROOT + b"tenants/"
 ENGINES = ROOT + b"engines/"
-POOLS = ROOT + b"pools/"              # per-engine fence: bumped by every reservation on it
-RESERVATIONS = ROOT + b"reservations/"
-REQUESTS = ROOT + b"requests/"        # (tenant, request id) -> reservation id, for idempotency
 USAGE = ROOT + b"usage/"              # per-tenant fence: bumped by its quota-checked Reserves and record writes
 PREFIXES = ROOT + b"prefixes/"        # per decode engine: its last prefix report (on the engine's lease)
 REPLICAS = ROOT + b"replicas/"        # per live control-plane replica (on its own lease): who owns what
+SLOTTED = ROOT + b"slots/"            # per-request keys, by slot: SLOTTED + b"<slot>/" + one of the below
+POOLS = b"pools/"                     # per engine: its fence, bumped by every reservation on it
+RESERVATIONS = b"reservations/"
+REQUESTS = b"requests/"               # (tenant, request id) -> reservation id, for idempotency
+
+SLOTS = 256
+# The shared state is every key under ROOT outside SLOTTED: two ranges, [start, end).
+SHARED_RANGES = ((ROOT, SLOTTED), (SLOTTED[:-1] + b"0", ROOT[:-1] + b"0"))
+
+
+def slot_of(engine_id: str) -> int:
+    """The slot an engine's requests are kept (and owned) under."""
+    return zlib.crc32(engine_id.encode()) % SLOTS
+
+
+def slot_prefix(slot: int) -> bytes:
+    return SLOTTED + b"%02x/" % slot
+
+
+def slot_of_key(key: bytes) -> int | None:
+    """The slot of a key under SLOTTED; None for a shared key."""
+    if not key.startswith(SLOTTED):
+        return None
+    return int(key[len(SLOTTED):len(SLOTTED) + 2], 16)
+
+
+def in_every_slot(kind: bytes) -> list[bytes]:
+    """The prefixes of one kind (POOLS, RESERVATIONS, REQUESTS) across the slots."""
+    return [slot_prefix(slot) + kind for slot in range(SLOTS)]
+
+
+def split_slotted(key: bytes) -> tuple[bytes, str]:
+    """(kind, name) of a key under SLOTTED: kind is POOLS, RESERVATIONS or REQUESTS."""
+    rest = key[len(SLOTTED) + 3:]
+    kind, _, name = rest.partition(b"/")
+    return kind + b"/", name.decode()
+
+
+def reservation_slot(res_id: str) -> int:
+    """A reservation id is ``r-`` and 24 hex digits, the first two its slot (validation.py)."""
+    return int(res_id[2:4], 16)
 
 
 def tenant(name: str) -> bytes:
@@ -22,15 +71,18 @@ def engine(engine_id: str) -> bytes:
 
 
 def pool(engine_id: str) -> bytes:
-    return POOLS + engine_id.encode()
+    return slot_prefix(slot_of(engine_id)) + POOLS + engine_id.encode()
 
 
 def reservation(res_id: str) -> bytes:
-    return RESERVATIONS + res_id.encode()
+    return slot_prefix(reservation_slot(res_id)) + RESERVATIONS + res_id.encode()
 
 
 def request(tenant_name: str, request_id: str) -> bytes:
-    return REQUESTS + tenant_name.encode() + b"/" + request_id.encode()
+    # Under the slot of its own hash: a retried Reserve may land on another engine, and
+    # its index key must be the same key whichever engine that is.
+    slot = zlib.crc32(tenant_name.encode() + b"/" + request_id.encode()) % SLOTS
+    return slot_prefix(slot) + REQUESTS + tenant_name.encode() + b"/" + request_id.encode()
 
 
 def prefixes(engine_id: str) -> bytes:

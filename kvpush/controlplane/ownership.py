@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import zlib
 from typing import Iterable
 
 import numpy as np
@@ -33,16 +32,13 @@ from kvpush.controlplane.view import View
 
 _log = log.get("ownership")
 
-SLOTS = 256
+SLOTS = keys.SLOTS
+slot_of = keys.slot_of
 LEASE_TTL_S = 5  # a replica that dies gives up its engines within this
 # A replica reserves on an engine it owns while that engine's score (its free fraction, plus
 # the share of the prompt it holds) is within this of the best engine's: imbalance between
 # engines stays under 5% of an engine's landing blocks, and replicas rarely collide.
 OWN_SLACK = 0.05
-
-
-def slot_of(engine_id: str) -> int:
-    return zlib.crc32(engine_id.encode()) % SLOTS
 
 
 def weight(replica_id: str, slot: int) -> int:

@@ -76,13 +76,13 @@ class ReserveAsk:
 
 
 # Ids need to be unique across replicas, not secret (every lookup is scoped to the
-# tenant): 96 bits from a generator seeded by the OS, without a getrandom()
-# syscall per reservation.
+# tenant): 88 random bits from a generator seeded by the OS, without a getrandom()
+# syscall per reservation, after the 8 bits of the engine's slot (keys.reservation).
 _ids = random.Random(secrets.randbits(128))
 
 
-def new_reservation_id() -> str:
-    return f"r-{_ids.getrandbits(96):024x}"
+def new_reservation_id(engine_id: str) -> str:
+    return f"r-{keys.slot_of(engine_id):02x}{_ids.getrandbits(88):022x}"
 
 
 class Reserver:
@@ -411,7 +411,7 @@ class Reserver:
     def _record(self, ask: ReserveAsk, engine: EngineRecord, blocks: list[int], cached: int = 0) -> ReservationRecord:
         created = now_ms()
         return ReservationRecord(
-            id=new_reservation_id(), tenant=ask.tenant.name, request_id=ask.request_id,
+            id=new_reservation_id(engine.engine_id), tenant=ask.tenant.name, request_id=ask.request_id,
             engine_id=engine.engine_id, incarnation=engine.incarnation, nixl_agent=engine.nixl_agent,
             extents=to_extents(blocks), block_size=engine.layout.block_size, num_tokens=ask.num_tokens,
             model=ask.model, state=State.RESERVED, deadline_ms=created + ask.deadline_ms, created_ms=created,

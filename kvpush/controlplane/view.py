@@ -200,26 +200,27 @@ class View:
         if deleted:
             self._deleted.append((revision, kv.key))
         key = kv.key
-        if key.startswith(keys.RESERVATIONS):
-            if record is None and not deleted:
-                expected = self._own_writes.get(key)
-                if expected is not None and expected[0] == kv.value:
-                    record = expected[1]
-            self._apply_reservation(keys.name_of(key, keys.RESERVATIONS), kv, deleted, revision, record)
+        if key.startswith(keys.SLOTTED):
+            kind, name = keys.split_slotted(key)
+            if kind == keys.RESERVATIONS:
+                if record is None and not deleted:
+                    expected = self._own_writes.get(key)
+                    if expected is not None and expected[0] == kv.value:
+                        record = expected[1]
+                self._apply_reservation(name, kv, deleted, revision, record)
+            elif kind == keys.POOLS:
+                if deleted:
+                    self.pool_fences.pop(name, None)
+                else:
+                    self.pool_fences[name] = revision
+            elif kind == keys.REQUESTS:
+                tenant, _, request_id = name.partition("/")
+                if deleted:
+                    self.requests.pop((tenant, request_id), None)
+                else:
+                    self.requests[(tenant, request_id)] = kv.value.decode()
         elif key.startswith(keys.ENGINES):
             self._apply_engine(keys.name_of(key, keys.ENGINES), kv, deleted, revision)
-        elif key.startswith(keys.POOLS):
-            name = keys.name_of(key, keys.POOLS)
-            if deleted:
-                self.pool_fences.pop(name, None)
-            else:
-                self.pool_fences[name] = revision
-        elif key.startswith(keys.REQUESTS):
-            tenant, _, request_id = keys.name_of(key, keys.REQUESTS).partition("/")
-            if deleted:
-                self.requests.pop((tenant, request_id), None)
-            else:
-                self.requests[(tenant, request_id)] = kv.value.decode()
         elif key.startswith(keys.USAGE):
             name = keys.name_of(key, keys.USAGE)
             if deleted:
