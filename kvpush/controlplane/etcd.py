@@ -306,7 +306,12 @@ class EtcdClient:
     async def get_prefix(self, prefix: bytes, revision: int = 0, page: int = 5000) -> tuple[list[KV], int]:
         """Every key under ``prefix`` as of one revision (the first page's, unless given).
         Read in pages: a registry of 200k reservations is ~100 MB, over gRPC's message limit."""
-        end, start, out = prefix_end(prefix), prefix, []
+        return await self.get_range(prefix, prefix_end(prefix), revision, page)
+
+    async def get_range(self, start: bytes, end: bytes, revision: int = 0,
+                        page: int = 5000) -> tuple[list[KV], int]:
+        """Every key in [start, end) as of one revision, as ``get_prefix``."""
+        out: list[KV] = []
         while True:
             resp = await self._call("kv", "Range", rpc.RangeRequest(key=start, range_end=end, revision=revision,
                                                                     limit=page), idempotent=True)
@@ -364,38 +369,67 @@ class EtcdClient:
             if exc.code() != grpc.StatusCode.NOT_FOUND:
                 raise
 
-    async def watch_prefix(self, prefix: bytes, start_revision: int) -> AsyncIterator[tuple[int, Sequence]]:
-        """Yields (revision, etcd events) from ``start_revision`` on (``watch_event``
-        turns one into a WatchEvent); progress notifications come as empty event lists
-        so idle watchers still learn the current revision."""
-        requests: asyncio.Queue = asyncio.Queue()
-        await requests.put(rpc.WatchRequest(create_request=rpc.WatchCreateRequest(
-            key=prefix, range_end=prefix_end(prefix), start_revision=start_revision,
-            progress_notify=True)))  # no prev_kv: etcd would read every previous value for nothing
+
+class RangeWatch:
+    """One etcd watch stream carrying a watcher per key range, each with an id of our
+    choosing. Ranges are added and cancelled while it runs. ``request_progress`` asks etcd
+    for the revision up to which every watcher on the stream has been sent its events: its
+    answer comes as watch id ``PROGRESS``. (etcd before 3.5.8 may send that answer just
+    ahead of events already due, so treat it as a hint for waiting, never as a fence.)"""
+
+    PROGRESS = -1
+
+    def __init__(self, client: EtcdClient) -> None:
+        self._client = client
+        self._requests: asyncio.Queue = asyncio.Queue()
+        self._next_id = 1
+        self._cancelled: set[int] = set()
+
+    def add(self, start: bytes, end: bytes, start_revision: int) -> int:
+        watch_id, self._next_id = self._next_id, self._next_id + 1
+        # no prev_kv: etcd would read every previous value for nothing
+        self._requests.put_nowait(rpc.WatchRequest(create_request=rpc.WatchCreateRequest(
+            key=start, range_end=end, start_revision=start_revision, progress_notify=True, watch_id=watch_id)))
+        return watch_id
+
+    def cancel(self, watch_id: int) -> None:
+        self._cancelled.add(watch_id)
+        self._requests.put_nowait(rpc.WatchRequest(cancel_request=rpc.WatchCancelRequest(watch_id=watch_id)))
+
+    def request_progress(self) -> None:
+        self._requests.put_nowait(rpc.WatchRequest(progress_request=rpc.WatchProgressRequest()))
+
+    async def responses(self) -> AsyncIterator[tuple[int, int, Sequence]]:
+        """Yields (watch id, header revision, raw etcd events) for the live watchers, and
+        (PROGRESS, revision, ()) for progress answers. Raises WatchCompacted when a
+        watcher's start was compacted away, EtcdUnavailable when the stream breaks."""
+        client = self._client
 
         async def request_stream():
             while True:
-                yield await requests.get()
+                yield await self._requests.get()
 
-        ep = self._eps[self._current]
+        ep = client._eps[client._current]
         try:
-            call = ep.watch.Watch(request_stream(), metadata=await self._metadata(ep))
+            call = ep.watch.Watch(request_stream(), metadata=await client._metadata(ep))
         except grpc.aio.AioRpcError as exc:  # the authentication before it
-            self._fail_over(ep, exc)
+            client._fail_over(ep, exc)
             raise EtcdUnavailable(f"watch: {exc.code().name}: {exc.details()}") from exc
         try:
             async for resp in call:
                 if resp.compact_revision:
                     raise WatchCompacted(resp.compact_revision)
                 if resp.canceled:
+                    if resp.watch_id in self._cancelled:
+                        continue
                     raise EtcdUnavailable(f"watch canceled: {resp.cancel_reason}")
-                # Raw events: one revision can delete tens of thousands of keys (a lease
-                # running out), and the caller converts them a slice at a time.
-                yield resp.header.revision, resp.events
+                if resp.watch_id in self._cancelled or resp.created:
+                    continue
+                yield resp.watch_id, resp.header.revision, resp.events
         except grpc.aio.AioRpcError as exc:
             if _auth_expired(exc):
                 ep.token = None
-            self._fail_over(ep, exc)
+            client._fail_over(ep, exc)
             raise EtcdUnavailable(f"watch: {exc.code().name}: {exc.details()}") from exc
         finally:
             call.cancel()

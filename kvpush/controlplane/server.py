@@ -26,7 +26,8 @@ from kvpush.controlplane.records import ReplicaRecord, now_ms
 from kvpush.controlplane.registry_service import RegistryService
 from kvpush.controlplane.reserver import Reserver
 from kvpush.controlplane.scheduler_service import DEFAULT_DEADLINE_MS, SchedulerService
-from kvpush.controlplane.view import QUARANTINE_MS, View, follow
+from kvpush.controlplane.follow import follow
+from kvpush.controlplane.view import QUARANTINE_MS, View
 from kvpush import log
 from kvpush.aio import tune_gc, until_signalled, write_ready_file
 from kvpush.contract.v1 import admin_pb2, admin_pb2_grpc, registry_pb2, registry_pb2_grpc, scheduler_pb2, \

@@ -1,7 +1,8 @@
-"""The in-memory view of the registry, fed by one etcd watch per replica.
+"""The in-memory view of the registry, kept in step with etcd by kvpush/controlplane/follow.py.
 
-Every replica keeps the whole registry (tenants, engines, reservations) in
-memory so a Reserve decides without reading etcd. The view may lag etcd: that is
+Every replica keeps the registry's shared state (tenants, engines) and the
+reservations of the slots it follows (keys.py: all of them, or its own and those
+its clients need) in memory, so a Reserve decides without reading etcd. The view may lag etcd: that is
 safe because every write it informs is fenced in etcd (see reserver.py) and a lag
 only hides frees, never allocations of other replicas that the fences would not
 catch. Derived state (each engine's allocated-block bitmap, each tenant's usage)
@@ -20,7 +21,7 @@ from typing import Callable
 import numpy as np
 
 from kvpush.controlplane import keys
-from kvpush.controlplane.etcd import KV, EtcdClient, EtcdUnavailable, WatchCompacted, watch_event
+from kvpush.controlplane.etcd import KV
 from kvpush.contract.states import State
 from kvpush.contract.engine import EngineRecord
 from kvpush.controlplane.free_counts import FreeCounts
@@ -34,7 +35,6 @@ _log = log.get("view")
 # long: a prefill sidecar may still have a write in flight into them (its
 # transfer timeout is 2 s), and a late write must never land in someone else's KV.
 QUARANTINE_MS = 5_000
-APPLY_SLICE = 256  # watch events applied per loop turn
 
 
 @dataclasses.dataclass(slots=True)
@@ -90,6 +90,8 @@ class View:
         self.tenant_used: dict[str, int] = {}
         self.replicas: dict[str, ReplicaRecord] = {}  # live control-plane replicas (ownership.py)
         self.replicas_version = 0
+        self.following: frozenset[int] | None = None  # the slots whose keys are kept; None: all
+        self.request_progress: Callable[[], None] = lambda: None  # set by the follow: a waiter wants the revision
         self._key_revs: dict[bytes, int] = {}         # newest revision applied per key, deletes too
         self._deleted: collections.deque = collections.deque()  # (revision, key) to prune from _key_revs
         self._expired_ids: dict[str, int] = {}        # ids whose EXPIRED we already announced
@@ -194,12 +196,15 @@ class View:
     def apply(self, kv: KV, deleted: bool, revision: int, record: object = None) -> None:
         """Apply one put or delete at ``revision`` (idempotent; older ones are ignored).
         ``record``: the decoded value, when the caller wrote it and has it at hand."""
-        if self._key_revs.get(kv.key, 0) >= revision:
+        key = kv.key
+        if self._key_revs.get(key, 0) >= revision:
             return
+        if self.following is not None and key.startswith(keys.SLOTTED) and \
+                keys.slot_of_key(key) not in self.following:
+            return  # (a write this replica made into a slot it does not follow)
         self._key_revs[kv.key] = revision
         if deleted:
             self._deleted.append((revision, kv.key))
-        key = kv.key
         if key.startswith(keys.SLOTTED):
             kind, name = keys.split_slotted(key)
             if kind == keys.RESERVATIONS:
@@ -383,17 +388,58 @@ class View:
             return True
         fut = asyncio.get_running_loop().create_future()
         self._revision_waiters.append((revision, fut))
+        self.request_progress()
         try:
             await asyncio.wait_for(fut, timeout)
             return True
         except asyncio.TimeoutError:
             return False
 
-    def load(self, kvs: list[KV], revision: int) -> None:
-        """Replace the whole view with a snapshot taken at ``revision``."""
+    def followed(self, slot: int) -> bool:
+        return self.following is None or slot in self.following
+
+    def take_slot(self, slot: int, kvs: list[KV]) -> None:
+        """Start keeping ``slot``: ``kvs`` is everything under it at some revision; the
+        watch from the next revision follows. (Reservations it holds are announced as
+        they would be by the watch: a sidecar stream that asked for the slot hears them.)"""
+        assert self.following is not None
+        self.following = self.following | {slot}
+        for kv in kvs:
+            self.apply(kv, False, kv.mod_revision)
+
+    def drop_slot(self, slot: int) -> None:
+        """Stop keeping ``slot``: its keys leave the view without any change announced
+        (nothing ended; this replica just no longer follows them)."""
+        if self.following is None or slot not in self.following:
+            return
+        self.following = self.following - {slot}
+        prefix = keys.slot_prefix(slot)
+        for res_id in [r for r in self.reservations if keys.reservation_slot(r) == slot]:
+            rec = self.reservations.pop(res_id)
+            self.reservation_revs.pop(res_id, None)
+            self.by_engine[rec.engine_id].discard(res_id)
+            self._contribute(rec, -1)
+        for engine_id in [e for e in self.pool_fences if keys.slot_of(e) == slot]:
+            del self.pool_fences[engine_id]
+        for req in [r for r in self.requests if keys.request(*r).startswith(prefix)]:
+            del self.requests[req]
+        kept = [q for q in self.quarantined if keys.slot_of(q[2]) != slot]
+        for _, _, engine_id, incarnation, extents in self.quarantined:
+            if keys.slot_of(engine_id) == slot:
+                self._mark(engine_id, incarnation, extents, False)
+        heapq.heapify(kept)
+        self.quarantined = kept
+        for key in [k for k in self._key_revs if k.startswith(prefix)]:
+            del self._key_revs[key]
+        self.engines_version += 1  # the slot's engines are no longer candidates here
+
+    def load(self, kvs: list[KV], revision: int, following: frozenset[int] | None = None) -> None:
+        """Replace the whole view with a snapshot taken at ``revision`` of the shared state
+        and of the slots in ``following`` (None: all)."""
         old_res = dict(self.reservations)
         old_engines = {eid: entry.record for eid, entry in self.engines.items()}
         self.__init_state()
+        self.following = following
         self._loading = True
         # Engines first so reservations find their engine when they are counted.
         order = sorted(kvs, key=lambda kv: 0 if kv.key.startswith(keys.ENGINES) else 1)
@@ -420,47 +466,12 @@ class View:
 
     def __init_state(self) -> None:
         listeners, waiters, ready = self._listeners, self._revision_waiters, self.ready
-        engine_listeners = self._engine_listeners
+        engine_listeners, request_progress = self._engine_listeners, self.request_progress
         expired, cursors, ended = self._expired_ids, self.cursors, self.ended
         version, replicas_version = self.engines_version, self.replicas_version
         self.__init__(self.quarantine_ms)
         self._listeners, self._revision_waiters, self.ready = listeners, waiters, ready
-        self._engine_listeners = engine_listeners
+        self._engine_listeners, self.request_progress = engine_listeners, request_progress
         self._expired_ids, self.cursors, self.ended = expired, cursors, ended
         self.engines_version = version + 1  # a new FreeCounts: every cached slot is stale
         self.replicas_version = replicas_version + 1
-
-
-async def follow(view: View, etcd: EtcdClient, stop: asyncio.Event) -> None:
-    """Keep ``view`` in step with etcd until ``stop``: load, then watch; reload on gaps."""
-    backoff = 0.1
-    while not stop.is_set():
-        try:
-            kvs, revision = await etcd.get_prefix(keys.ROOT)
-            view.load(kvs, revision)
-            view.ready.set()
-            backoff = 0.1
-            async for rev, events in etcd.watch_prefix(keys.ROOT, revision + 1):
-                for first in range(0, len(events), APPLY_SLICE):
-                    if first:
-                        # A lease running out deletes thousands of keys in one revision:
-                        # let Reserves in between (their decisions are fenced in etcd, and
-                        # a view part way through a revision only under-counts frees).
-                        await asyncio.sleep(0)
-                    for raw in events[first:first + APPLY_SLICE]:
-                        ev = watch_event(raw)
-                        view.apply(ev.kv, ev.deleted, ev.kv.mod_revision)
-                view.advance(rev)
-                if stop.is_set():
-                    return
-        except (EtcdUnavailable, WatchCompacted) as exc:
-            _log.warning("view resync", reason=str(exc))
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # a bug must not kill the replica's view for good
-            _log.exception("view follow failed")
-        try:
-            await asyncio.wait_for(stop.wait(), backoff)
-        except asyncio.TimeoutError:
-            pass
-        backoff = min(backoff * 2, 2.0)

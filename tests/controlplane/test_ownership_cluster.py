@@ -21,7 +21,7 @@ from kvpush.controlplane import keys
 from kvpush.controlplane.etcd import EtcdClient
 from kvpush.controlplane.ownership import LEASE_TTL_S, SLOTS, assign, slot_of
 from kvpush.controlplane.server import ControlPlane, ControlPlaneConfig
-from kvpush.controlplane.view import follow
+from kvpush.controlplane.follow import follow
 from tests.conftest import ADMIN_TOKEN, ENGINE_TOKEN, ControlPlaneProcess
 from tests.controlplane.helpers import expect_code, make_tenant, reserve, settle
 
