@@ -36,7 +36,7 @@ from kvpush.controlplane import keys  # noqa: E402
 from kvpush.controlplane.etcd import (EtcdClient, cmp_create, cmp_mod, op_delete, op_put, op_touch,  # noqa: E402
                                       op_txn)
 from kvpush.controlplane.records import ReservationRecord, now_ms, to_extents  # noqa: E402
-from kvpush.controlplane.reserver import new_reservation_id  # noqa: E402
+from kvpush.controlplane.reserve_plan import new_reservation_id  # noqa: E402
 
 
 def _record(engine_id: str, request_id: str) -> ReservationRecord:

@@ -87,7 +87,7 @@ def cmd_controlplane(args) -> None:
         engine_token=args.engine_token or os.environ.get("KVPUSH_ENGINE_TOKEN", ""),
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca, max_batch=max_batch or 60, group_commit=not args.no_group_commit,
-        default_deadline_ms=args.default_deadline_ms, replica_id=args.replica_id,
+        default_deadline_ms=args.default_deadline_ms, replica_id=args.replica_id, follow_all=args.follow == "all",
         quarantine_ms=args.quarantine_ms, tombstone_ttl_s=args.tombstone_ttl)
     from kvpush import aio
     try:
@@ -257,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds an ended reservation stays readable (lookups, late reports); at r requests/s "
                         "etcd holds r x this many tombstones")
     p.add_argument("--replica-id", default="")
+    p.add_argument("--follow", choices=("owned", "all"), default="owned",
+                   help="which requests this replica's view follows: those of the engines it owns and of its "
+                        "clients' needs (owned: replicas add throughput), or every one (all)")
     p.add_argument("--ready-file", default=None, help="write the bound port here once serving")
     p.add_argument("--log-level", default=None)
     p.set_defaults(fn=cmd_controlplane)

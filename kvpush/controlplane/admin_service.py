@@ -12,6 +12,7 @@ from kvpush.controlplane.auth import Auth, new_token
 from kvpush.controlplane.etcd import KV, EtcdClient, EtcdUnavailable, cmp_create, cmp_mod, op_delete, op_put
 from kvpush.controlplane.lifecycle import Lifecycle
 from kvpush.contract.states import State
+from kvpush.controlplane.following import ALL, Following
 from kvpush.controlplane.ownership import Ownership
 from kvpush.controlplane.records import TenantRecord
 from kvpush.controlplane.engine_events import engine_proto
@@ -20,8 +21,10 @@ from kvpush.contract.v1 import admin_pb2, admin_pb2_grpc, types_pb2
 
 
 class AdminService(admin_pb2_grpc.AdminServicer):
-    def __init__(self, view: View, auth: Auth, etcd: EtcdClient, lifecycle: Lifecycle, ownership: Ownership) -> None:
+    def __init__(self, view: View, auth: Auth, etcd: EtcdClient, lifecycle: Lifecycle, ownership: Ownership,
+                 following: Following) -> None:
         self.view = view
+        self._following = following
         self._auth = auth
         self._etcd = etcd
         self._lifecycle = lifecycle
@@ -116,8 +119,9 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         if not result.succeeded:
             raise errors.ApiError(grpc.StatusCode.ABORTED, f"tenant {request.name!r} changed concurrently; retry")
         await self.view.wait_for_revision(result.revision, 2.0)
-        released = await self._lifecycle.end_many(self.view.live_reservations(tenant=request.name),
-                                                  State.RELEASED, "tenant deleted")
+        async with self._following.needing([ALL]):  # its reservations are on every slot
+            released = await self._lifecycle.end_many(self.view.live_reservations(tenant=request.name),
+                                                      State.RELEASED, "tenant deleted")
         return admin_pb2.DeleteTenantResponse(reservations_released=released)
 
     @unary

@@ -87,3 +87,44 @@ class CandidateCache:
             return ""  # some could take it: they are unavailable or full, not unmappable
         more = f" (nor can {len(others) - 1} more)" if len(others) > 1 else ""
         return f"no decode engine of model {model!r} can take this prefill's KV: {others[0].engine_id}: {whys[0]}{more}"
+
+
+class RoomElsewhere:
+    """The decode engines a Reserve could take that this replica's view does not follow,
+    with the free blocks their owners last told (free_summary.py), per shape: listed once
+    per change of the engines, the slots followed or the summaries."""
+
+    def __init__(self, view: View) -> None:
+        self._view = view
+        self._versions = (-1, -1)
+        self._by_shape: dict[tuple, tuple] = {}
+
+    def best(self, model: str, tenant: TenantRecord, layout: KvLayout | None, num_tokens: int) -> tuple[float, str]:
+        """(free fraction, engine id) of the roomiest such engine with room for ``num_tokens``;
+        (-1.0, "") when there is none."""
+        view = self._view
+        versions = (view.engines_version, view.free_elsewhere_version)
+        if versions != self._versions:
+            self._by_shape.clear()
+            self._versions = versions
+        shape = (model, tenant.name, tuple(tenant.allowed_pools), layout)
+        found = self._by_shape.get(shape)
+        if found is None:
+            told: dict[str, int] = {}
+            for summary in view.free_elsewhere.values():
+                for eid, free in summary.items():
+                    told[eid] = min(free, told.get(eid, free))
+            engines = [eng for eng in (entry.record for entry in view.engines.values())
+                       if eng.engine_id in told and eng.engine_id not in view.pool_fences and eng.is_decode
+                       and not eng.unavailable and eng.model == model and tenant.allows(eng.pool)
+                       and (layout is None or not layout.compatibility_error(eng.layout))]
+            found = self._by_shape[shape] = (
+                [e.engine_id for e in engines], np.array([told[e.engine_id] for e in engines], dtype=np.int64),
+                np.array([max(e.num_blocks, 1) for e in engines], dtype=np.int64),
+                np.array([e.layout.block_size for e in engines], dtype=np.int64))
+        ids, free, num_blocks, block_size = found
+        if not ids:
+            return -1.0, ""
+        fraction = np.where(free >= -(-num_tokens // block_size), free / num_blocks, -1.0)
+        i = int(fraction.argmax())
+        return float(fraction[i]), ids[i]

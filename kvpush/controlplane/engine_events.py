@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Callable
 
+from kvpush.controlplane import keys
 from kvpush.controlplane.view import EngineChange, View
 from kvpush.controlplane.watch_queue import WatchQueue
 from kvpush.contract.engine import EngineRecord
@@ -16,6 +17,8 @@ Event = scheduler_pb2.EngineEvent
 
 def engine_proto(view: View, rec: EngineRecord) -> types_pb2.Engine:
     msg = rec.to_proto()
+    if not view.followed(keys.slot_of(rec.engine_id)):
+        return msg  # its reservations are not in this view: no counts rather than wrong ones
     live = view.live_reservations(engine_id=rec.engine_id)
     msg.free_blocks = view.free_blocks(rec.engine_id)
     msg.reserved_blocks = rec.num_blocks - msg.free_blocks

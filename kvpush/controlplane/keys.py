@@ -19,6 +19,7 @@ ENGINES = ROOT + b"engines/"
 USAGE = ROOT + b"usage/"              # per-tenant fence: bumped by its quota-checked Reserves and record writes
 PREFIXES = ROOT + b"prefixes/"        # per decode engine: its last prefix report (on the engine's lease)
 REPLICAS = ROOT + b"replicas/"        # per live control-plane replica (on its own lease): who owns what
+FREE = ROOT + b"free/"                # per live replica (on its lease): its own engines' free blocks
 SLOTTED = ROOT + b"slots/"            # per-request keys, by slot: SLOTTED + b"<slot>/" + one of the below
 POOLS = b"pools/"                     # per engine: its fence, bumped by every reservation on it
 RESERVATIONS = b"reservations/"
@@ -91,6 +92,10 @@ def prefixes(engine_id: str) -> bytes:
 
 def replica(replica_id: str) -> bytes:
     return REPLICAS + replica_id.encode()
+
+
+def free(replica_id: str) -> bytes:
+    return FREE + replica_id.encode()
 
 
 def usage(tenant_name: str) -> bytes:

@@ -34,6 +34,11 @@ RESERVE_OWNER = Counter("kvpush_reserve_engine_owner_total",
                         "Reservations committed by this replica, by who owns the engine chosen: this replica "
                         "(own) or another (other: its own scored more than OWN_SLACK below the best, counting free "
                         "blocks and the prompt share held, or none fitted, or the router preferred that engine)", ["owner"])
+FOLLOWED_SLOTS = Gauge("kvpush_followed_slots", "Slots whose requests this replica's view follows (of "
+                       "kvpush.controlplane.keys.SLOTS): those it owns and those its clients need")
+RESERVE_WIDENED = Counter("kvpush_reserve_widened_total",
+                          "Reserves planned again over more slots than this replica follows: none of its engines had "
+                          "room")
 # (labels() takes a lock and builds a key: once, not per Reserve)
 RESERVED_ON_OWN, RESERVED_ON_OTHER = RESERVE_OWNER.labels(owner="own"), RESERVE_OWNER.labels(owner="other")
 

@@ -176,3 +176,15 @@ class ReplicaRecord:
     def decode(cls, raw: bytes) -> "ReplicaRecord":
         fields = json.loads(raw)
         return cls(str(fields["replica_id"]), str(fields.get("address", "")), int(fields.get("started_ms", 0)))
+
+
+def encode_free(free: dict[str, int]) -> bytes:
+    """A replica's own engines' free blocks, as it tells the others (free_summary.py)."""
+    return json.dumps(free, separators=(",", ":"), sort_keys=True).encode()
+
+
+def decode_free(raw: bytes) -> dict[str, int]:
+    try:
+        return {str(k): int(v) for k, v in json.loads(raw).items()}
+    except (ValueError, TypeError, AttributeError):  # a bad summary steers nothing
+        return {}

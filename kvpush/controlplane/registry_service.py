@@ -20,6 +20,7 @@ from kvpush.contract.engine import MEMORY_KINDS, EngineRecord
 from kvpush.controlplane.engine_events import engine_proto
 from kvpush.controlplane.scheduler_service import watch_events
 from kvpush.controlplane.tagged_stream import outcome, serve_tagged
+from kvpush.controlplane.following import ALL, Following
 from kvpush.controlplane.view import View
 from kvpush import log
 from kvpush.contract.layout import LayoutError
@@ -32,8 +33,9 @@ REPORTABLE = {State.PUSHING, State.LANDED, State.CONSUMED, State.FAILED}
 
 
 class RegistryService(registry_pb2_grpc.RegistryServicer):
-    def __init__(self, view: View, auth: Auth, etcd: EtcdClient, lifecycle: Lifecycle) -> None:
+    def __init__(self, view: View, auth: Auth, etcd: EtcdClient, lifecycle: Lifecycle, following: Following) -> None:
         self.view = view
+        self._following = following
         self._auth = auth
         self._etcd = etcd
         self._lifecycle = lifecycle
@@ -152,10 +154,13 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
     async def GetEngine(self, request, context) -> types_pb2.Engine:
         self._auth.engine(context)
         v.text(request.engine_id, "engine_id", 128, v.ENGINE_ID)
-        rec = self.view.engine(request.engine_id)
-        if rec is None:
+        if self.view.engine(request.engine_id) is None:
             raise errors.not_found(f"engine_id {request.engine_id!r} is not registered")
-        return engine_proto(self.view, rec)
+        async with self._following.needing([keys.slot_of(request.engine_id)]):  # its exact counts
+            rec = self.view.engine(request.engine_id)
+            if rec is None:
+                raise errors.not_found(f"engine_id {request.engine_id!r} is not registered")
+            return engine_proto(self.view, rec)
 
     @unary
     async def ReportState(self, request, context) -> types_pb2.Reservation:
@@ -221,14 +226,16 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         engine_id = request.engine_id
         # Decode engines hear about reservations landing on them; prefill engines
         # about the ones they push into.
+        # (A prefill engine's are on every slot.)
         if engine.is_decode:
             def concerns(rec) -> bool:
                 return rec.engine_id == engine_id
         else:
             def concerns(rec) -> bool:
                 return rec.prefill_engine_id == engine_id
-        async for event in watch_events(self.view, concerns, request.include_snapshot, engine_id):
-            yield event
+        async with self._following.needing([keys.slot_of(engine_id) if engine.is_decode else ALL]):
+            async for event in watch_events(self.view, concerns, request.include_snapshot, engine_id):
+                yield event
 
     @unary
     async def SetEngineAvailability(self, request, context) -> registry_pb2.SetEngineAvailabilityResponse:

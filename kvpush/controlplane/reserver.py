@@ -13,27 +13,23 @@ two replicas can never hand out the same block or overrun a quota.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import random
-import secrets
 
 import grpc
 import numpy as np
 
 from kvpush.controlplane import errors, keys, metrics
 from kvpush.controlplane.allocator import allocate
-from kvpush.controlplane.candidates import CandidateCache
-from kvpush.controlplane.etcd import (KV, EtcdClient, EtcdLeaseNotFound, EtcdUnavailable, cmp_create, cmp_mod,
-                               op_put, op_touch)
+from kvpush.controlplane.candidates import CandidateCache, RoomElsewhere
+from kvpush.controlplane.etcd import KV, EtcdClient, EtcdLeaseNotFound, EtcdUnavailable
 from kvpush.controlplane.leases import LeaseBuckets
-from kvpush.controlplane.lifecycle import move_writes
-from kvpush.controlplane.ownership import Ownership
+from kvpush.controlplane.following import Following
+from kvpush.controlplane.ownership import OWN_SLACK, Ownership
+from kvpush.controlplane.reserve_plan import BatchState, Plan, ReserveAsk, new_reservation_id
 from kvpush.contract.states import State
 from kvpush.contract.engine import EngineRecord
 from kvpush.controlplane.records import DecodeAlone, ReservationRecord, TenantRecord, now_ms, to_extents
 from kvpush.controlplane.view import View
 from kvpush import log
-from kvpush.contract.layout import KvLayout
 
 _log = log.get("reserver")
 MAX_ATTEMPTS = 20
@@ -45,58 +41,21 @@ ALONE_LOAD_WEIGHT = 0.02
 ALONE_HALF_LIFE_S = 1.0
 
 
-@dataclasses.dataclass
-class ReserveAsk:
-    tenant: TenantRecord
-    request_id: str
-    num_tokens: int
-    model: str
-    deadline_ms: int                      # lifetime in ms
-    preferred_engine_id: str = ""
-    prefill_layout: KvLayout | None = None
-    prefill_engine_id: str = ""           # named by the scheduler: its sidecar hears the grant by watch
-    prefill_incarnation: str = ""
-    # Decode failover (Scheduler.Relocate): the reservation this one replaces, as read at
-    # ``moving_revision``; it ends FAILED (or, already FAILED, is marked moved) in the
-    # same transaction, on another engine of its block size.
-    moving: ReservationRecord | None = None
-    moving_revision: int = 0
-    move_reason: str = ""                 # why its decode engine failed, kept on the old one
-    # KV-aware routing: the prompt's full blocks' keys (kvpush/contract/block_hash.py), hashed
-    # over blocks of this many tokens; the engine holding the longest prefix is preferred.
-    block_keys: tuple[int, ...] = ()
-    block_keys_block_size: int = 0
-    # Conditional disaggregation: a decode engine that lacks fewer than this many of the
-    # prompt's tokens gets the request alone (nothing reserved); 0: always reserve.
-    local_prefill_tokens: int = 0
-    future: asyncio.Future | None = None
-
-    def same_params(self, rec: ReservationRecord) -> bool:
-        return rec.num_tokens == self.num_tokens and rec.model == self.model
-
-
-# Ids need to be unique across replicas, not secret (every lookup is scoped to the
-# tenant): 88 random bits from a generator seeded by the OS, without a getrandom()
-# syscall per reservation, after the 8 bits of the engine's slot (keys.reservation).
-_ids = random.Random(secrets.randbits(128))
-
-
-def new_reservation_id(engine_id: str) -> str:
-    return f"r-{keys.slot_of(engine_id):02x}{_ids.getrandbits(88):022x}"
-
-
 class Reserver:
     def __init__(self, etcd: EtcdClient, view: View, leases: LeaseBuckets, max_batch: int = 60,
-                 ownership: Ownership | None = None) -> None:
+                 ownership: Ownership | None = None, following: Following | None = None) -> None:
         self._etcd = etcd
         self._view = view
         self._leases = leases
         self._ownership = ownership
+        self._following = following
+        self._widening: set[asyncio.Task] = set()
         self.max_batch = max_batch
         # Operations (and compares) in one transaction: etcd's default --max-txn-ops (128), or
         # what --max-batch asks for (etcd configured to match, as the embedded one is).
         self.max_ops = max(128, 2 * max_batch + 8)
         self._candidates = CandidateCache(view)
+        self._elsewhere = RoomElsewhere(view)
         self._alone_load: dict[str, tuple[float, float]] = {}  # engine id -> (decayed count, as of)
         self._queue: asyncio.Queue[ReserveAsk] = asyncio.Queue()
         self._task: asyncio.Task | None = None
@@ -109,6 +68,8 @@ class Reserver:
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        for task in list(self._widening):
+            task.cancel()
         while not self._queue.empty():
             ask = self._queue.get_nowait()
             if not ask.future.done():
@@ -187,6 +148,7 @@ class Reserver:
             # Someone else moved a fence: let the watch bring the view up to date.
             if not await self._view.wait_for_revision(result.revision, timeout=2.0):
                 _log.warning("view lagging after conflict", want=result.revision, have=self._view.revision)
+            await self._read_request_keys(pending)
             for ask in pending:
                 if ask.moving is not None and not ask.future.done():
                     await self._refresh_move(ask)  # the reservation moved may be what changed
@@ -219,11 +181,11 @@ class Reserver:
             return
         ask.moving, ask.moving_revision = rec, revision
 
-    def _plan(self, asks: list[ReserveAsk]) -> "_Plan":
+    def _plan(self, asks: list[ReserveAsk]) -> "Plan":
         view = self._view
         view.release_quarantine()
-        plan = _Plan()
-        batch = _BatchState()
+        plan = Plan()
+        batch = BatchState()
         seen_requests: set[tuple[str, str]] = set()
         for ask in asks:
             if ask.future.done():
@@ -234,21 +196,7 @@ class Reserver:
                 continue
             existing_id = view.requests.get(req)
             existing = view.reservation(existing_id) if existing_id else None
-            moving = ask.moving
-            if existing is not None and existing.state.live and not (moving and existing.id == moving.id):
-                if moving is not None:
-                    if existing.moved_from == moving.id:  # moved already: the same successor again
-                        ask.future.set_result(existing)
-                    else:
-                        ask.future.set_exception(errors.failed_precondition(
-                            f"request_id {ask.request_id!r} has another live reservation, {existing.id}"))
-                elif ask.same_params(existing):
-                    ask.future.set_result(existing)
-                else:
-                    ask.future.set_exception(errors.ApiError(
-                        grpc.StatusCode.ALREADY_EXISTS,
-                        f"request_id {ask.request_id!r} already has live reservation {existing.id} "
-                        "with other parameters"))
+            if self._answer_existing(ask, existing):
                 continue
             if not plan.has_room(self.max_ops):  # etcd's limit on one transaction: the next one
                 plan.deferred.append(ask)
@@ -263,6 +211,8 @@ class Reserver:
             except errors.ApiError as exc:
                 ask.future.set_exception(exc)
                 continue
+            if chosen is None:  # planned again once the view follows more slots
+                continue
             if isinstance(chosen, DecodeAlone):  # nothing to write
                 ask.future.set_result(chosen)
                 continue
@@ -271,10 +221,86 @@ class Reserver:
             plan.add(ask, self._record(ask, engine, blocks, cached), tenant, view)
         return plan
 
-    def _choose(self, ask: ReserveAsk, tenant: TenantRecord, batch: "_BatchState"
-                ) -> tuple[EngineRecord, list[int], int] | DecodeAlone:
+    @staticmethod
+    def _answer_existing(ask: ReserveAsk, existing: ReservationRecord | None) -> bool:
+        """Answer ``ask`` from the live reservation its request id already has, if any."""
+        moving = ask.moving
+        if existing is None or not existing.state.live or (moving and existing.id == moving.id):
+            return False
+        if moving is not None:
+            if existing.moved_from == moving.id:  # moved already: the same successor again
+                ask.future.set_result(existing)
+            else:
+                ask.future.set_exception(errors.failed_precondition(
+                    f"request_id {ask.request_id!r} has another live reservation, {existing.id}"))
+        elif ask.same_params(existing):
+            ask.future.set_result(existing)
+        else:
+            ask.future.set_exception(errors.ApiError(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request_id {ask.request_id!r} already has live reservation {existing.id} "
+                "with other parameters"))
+        return True
+
+    async def _read_request_keys(self, asks: list[ReserveAsk]) -> None:
+        """After a failed transaction: the request-index keys of ``asks`` that lie in slots
+        this replica does not follow, read from etcd. A Reserve asked again (its answer was
+        lost) is answered with what it got the first time, as in a followed slot."""
+        view = self._view
+        for ask in asks:
+            if ask.future.done() or view.following is None:
+                continue
+            key = keys.request(ask.tenant.name, ask.request_id)
+            if view.followed(keys.slot_of_key(key)):
+                continue
+            try:
+                kv = await self._etcd.get(key)
+                found = await self._etcd.get(keys.reservation(kv.value.decode())) if kv is not None else None
+            except EtcdUnavailable:
+                return  # the next attempt's transaction says more
+            if found is not None and not ask.future.done():
+                self._answer_existing(ask, ReservationRecord.decode(found.value))
+
+    def _widen(self, ask: ReserveAsk, tenant: TenantRecord, slots: set[int] | None = None) -> bool:
+        """The engines this replica follows are not where ``ask`` should go (none has room,
+        another's summary says it has clearly more, the router prefers another): follow
+        ``slots`` (default: those of every engine that could take it; following.py keeps
+        them a while) and plan it again once they are in the view. False when there are
+        none, or it was widened once already."""
+        view = self._view
+        if self._following is None or view.following is None or ask.widened or ask.moving is not None:
+            return False
+        if slots is None:
+            slots = {keys.slot_of(eid) for eid, entry in view.engines.items()
+                     if entry.record.is_decode and entry.record.model == ask.model
+                     and tenant.allows(entry.record.pool) and not entry.record.unavailable}
+        slots = slots - view.following
+        if not slots:
+            return False
+        ask.widened = True
+        metrics.RESERVE_WIDENED.inc()
+        self._following.borrow(slots)
+        task = asyncio.create_task(self._replan_when_covered(ask, slots))
+        self._widening.add(task)
+        task.add_done_callback(self._widening.discard)
+        return True
+
+    async def _replan_when_covered(self, ask: ReserveAsk, slots: set[int]) -> None:
+        await self._following.until_covered(slots)
+        if not ask.future.done():
+            self._queue.put_nowait(ask)
+
+    def _choose(self, ask: ReserveAsk, tenant: TenantRecord, batch: "BatchState"
+                ) -> tuple[EngineRecord, list[int], int] | DecodeAlone | None:
+        """The engine and blocks for ``ask``; None when it was handed to ``_widen``."""
         view = self._view
         cands = self._candidates.get(ask.model, tenant, ask.prefill_layout)
+        if ask.preferred_engine_id and ask.preferred_engine_id not in cands.index and \
+                ask.preferred_engine_id in view.engines and \
+                self._widen(ask, tenant, {keys.slot_of(ask.preferred_engine_id)}):
+            return None
+        if not cands.engines and self._widen(ask, tenant):
+            return None
         if not cands.engines:
             if cands.unmappable:  # no room will ever make it fit: not worth a retry
                 raise errors.failed_precondition(cands.unmappable)
@@ -310,6 +336,8 @@ class Reserver:
                 raise errors.exhausted(f"tenant {tenant.name!r} quota of {tenant.quota_blocks} blocks "
                                        f"reached ({tenant.quota_blocks - quota_left} reserved)")
             fits = within
+        if not fits.any() and self._widen(ask, tenant):
+            return None
         if not fits.any():
             if ask.moving is not None:
                 raise errors.exhausted(f"no other decode engine of block size {ask.moving.block_size} and "
@@ -322,6 +350,13 @@ class Reserver:
         # This replica's own engines first (ownership.py: replicas serving at once then do not
         # collide on the same engine's fence); a move takes any engine of its geometry.
         score = self._score(ask, cands, free, cached)
+        if self._following is not None and view.following is not None and ask.moving is None \
+                and not ask.widened and not ask.preferred_engine_id:
+            # Another replica's engine with clearly more room (its owner's summary) beats ours.
+            there, engine_id = self._elsewhere.best(ask.model, tenant, ask.prefill_layout, ask.num_tokens)
+            if there > float(score[fits].max()) + OWN_SLACK and \
+                    self._widen(ask, tenant, {keys.slot_of(engine_id)}):
+                return None
         eligible = (self._ownership.prefer(cands, fits, score)
                     if self._ownership is not None and ask.moving is None else fits)
         chosen = cands.index.get(ask.preferred_engine_id) if ask.preferred_engine_id else None
@@ -419,81 +454,8 @@ class Reserver:
             moved_from=ask.moving.id if ask.moving is not None else "", decode_tp=engine.layout.tp_size,
             cached_tokens=cached)
 
-    def _apply_own_writes(self, plan: "_Plan", revision: int) -> None:
+    def _apply_own_writes(self, plan: "Plan", revision: int) -> None:
         # The watch will bring the same writes; applying them now lets the next
         # batch allocate without waiting for it (the view ignores the echo).
         for key, value, lease, record in plan.writes:
             self._view.apply(KV(key, value, revision, revision, lease), False, revision, record)
-
-
-@dataclasses.dataclass
-class _BatchState:
-    """What a batch has taken so far, before it is committed."""
-    bitmaps: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)   # engine -> working copy
-    free: np.ndarray | None = None                      # the view's free counts less what the batch took, by slot
-    used: dict[str, int] = dataclasses.field(default_factory=dict)             # tenant -> blocks
-
-
-@dataclasses.dataclass
-class _Plan:
-    asks: list[ReserveAsk] = dataclasses.field(default_factory=list)
-    records: list[ReservationRecord] = dataclasses.field(default_factory=list)
-    deferred: list[ReserveAsk] = dataclasses.field(default_factory=list)
-    compares: list = dataclasses.field(default_factory=list)
-    ops: list = dataclasses.field(default_factory=list)
-    writes: list = dataclasses.field(default_factory=list)   # (key, value, lease, record) for the view
-    moved_live: int = 0                                      # live reservations a move ends FAILED
-    moves: int = 0                                           # asks that move a reservation
-    _fenced: set = dataclasses.field(default_factory=set)
-
-    def has_room(self, max_ops: int) -> bool:
-        """Whether one more ask surely fits: at most 5 more operations (two puts, an engine's
-        and a tenant's fence, a move's end) and 6 more compares."""
-        return (len(self.ops) + 2 * len(self.records) + self.moves + 5 <= max_ops
-                and len(self.compares) + self.moves + 6 <= max_ops)
-
-    def add(self, ask: ReserveAsk, rec: ReservationRecord, tenant: TenantRecord, view: View) -> None:
-        self.asks.append(ask)
-        self.records.append(rec)
-        self.moves += ask.moving is not None
-        if ask.moving is None or not ask.moving.state.live:
-            # (A live reservation being moved holds the request key: the compare on its
-            # own mod revision, in attach_records, stands for this one.)
-            self.compares.append(cmp_create(keys.request(rec.tenant, rec.request_id), 0))
-        if ("e", rec.engine_id) not in self._fenced:
-            self._fenced.add(("e", rec.engine_id))
-            self.compares.append(cmp_mod(keys.engine(rec.engine_id), view.engines[rec.engine_id].mod_revision))
-            self.compares.append(cmp_mod(keys.pool(rec.engine_id), view.pool_fences[rec.engine_id]))
-            self.ops.append(op_touch(keys.pool(rec.engine_id)))
-            self.writes.append((keys.pool(rec.engine_id), b"", view.engines[rec.engine_id].lease, None))
-        if ("t", rec.tenant) not in self._fenced:
-            self._fenced.add(("t", rec.tenant))
-            self.compares.append(cmp_mod(keys.tenant(rec.tenant), view.tenants[rec.tenant].mod_revision))
-            # The usage fence guards a quota only: without one, replicas reserving for the same
-            # tenant at once would fail each other's transactions for nothing. (Setting a quota
-            # changes the tenant record, which the compare above catches.)
-            if tenant.quota_blocks:
-                self.compares.append(cmp_mod(keys.usage(rec.tenant), view.usage_fences.get(rec.tenant, 0)))
-                self.ops.append(op_put(keys.usage(rec.tenant), b""))
-                self.writes.append((keys.usage(rec.tenant), b"", 0, None))
-
-    async def attach_records(self, leases: LeaseBuckets) -> None:
-        """Add the reservation and request-index puts, bound to their deadline lease."""
-        for ask, rec in zip(self.asks, self.records):
-            if ask.moving is not None:
-                old = ask.moving
-                tombstone = await leases.tombstone() if old.state.live else 0
-                compares, ops, write = move_writes(old, ask.moving_revision, rec.id,
-                                                   f"moved to another decode engine: {ask.move_reason}", tombstone)
-                self.compares += compares
-                self.ops += ops
-                self.writes.append(write)
-                self.moved_live += old.state.live
-            lease = await leases.for_deadline(rec.deadline_ms)
-            value = rec.encode()
-            req_key = keys.request(rec.tenant, rec.request_id)
-            self.ops.append(op_put(keys.reservation(rec.id), value, lease))
-            self.ops.append(op_put(req_key, rec.id.encode(), lease))
-            self.writes.append((keys.reservation(rec.id), value, lease, rec))
-            self.writes.append((req_key, rec.id.encode(), lease, None))
-

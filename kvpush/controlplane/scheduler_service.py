@@ -15,8 +15,10 @@ from kvpush.controlplane.engine_events import engine_events, engine_proto
 from kvpush.controlplane.lifecycle import Lifecycle
 from kvpush.contract.states import State
 from kvpush.controlplane.records import ReservationRecord, now_ms
-from kvpush.controlplane.reserver import Reserver, ReserveAsk
+from kvpush.controlplane.reserve_plan import ReserveAsk
+from kvpush.controlplane.reserver import Reserver
 from kvpush.controlplane.tagged_stream import outcome, serve_tagged
+from kvpush.controlplane.following import ALL, Following
 from kvpush.controlplane.view import ReservationChange, View
 from kvpush.controlplane.watch_queue import WatchQueue
 from kvpush.contract.layout import KvLayout, LayoutError
@@ -27,8 +29,9 @@ DEFAULT_DEADLINE_MS = 30_000
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, view: View, auth: Auth, reserver: Reserver, lifecycle: Lifecycle, etcd,
-                 default_deadline_ms: int = DEFAULT_DEADLINE_MS) -> None:
+                 following: Following, default_deadline_ms: int = DEFAULT_DEADLINE_MS) -> None:
         self.view = view
+        self._following = following
         self._auth = auth
         self._reserver = reserver
         self._lifecycle = lifecycle
@@ -200,16 +203,19 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     @streaming
     async def WatchReservations(self, request, context):
         tenant = self._auth.tenant(context)
-        async for event in watch_events(self.view, lambda rec: rec.tenant == tenant.name, request.include_snapshot):
-            yield event
+        async with self._following.needing([ALL]):  # a tenant's reservations are on every slot
+            async for event in watch_events(self.view, lambda rec: rec.tenant == tenant.name,
+                                            request.include_snapshot):
+                yield event
 
     @unary
     async def ListEngines(self, request, context) -> scheduler_pb2.ListEnginesResponse:
         tenant = self._auth.tenant(context)
         v.text(request.model, "model", v.MAX_MODEL, v.PRINTABLE, required=False)
-        engines = [engine_proto(self.view, e.record) for e in self.view.engines.values()
-                   if e.record.is_decode and tenant.allows(e.record.pool)
-                   and (not request.model or e.record.model == request.model)]
+        async with self._following.needing([ALL]):  # exact counts for every engine listed
+            engines = [engine_proto(self.view, e.record) for e in self.view.engines.values()
+                       if e.record.is_decode and tenant.allows(e.record.pool)
+                       and (not request.model or e.record.model == request.model)]
         return scheduler_pb2.ListEnginesResponse(engines=sorted(engines, key=lambda e: e.engine_id))
 
     @streaming

@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import REGISTRY, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
-from kvpush.controlplane import metrics
+from kvpush.controlplane import free_summary, metrics
 from kvpush.controlplane.admin_service import AdminService
 from kvpush.controlplane.api import add_service
 from kvpush.controlplane.auth import Auth
@@ -27,6 +27,7 @@ from kvpush.controlplane.registry_service import RegistryService
 from kvpush.controlplane.reserver import Reserver
 from kvpush.controlplane.scheduler_service import DEFAULT_DEADLINE_MS, SchedulerService
 from kvpush.controlplane.follow import follow
+from kvpush.controlplane.following import Following
 from kvpush.controlplane.view import QUARANTINE_MS, View
 from kvpush import log
 from kvpush.aio import tune_gc, until_signalled, write_ready_file
@@ -56,6 +57,7 @@ class ControlPlaneConfig:
     group_commit: bool = True
     default_deadline_ms: int = DEFAULT_DEADLINE_MS
     replica_id: str = ""
+    follow_all: bool = False  # follow every slot, not just those owned and needed (following.py)
     sweep_interval_s: float = 2.0
     quarantine_ms: int = QUARANTINE_MS    # blocks of unconsumed endings stay unused this long
     tombstone_ttl_s: int = 120            # an ended reservation stays readable this long (docs/SCALING.md)
@@ -102,7 +104,9 @@ class ControlPlane:
         self.leases = LeaseBuckets(self.etcd, cfg.tombstone_ttl_s)
         self.lifecycle = Lifecycle(self.etcd, self.view, self.leases, group_commit=cfg.group_commit)
         self.ownership = Ownership(self.view, self.replica_id)
-        self.reserver = Reserver(self.etcd, self.view, self.leases, max_batch=cfg.max_batch, ownership=self.ownership)
+        self.following = Following(self.view, self.ownership, follow_all=cfg.follow_all)
+        self.reserver = Reserver(self.etcd, self.view, self.leases, max_batch=cfg.max_batch, ownership=self.ownership,
+                                 following=self.following)
         self.reserver.batch_all_of_queue = cfg.group_commit
         self.reaper = Reaper(self.view, self.lifecycle, cfg.sweep_interval_s)
         self.auth = Auth(self.view, cfg.admin_token, cfg.engine_token or None)
@@ -114,7 +118,9 @@ class ControlPlane:
         self._health = health.aio.HealthServicer()
 
     async def start(self) -> None:
-        self._follow = asyncio.create_task(follow(self.view, self.etcd, self._stop), name="view-follow")
+        self._follow = asyncio.gather(
+            asyncio.create_task(follow(self.view, self.etcd, self._stop, self.following.interest), name="view-follow"),
+            asyncio.create_task(self.following.run(self._stop), name="following"))
         self.reserver.start()
         self.reaper.start()
         self.server = grpc.aio.server(options=[
@@ -124,11 +130,12 @@ class ControlPlane:
         ])
         add_service(self.server, scheduler_pb2_grpc.add_SchedulerServicer_to_server,
                     SchedulerService(self.view, self.auth, self.reserver, self.lifecycle, self.etcd,
-                                     self.cfg.default_deadline_ms))
-        self.registry = RegistryService(self.view, self.auth, self.etcd, self.lifecycle)
+                                     self.following, self.cfg.default_deadline_ms))
+        self.registry = RegistryService(self.view, self.auth, self.etcd, self.lifecycle, self.following)
         add_service(self.server, registry_pb2_grpc.add_RegistryServicer_to_server, self.registry)
         add_service(self.server, admin_pb2_grpc.add_AdminServicer_to_server,
-                    AdminService(self.view, self.auth, self.etcd, self.lifecycle, self.ownership))
+                    AdminService(self.view, self.auth, self.etcd, self.lifecycle, self.ownership,
+                                 self.following))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
         names = [d.services_by_name[n].full_name for d, n in (
             (scheduler_pb2.DESCRIPTOR, "Scheduler"), (registry_pb2.DESCRIPTOR, "Registry"),
@@ -148,7 +155,10 @@ class ControlPlane:
             REGISTRY.register(_ViewCollector(self.view))
             start_http_server(self.cfg.metrics_port, addr=self.cfg.metrics_host)
         self._membership = Membership(self.etcd, ReplicaRecord(self.replica_id, self._advertised(), now_ms()))
-        self._member = asyncio.create_task(self._membership.run(self._stop), name="membership")
+        self._member = asyncio.gather(
+            asyncio.create_task(self._membership.run(self._stop), name="membership"),
+            asyncio.create_task(free_summary.publish(self.etcd, self.view, self.ownership, self._membership,
+                                                     self._stop), name="free-summary"))
         asyncio.create_task(self._serving_when_ready(names + [""]))
         _log.info("control plane listening", listen=self.cfg.listen, port=self.port, etcd=self.cfg.etcd,
                   replica_id=self.replica_id, tls=creds is not None, metrics_port=self.cfg.metrics_port)

@@ -26,7 +26,7 @@ from kvpush.contract.states import State
 from kvpush.contract.engine import EngineRecord
 from kvpush.controlplane.free_counts import FreeCounts
 from kvpush.controlplane.prefixes import PrefixIndex
-from kvpush.controlplane.records import ReplicaRecord, ReservationRecord, TenantRecord, now_ms
+from kvpush.controlplane.records import ReplicaRecord, ReservationRecord, TenantRecord, decode_free, now_ms
 from kvpush import log
 
 _log = log.get("view")
@@ -90,6 +90,8 @@ class View:
         self.tenant_used: dict[str, int] = {}
         self.replicas: dict[str, ReplicaRecord] = {}  # live control-plane replicas (ownership.py)
         self.replicas_version = 0
+        self.free_elsewhere: dict[str, dict[str, int]] = {}  # replica -> its engines' free blocks (free_summary.py)
+        self.free_elsewhere_version = 0
         self.following: frozenset[int] | None = None  # the slots whose keys are kept; None: all
         self.request_progress: Callable[[], None] = lambda: None  # set by the follow: a waiter wants the revision
         self._key_revs: dict[bytes, int] = {}         # newest revision applied per key, deletes too
@@ -236,6 +238,13 @@ class View:
             self._apply_tenant(keys.name_of(key, keys.TENANTS), kv, deleted, revision)
         elif key.startswith(keys.PREFIXES):
             self.prefixes.apply_value(keys.name_of(key, keys.PREFIXES), None if deleted else kv.value)
+        elif key.startswith(keys.FREE):
+            name = keys.name_of(key, keys.FREE)
+            if deleted:
+                self.free_elsewhere.pop(name, None)
+            else:
+                self.free_elsewhere[name] = decode_free(kv.value)
+            self.free_elsewhere_version += 1
         elif key.startswith(keys.REPLICAS):
             name = keys.name_of(key, keys.REPLICAS)
             if deleted:
@@ -406,6 +415,7 @@ class View:
         self.following = self.following | {slot}
         for kv in kvs:
             self.apply(kv, False, kv.mod_revision)
+        self.engines_version += 1  # the slot's engines can be chosen here now
 
     def drop_slot(self, slot: int) -> None:
         """Stop keeping ``slot``: its keys leave the view without any change announced
@@ -469,9 +479,11 @@ class View:
         engine_listeners, request_progress = self._engine_listeners, self.request_progress
         expired, cursors, ended = self._expired_ids, self.cursors, self.ended
         version, replicas_version = self.engines_version, self.replicas_version
+        free_version = self.free_elsewhere_version
         self.__init__(self.quarantine_ms)
         self._listeners, self._revision_waiters, self.ready = listeners, waiters, ready
         self._engine_listeners, self.request_progress = engine_listeners, request_progress
         self._expired_ids, self.cursors, self.ended = expired, cursors, ended
         self.engines_version = version + 1  # a new FreeCounts: every cached slot is stale
         self.replicas_version = replicas_version + 1
+        self.free_elsewhere_version = free_version + 1

@@ -118,7 +118,7 @@ async def test_replica_killed_under_load(etcd, cp_processes):
     replicas[1].proc.kill()
     survivors = await hammer(tenant, "s", 50)
     results = [r for task in load for r in await task]
-    assert all(not isinstance(r, grpc.StatusCode) for r in survivors)
+    assert all(not isinstance(r, grpc.StatusCode) for r in survivors), survivors
     assert any(isinstance(r, grpc.StatusCode) for r in results)  # the victim's callers saw it die
     report = await settle(etcd.endpoint)
     granted = [r for r in survivors + results if not isinstance(r, grpc.StatusCode)]

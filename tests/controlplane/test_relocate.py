@@ -123,7 +123,7 @@ async def test_a_move_planned_on_a_stale_read_reads_again_instead_of_failing(cp,
     """The engine's death ends the reservation FAILED between Relocate's read and its
     transaction (the race a killed decode sidecar makes): the move reads it again and goes
     through, instead of retrying a compare that can never hold ("too much contention")."""
-    from kvpush.controlplane.reserver import ReserveAsk
+    from kvpush.controlplane.reserve_plan import ReserveAsk
     from kvpush.contract.states import State
 
     tenant = await make_tenant(admin, cp.address, "acme")

@@ -1,0 +1,114 @@
+"""Which slots this replica's view follows, and why (kvpush/controlplane/follow.py does it).
+
+A replica follows the slots it owns (ownership.py), so the requests of the others' engines
+never reach it. On top of those it follows what its own clients need while they need it:
+
+* a decode sidecar's reservation stream: that engine's slot;
+* a Reserve that found no room on the engines it follows, while others of the model
+  exist: their slots, for ``LINGER_S`` after the last such Reserve;
+* what no single slot answers: a prefill sidecar's stream (the reservations it pushes
+  into land on any engine), a tenant's reservation watch, the exact counts of
+  ``ListEngines`` and ``GetEngine``, a tenant with a quota (its usage is counted over
+  every slot): every slot.
+
+Needs linger ``LINGER_S`` after they end, so a sidecar reconnecting does not make the
+replica drop a slot and read it again. ``--follow all`` makes a replica follow every slot
+whatever it owns (the behaviour before ownership).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import time
+from typing import Iterable
+
+from kvpush import log
+from kvpush.controlplane import keys, metrics
+from kvpush.controlplane.follow import Interest
+from kvpush.controlplane.ownership import Ownership
+from kvpush.controlplane.view import View
+
+_log = log.get("following")
+
+ALL = -1           # a need for every slot
+LINGER_S = 10.0    # a need is kept this long after it ends
+RECHECK_S = 0.5    # ownership and quotas are looked at again this often
+COVER_WAIT_S = 10.0
+
+
+class Following:
+    def __init__(self, view: View, ownership: Ownership, follow_all: bool = False) -> None:
+        self._view = view
+        self._ownership = ownership
+        self.follow_all = follow_all
+        self._needs: collections.Counter[int] = collections.Counter()
+        self._lingering: dict[int, float] = {}  # slot (or ALL) -> monotonic time it may go
+        self.interest = Interest(self.wanted)
+        self._last: frozenset[int] | None = None
+
+    def wanted(self) -> frozenset[int] | None:
+        now = time.monotonic()
+        for slot, until in list(self._lingering.items()):
+            if until <= now:
+                del self._lingering[slot]
+        needed = set(self._needs) | set(self._lingering)
+        if self.follow_all or ALL in needed or any(e.record.quota_blocks for e in self._view.tenants.values()):
+            return None
+        slots = frozenset(self._ownership.owned | needed)
+        return None if len(slots) == keys.SLOTS else slots
+
+    def recheck(self) -> None:
+        """Poke the follow if what this replica should follow changed."""
+        wanted = self.wanted()
+        if wanted != self._last:
+            self._last = wanted
+            _log.info("following", slots="all" if wanted is None else len(wanted))
+            metrics.FOLLOWED_SLOTS.set(keys.SLOTS if wanted is None else len(wanted))
+            self.interest.poke()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            self.recheck()
+            try:
+                await asyncio.wait_for(stop.wait(), RECHECK_S)
+            except asyncio.TimeoutError:
+                pass
+
+    def covers(self, slots: Iterable[int]) -> bool:
+        following = self._view.following
+        return following is None or (ALL not in slots and all(s in following for s in slots))
+
+    async def until_covered(self, slots: Iterable[int], timeout_s: float = COVER_WAIT_S) -> bool:
+        slots = tuple(slots)
+        deadline = time.monotonic() + timeout_s
+        while not self.covers(slots):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    @contextlib.asynccontextmanager
+    async def needing(self, slots: Iterable[int]):
+        """Follow ``slots`` (or ``[ALL]``) while the body runs, and ``LINGER_S`` after."""
+        slots = tuple(slots)
+        self._needs.update(slots)
+        self.recheck()
+        try:
+            await self.until_covered(slots)
+            yield
+        finally:
+            self._needs.subtract(slots)
+            until = time.monotonic() + LINGER_S
+            for slot in slots:
+                if self._needs[slot] <= 0:
+                    del self._needs[slot]
+                self._lingering[slot] = max(self._lingering.get(slot, 0.0), until)
+
+    def borrow(self, slots: Iterable[int]) -> None:
+        """Follow ``slots`` for ``LINGER_S`` from now (a Reserve's room beyond its own engines)."""
+        until = time.monotonic() + LINGER_S
+        for slot in slots:
+            self._lingering[slot] = max(self._lingering.get(slot, 0.0), until)
+        self.recheck()

@@ -1,0 +1,134 @@
+"""One batch of Reserves as the reserver (kvpush/controlplane/reserver.py) plans it: the
+asks, the blocks the batch has taken so far, and the one etcd transaction that commits
+them, fenced on each engine and tenant it touches."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import secrets
+
+import numpy as np
+
+from kvpush.controlplane import keys
+from kvpush.controlplane.etcd import cmp_create, cmp_mod, op_put, op_touch
+from kvpush.controlplane.leases import LeaseBuckets
+from kvpush.controlplane.lifecycle import move_writes
+from kvpush.controlplane.records import ReservationRecord, TenantRecord
+from kvpush.controlplane.view import View
+from kvpush.contract.layout import KvLayout
+
+
+@dataclasses.dataclass
+class ReserveAsk:
+    tenant: TenantRecord
+    request_id: str
+    num_tokens: int
+    model: str
+    deadline_ms: int                      # lifetime in ms
+    preferred_engine_id: str = ""
+    prefill_layout: KvLayout | None = None
+    prefill_engine_id: str = ""           # named by the scheduler: its sidecar hears the grant by watch
+    prefill_incarnation: str = ""
+    # Decode failover (Scheduler.Relocate): the reservation this one replaces, as read at
+    # ``moving_revision``; it ends FAILED (or, already FAILED, is marked moved) in the
+    # same transaction, on another engine of its block size.
+    moving: ReservationRecord | None = None
+    moving_revision: int = 0
+    move_reason: str = ""                 # why its decode engine failed, kept on the old one
+    # KV-aware routing: the prompt's full blocks' keys (kvpush/contract/block_hash.py), hashed
+    # over blocks of this many tokens; the engine holding the longest prefix is preferred.
+    block_keys: tuple[int, ...] = ()
+    block_keys_block_size: int = 0
+    # Conditional disaggregation: a decode engine that lacks fewer than this many of the
+    # prompt's tokens gets the request alone (nothing reserved); 0: always reserve.
+    local_prefill_tokens: int = 0
+    future: asyncio.Future | None = None
+    widened: bool = False                 # planned again once over more slots than the replica's own
+
+    def same_params(self, rec: ReservationRecord) -> bool:
+        return rec.num_tokens == self.num_tokens and rec.model == self.model
+
+
+# Ids need to be unique across replicas, not secret (every lookup is scoped to the
+# tenant): 88 random bits from a generator seeded by the OS, without a getrandom()
+# syscall per reservation, after the 8 bits of the engine's slot (keys.reservation).
+_ids = random.Random(secrets.randbits(128))
+
+
+def new_reservation_id(engine_id: str) -> str:
+    return f"r-{keys.slot_of(engine_id):02x}{_ids.getrandbits(88):022x}"
+
+
+@dataclasses.dataclass
+class BatchState:
+    """What a batch has taken so far, before it is committed."""
+    bitmaps: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)   # engine -> working copy
+    free: np.ndarray | None = None                      # the view's free counts less what the batch took, by slot
+    used: dict[str, int] = dataclasses.field(default_factory=dict)             # tenant -> blocks
+
+
+@dataclasses.dataclass
+class Plan:
+    asks: list[ReserveAsk] = dataclasses.field(default_factory=list)
+    records: list[ReservationRecord] = dataclasses.field(default_factory=list)
+    deferred: list[ReserveAsk] = dataclasses.field(default_factory=list)
+    compares: list = dataclasses.field(default_factory=list)
+    ops: list = dataclasses.field(default_factory=list)
+    writes: list = dataclasses.field(default_factory=list)   # (key, value, lease, record) for the view
+    moved_live: int = 0                                      # live reservations a move ends FAILED
+    moves: int = 0                                           # asks that move a reservation
+    _fenced: set = dataclasses.field(default_factory=set)
+
+    def has_room(self, max_ops: int) -> bool:
+        """Whether one more ask surely fits: at most 5 more operations (two puts, an engine's
+        and a tenant's fence, a move's end) and 6 more compares."""
+        return (len(self.ops) + 2 * len(self.records) + self.moves + 5 <= max_ops
+                and len(self.compares) + self.moves + 6 <= max_ops)
+
+    def add(self, ask: ReserveAsk, rec: ReservationRecord, tenant: TenantRecord, view: View) -> None:
+        self.asks.append(ask)
+        self.records.append(rec)
+        self.moves += ask.moving is not None
+        if ask.moving is None or not ask.moving.state.live:
+            # (A live reservation being moved holds the request key: the compare on its
+            # own mod revision, in attach_records, stands for this one.)
+            self.compares.append(cmp_create(keys.request(rec.tenant, rec.request_id), 0))
+        if ("e", rec.engine_id) not in self._fenced:
+            self._fenced.add(("e", rec.engine_id))
+            self.compares.append(cmp_mod(keys.engine(rec.engine_id), view.engines[rec.engine_id].mod_revision))
+            self.compares.append(cmp_mod(keys.pool(rec.engine_id), view.pool_fences[rec.engine_id]))
+            self.ops.append(op_touch(keys.pool(rec.engine_id)))
+            self.writes.append((keys.pool(rec.engine_id), b"", view.engines[rec.engine_id].lease, None))
+        if ("t", rec.tenant) not in self._fenced:
+            self._fenced.add(("t", rec.tenant))
+            self.compares.append(cmp_mod(keys.tenant(rec.tenant), view.tenants[rec.tenant].mod_revision))
+            # The usage fence guards a quota only: without one, replicas reserving for the same
+            # tenant at once would fail each other's transactions for nothing. (Setting a quota
+            # changes the tenant record, which the compare above catches.)
+            if tenant.quota_blocks:
+                self.compares.append(cmp_mod(keys.usage(rec.tenant), view.usage_fences.get(rec.tenant, 0)))
+                self.ops.append(op_put(keys.usage(rec.tenant), b""))
+                self.writes.append((keys.usage(rec.tenant), b"", 0, None))
+
+    async def attach_records(self, leases: LeaseBuckets) -> None:
+        """Add the reservation and request-index puts, bound to their deadline lease."""
+        for ask, rec in zip(self.asks, self.records):
+            if ask.moving is not None:
+                old = ask.moving
+                tombstone = await leases.tombstone() if old.state.live else 0
+                compares, ops, write = move_writes(old, ask.moving_revision, rec.id,
+                                                   f"moved to another decode engine: {ask.move_reason}", tombstone)
+                self.compares += compares
+                self.ops += ops
+                self.writes.append(write)
+                self.moved_live += old.state.live
+            lease = await leases.for_deadline(rec.deadline_ms)
+            value = rec.encode()
+            req_key = keys.request(rec.tenant, rec.request_id)
+            self.ops.append(op_put(keys.reservation(rec.id), value, lease))
+            self.ops.append(op_put(req_key, rec.id.encode(), lease))
+            self.writes.append((keys.reservation(rec.id), value, lease, rec))
+            self.writes.append((req_key, rec.id.encode(), lease, None))
+

@@ -1,0 +1,118 @@
+"""Two replicas that each follow only their own slots (kvpush/controlplane/following.py),
+over a real etcd: neither holds the other's reservations, and every call still works
+through either one. A Reserve whose replica has no room of its own reaches the other's
+engines, a Reserve asked again through the other replica gets its first answer, a decode
+sidecar's stream on the non-owner hears its engine, a release and a tenant's deletion
+through the non-owner end what they should, and etcd's invariants hold."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from kvpush.app.simulated import SimulatedEngine
+from kvpush.client.control_plane import ControlPlaneClient
+from kvpush.contract.v1 import admin_pb2, registry_pb2, scheduler_pb2, types_pb2
+from kvpush.controlplane import keys
+from kvpush.controlplane.ownership import assign
+from kvpush.controlplane.server import ControlPlane, ControlPlaneConfig
+from tests.conftest import ADMIN_TOKEN, ENGINE_TOKEN
+from tests.controlplane.helpers import make_tenant, release, reserve, settle
+from tests.controlplane.test_follow import eventually
+
+OWNERS = assign(["a", "b"])
+
+
+def engine_owned_by(replica: str, skip: int = 0) -> str:
+    found = [f"decode-{i}" for i in range(200) if OWNERS[keys.slot_of(f"decode-{i}")] == replica]
+    return found[skip]
+
+
+def request_key_followed_by(replica: str, tenant: str) -> str:
+    return next(f"req-{i}" for i in range(200)
+                if OWNERS[keys.slot_of_key(keys.request(tenant, f"req-{i}"))] == replica)
+
+
+async def test_two_replicas_follow_their_own_slots_and_serve_everything(etcd):
+    planes = [ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd.endpoint, admin_token=ADMIN_TOKEN,
+                                              engine_token=ENGINE_TOKEN, replica_id=rid, sweep_interval_s=0.5))
+              for rid in ("a", "b")]
+    clients: list[ControlPlaneClient] = []
+    engines: list[SimulatedEngine] = []
+    try:
+        for plane in planes:
+            await plane.start()
+            await plane.view.ready.wait()
+        a, b = planes
+        addr = [f"127.0.0.1:{p.port}" for p in planes]
+        await eventually(lambda: all(p.view.following is not None and len(p.view.following) < keys.SLOTS
+                                     for p in planes))
+        assert a.view.following.isdisjoint(b.view.following)
+        assert len(a.view.following | b.view.following) == keys.SLOTS
+
+        admin = ControlPlaneClient(addr[0], ADMIN_TOKEN)
+        engine_client = ControlPlaneClient(addr[0], ENGINE_TOKEN)
+        clients += [admin, engine_client]
+        # One engine, owned by b: a has no room of its own.
+        only = engine_owned_by("b")
+        engine = SimulatedEngine(engine_client, only, num_blocks=64)
+        engines.append(engine)
+        await engine.register()
+        tenant_a = await make_tenant(admin, addr[0], "acme")
+        token = tenant_a.metadata[0][1].split()[1]
+        tenant_b = ControlPlaneClient(addr[1], token)
+        clients += [tenant_a, tenant_b]
+        await eventually(lambda: b.view.tenant("acme") is not None and only in b.view.pool_fences)
+
+        # Through b (the owner): a's view never hears of it.
+        mine = await reserve(tenant_b, "req-b", 16)
+        await asyncio.sleep(0.3)
+        assert mine.id in b.view.reservations and mine.id not in a.view.reservations
+
+        # Through a: it takes b's slot on for a while and reserves there.
+        rid = request_key_followed_by("b", "acme")
+        first = await reserve(tenant_a, rid, 16)
+        assert first.engine_id == only and first.id in a.view.reservations
+        # Asked again through the other replica: the same reservation, not a second one.
+        again = await reserve(tenant_b, rid, 16)
+        assert again.id == first.id
+        # The same, with the request key in a slot the replica asked does not follow.
+        rid_a = request_key_followed_by("a", "acme")
+        got = await reserve(tenant_a, rid_a, 16)
+        assert (await reserve(tenant_b, rid_a, 16)).id == got.id
+
+        # A decode sidecar's stream on the replica that does not own its engine hears it.
+        watch = engine_client.registry.WatchEngineReservations(
+            registry_pb2.WatchEngineReservationsRequest(engine_id=only, include_snapshot=True),
+            metadata=engine_client.metadata)
+        seen: list = []
+        while (event := await watch.read()).kind != scheduler_pb2.ReservationEvent.SNAPSHOT_END:
+            seen.append(event.reservation.id)
+        assert set(seen) == {mine.id, first.id, got.id}
+        # Released through a (which follows the slot now) and through b: both reach the stream.
+        await release(tenant_a, mine.id)
+        event = await asyncio.wait_for(watch.read(), 5)
+        assert event.reservation.id == mine.id and event.reservation.state == types_pb2.RELEASED
+        watch.cancel()
+
+        status = await admin.admin.GetStatus(admin_pb2.GetStatusRequest(), metadata=admin.metadata)
+        assert status.live_replicas == 2
+
+        # Deleting the tenant through a ends its reservations on every slot.
+        deleted = await admin.admin.DeleteTenant(admin_pb2.DeleteTenantRequest(name="acme"), metadata=admin.metadata)
+        assert deleted.reservations_released == 2
+        report = await settle(etcd.endpoint, quiet=True)
+        assert not [r for r in report.live if r.tenant == "acme"]
+        try:
+            await reserve(tenant_b, "req-after", 16)
+            raise AssertionError("a deleted tenant reserved")
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        for engine in engines:
+            await engine.stop()
+        for client in clients:
+            await client.close()
+        for plane in planes:
+            await plane.stop(grace=0.1)
