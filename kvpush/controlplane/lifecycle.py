@@ -132,7 +132,8 @@ class Lifecycle:
             raise errors.unavailable("lease vanished; retry") from None
 
     async def read(self, res_id: str) -> tuple[ReservationRecord, int] | None:
-        """The reservation and its mod revision, live (the view) or ended (etcd)."""
+        """The reservation and its mod revision: live in the view, or from etcd (ended, or in
+        a slot this replica does not follow)."""
         current = self._view.reservation_at(res_id)
         if current is not None:
             return current

@@ -268,7 +268,7 @@ class Reserver:
         them a while) and plan it again once they are in the view. False when there are
         none, or it was widened once already."""
         view = self._view
-        if self._following is None or view.following is None or ask.widened or ask.moving is not None:
+        if self._following is None or view.following is None or ask.widened:
             return False
         if slots is None:
             slots = {keys.slot_of(eid) for eid, entry in view.engines.items()

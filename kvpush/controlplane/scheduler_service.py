@@ -165,8 +165,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             raise errors.not_found(f"reservation_id {name!r} not found")
         old, revision = found
         if old.moved_to:
-            successor = self.view.reservation(old.moved_to)
-            if successor is not None:  # asked again: the same answer while it lives
+            successor = await self._lifecycle.find(old.moved_to)  # (it may be in a slot this replica does not follow)
+            if successor is not None and successor.state.live:  # asked again: the same answer while it lives
                 return successor
             raise errors.failed_precondition(f"reservation_id {name!r} was moved to {old.moved_to}, "
                                              "which has ended")

@@ -18,7 +18,8 @@ import zmq
 
 from kvpush.app.etcd_server import free_port
 from kvpush.controlplane.etcd import EtcdClient
-from kvpush.controlplane.view import View, follow
+from kvpush.controlplane.follow import follow
+from kvpush.controlplane.view import View
 from kvpush.contract.block_hash import BlockHasher
 from tests.sidecar.test_kv_events import stored
 from tests.sidecar.test_service_metrics import scrape
