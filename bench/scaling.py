@@ -58,12 +58,10 @@ async def db_size(endpoint: str) -> int:
 async def keyspace(etcd: EtcdClient) -> dict[str, tuple[int, int]]:
     """prefix name -> (keys, bytes of keys and values)."""
     engines, _ = await etcd.get_prefix(keys.ENGINES)
+    requests, _ = await etcd.get_prefix(keys.REQUESTS)
     slotted, _ = await etcd.get_prefix(keys.SLOTTED)
-    groups = {"engines": engines, "reservations": [], "requests": []}
-    for kv in slotted:
-        kind = keys.split_slotted(kv.key)[0]
-        if kind != keys.POOLS:
-            groups["reservations" if kind == keys.RESERVATIONS else "requests"].append(kv)
+    groups = {"engines": engines, "requests": requests,
+              "reservations": [kv for kv in slotted if keys.split_slotted(kv.key)[0] == keys.RESERVATIONS]}
     return {name: (len(kvs), sum(len(kv.key) + len(kv.value) for kv in kvs)) for name, kvs in groups.items()}
 
 

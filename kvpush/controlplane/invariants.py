@@ -76,18 +76,17 @@ async def check(etcd: EtcdClient | str, quiet: bool = False, allow_orphans: bool
             if kind == keys.POOLS:
                 pools.add(name)
                 right = keys.pool(name)
-            elif kind == keys.RESERVATIONS:
+            else:
                 res = ReservationRecord.decode(kv.value)
                 reservations.append(res)
                 right = keys.reservation(res.id)
                 if keys.reservation_slot(res.id) != keys.slot_of(res.engine_id):
                     misplaced.append(f"reservation {res.id} is not in engine {res.engine_id}'s slot")
-            else:
-                tenant, _, request_id = name.partition("/")
-                requests[(tenant, request_id)] = kv.value.decode()
-                right = keys.request(tenant, request_id)
             if right != kv.key:
                 misplaced.append(f"key {kv.key!r} belongs at {right!r}")
+        elif kv.key.startswith(keys.REQUESTS):
+            tenant, _, request_id = keys.name_of(kv.key, keys.REQUESTS).partition("/")
+            requests[(tenant, request_id)] = kv.value.decode()
         elif kv.key.startswith(keys.TENANTS):
             rec = TenantRecord.decode(kv.value)
             tenants[rec.name] = rec

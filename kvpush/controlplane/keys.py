@@ -1,12 +1,15 @@
 """The etcd key schema (DESIGN.md §4). Every key the control plane writes is built here.
 
-Keys fall in two parts. The registry's shared state (tenants, engines, prefix reports,
+Keys fall in three parts. The registry's shared state (tenants, engines, prefix reports,
 replicas, quota fences) lives under ``ROOT`` and every replica follows all of it. What
-each request writes (its reservation, its request-index key, its engine's fence) lives
-under ``SLOTTED``, partitioned by the decode engine's slot: ``SLOTTED/<slot>/...``, two
-hex digits. A replica follows the slots it needs (kvpush/controlplane/ownership.py), so
-one prefix watch per slot brings it just those requests. A reservation id begins with
-its slot, so a key is found from an id alone.
+each request writes to its engine (its reservation, the engine's fence) lives under
+``SLOTTED``, partitioned by the decode engine's slot: ``SLOTTED/<slot>/...``, two hex
+digits. A replica follows the slots it needs (kvpush/controlplane/following.py), so one
+prefix watch per slot brings it just those requests. A reservation id begins with its
+slot, so a key is found from an id alone. The request index (``REQUESTS``) is keyed by
+what the client sent, not by an engine, so no slot can hold it: only a replica that
+follows every slot follows it; the others read a key when a Reserve's transaction fails
+on it (a retry: kvpush/controlplane/reserver.py).
 """
 
 from __future__ import annotations
@@ -18,16 +21,16 @@ TENANTS = ROOT + b"tenants/"
 ENGINES = ROOT + b"engines/"
 USAGE = ROOT + b"usage/"              # per-tenant fence: bumped by its quota-checked Reserves and record writes
 PREFIXES = ROOT + b"prefixes/"        # per decode engine: its last prefix report (on the engine's lease)
+REQUESTS = ROOT + b"requests/"        # (tenant, request id) -> reservation id, for idempotency
 REPLICAS = ROOT + b"replicas/"        # per live control-plane replica (on its own lease): who owns what
 FREE = ROOT + b"free/"                # per live replica (on its lease): its own engines' free blocks
 SLOTTED = ROOT + b"slots/"            # per-request keys, by slot: SLOTTED + b"<slot>/" + one of the below
 POOLS = b"pools/"                     # per engine: its fence, bumped by every reservation on it
 RESERVATIONS = b"reservations/"
-REQUESTS = b"requests/"               # (tenant, request id) -> reservation id, for idempotency
 
 SLOTS = 256
-# The shared state is every key under ROOT outside SLOTTED: two ranges, [start, end).
-SHARED_RANGES = ((ROOT, SLOTTED), (SLOTTED[:-1] + b"0", ROOT[:-1] + b"0"))
+# The shared state is every key under ROOT outside REQUESTS and SLOTTED: three ranges, [start, end).
+SHARED_RANGES = ((ROOT, REQUESTS), (REQUESTS[:-1] + b"0", SLOTTED), (SLOTTED[:-1] + b"0", ROOT[:-1] + b"0"))
 
 
 def slot_of(engine_id: str) -> int:
@@ -47,12 +50,12 @@ def slot_of_key(key: bytes) -> int | None:
 
 
 def in_every_slot(kind: bytes) -> list[bytes]:
-    """The prefixes of one kind (POOLS, RESERVATIONS, REQUESTS) across the slots."""
+    """The prefixes of one kind (POOLS, RESERVATIONS) across the slots."""
     return [slot_prefix(slot) + kind for slot in range(SLOTS)]
 
 
 def split_slotted(key: bytes) -> tuple[bytes, str]:
-    """(kind, name) of a key under SLOTTED: kind is POOLS, RESERVATIONS or REQUESTS."""
+    """(kind, name) of a key under SLOTTED: kind is POOLS or RESERVATIONS."""
     rest = key[len(SLOTTED) + 3:]
     kind, _, name = rest.partition(b"/")
     return kind + b"/", name.decode()
@@ -80,10 +83,7 @@ def reservation(res_id: str) -> bytes:
 
 
 def request(tenant_name: str, request_id: str) -> bytes:
-    # Under the slot of its own hash: a retried Reserve may land on another engine, and
-    # its index key must be the same key whichever engine that is.
-    slot = zlib.crc32(tenant_name.encode() + b"/" + request_id.encode()) % SLOTS
-    return slot_prefix(slot) + REQUESTS + tenant_name.encode() + b"/" + request_id.encode()
+    return REQUESTS + tenant_name.encode() + b"/" + request_id.encode()
 
 
 def prefixes(engine_id: str) -> bytes:

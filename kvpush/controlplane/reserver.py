@@ -243,16 +243,15 @@ class Reserver:
         return True
 
     async def _read_request_keys(self, asks: list[ReserveAsk]) -> None:
-        """After a failed transaction: the request-index keys of ``asks`` that lie in slots
-        this replica does not follow, read from etcd. A Reserve asked again (its answer was
-        lost) is answered with what it got the first time, as in a followed slot."""
+        """After a failed transaction, in a view that does not follow the request index
+        (keys.REQUESTS): the index keys of ``asks``, read from etcd. A Reserve asked again
+        (its answer was lost) is answered with what it got the first time, as in a view
+        that follows the index."""
         view = self._view
         for ask in asks:
             if ask.future.done() or view.following is None:
                 continue
             key = keys.request(ask.tenant.name, ask.request_id)
-            if view.followed(keys.slot_of_key(key)):
-                continue
             try:
                 kv = await self._etcd.get(key)
                 found = await self._etcd.get(keys.reservation(kv.value.decode())) if kv is not None else None

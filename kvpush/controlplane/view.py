@@ -220,12 +220,14 @@ class View:
                     self.pool_fences.pop(name, None)
                 else:
                     self.pool_fences[name] = revision
-            elif kind == keys.REQUESTS:
-                tenant, _, request_id = name.partition("/")
-                if deleted:
-                    self.requests.pop((tenant, request_id), None)
-                else:
-                    self.requests[(tenant, request_id)] = kv.value.decode()
+        elif key.startswith(keys.REQUESTS):
+            if self.following is not None:
+                return  # (a write of this replica's own: the index is followed with every slot only)
+            tenant, _, request_id = keys.name_of(key, keys.REQUESTS).partition("/")
+            if deleted:
+                self.requests.pop((tenant, request_id), None)
+            else:
+                self.requests[(tenant, request_id)] = kv.value.decode()
         elif key.startswith(keys.ENGINES):
             self._apply_engine(keys.name_of(key, keys.ENGINES), kv, deleted, revision)
         elif key.startswith(keys.USAGE):
@@ -408,6 +410,7 @@ class View:
         return self.following is None or slot in self.following
 
     def take_slot(self, slot: int, kvs: list[KV]) -> None:
+        # (A view following some slots holds no request index: see keys.REQUESTS.)
         """Start keeping ``slot``: ``kvs`` is everything under it at some revision; the
         watch from the next revision follows. (Reservations it holds are announced as
         they would be by the watch: a sidecar stream that asked for the slot hears them.)"""
@@ -431,8 +434,6 @@ class View:
             self._contribute(rec, -1)
         for engine_id in [e for e in self.pool_fences if keys.slot_of(e) == slot]:
             del self.pool_fences[engine_id]
-        for req in [r for r in self.requests if keys.request(*r).startswith(prefix)]:
-            del self.requests[req]
         kept = [q for q in self.quarantined if keys.slot_of(q[2]) != slot]
         for _, _, engine_id, incarnation, extents in self.quarantined:
             if keys.slot_of(engine_id) == slot:
