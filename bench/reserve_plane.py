@@ -32,13 +32,13 @@ _ids = itertools.count()
 
 
 class Plane:
-    def __init__(self, etcd: str, group_commit: bool) -> None:
+    def __init__(self, etcd: str, group_commit: bool, extra: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         ready = tempfile.mktemp(prefix="kvpush-bench-ready-")
         cmd = [sys.executable, "-m", "kvpush.app.cli", "controlplane", "--listen", self.address, "--etcd", etcd,
                "--admin-token", ADMIN, "--max-batch", "500", "--default-deadline-ms", "600000",
-               "--ready-file", ready, "--log-level", "warning"]
+               "--ready-file", ready, "--log-level", "warning", *extra]
         if not group_commit:
             cmd.append("--no-group-commit")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

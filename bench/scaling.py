@@ -204,12 +204,13 @@ async def main() -> None:
     parser.add_argument("--rate", type=float, default=300.0, help="Reserve + Release pairs per second")
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--replicas", action="store_true",
-                        help="CPU per request on each replica with 1, 2 and 4 replicas (bench/scaling_replicas.py)")
+                        help="CPU per request on each replica with 1, 2 and 4 replicas, following everything and their own slots (bench/scaling_replicas.py)")
     args = parser.parse_args()
     if args.replicas:
         from bench.scaling_replicas import replicas
-        points = [(1, 100.0), (2, 100.0)] if args.quick else \
-            [(1, 100.0), (1, 300.0), (1, 600.0), (1, 1200.0), (2, 100.0), (4, 100.0)]
+        points = [("owned", 1, 100.0), ("owned", 2, 100.0)] if args.quick else \
+            [(mode, n, 100.0) for mode in ("all", "owned") for n in (1, 2, 4)] + \
+            [("owned", 1, rate) for rate in (300.0, 600.0, 1200.0)]
         await replicas(points, seconds=2.0 if args.quick else 6.0, write=not args.quick)
         return
     grid = [(10, 1_000), (100, 1_000), (1_000, 1_000), (10, 100_000), (100, 100_000), (1_000, 100_000)]

@@ -7,9 +7,11 @@ that has no part in a request). Run by ``bench/scaling.py --replicas``; writes t
 "scaling-replicas" of docs/BENCHMARKS.md.
 
 Each replica's CPU is measured at rest (heartbeats) and under the open-loop load; "per
-request" is its CPU under load less at rest, divided by the requests it served. A replica
-that applies every change of every other replica pays the follow once per request of the
-whole registry, so its cost per request served grows with the number of replicas."""
+request" is its CPU under load less at rest, divided by the requests it served. Every point
+runs twice, the replicas at ``--follow all`` (the baseline: each applies every change of
+every other, so it pays the follow once per request of the whole registry and its cost per
+request served grows with the number of replicas) and at ``--follow owned`` (each follows
+its own slots: kvpush/controlplane/following.py)."""
 
 from __future__ import annotations
 
@@ -82,10 +84,11 @@ async def _tenant_everywhere(fronts_planes: list[Plane], token: str) -> None:
         await client.close()
 
 
-async def point(etcd: EmbeddedEtcd, replicas: int, per_replica: float, seconds: float) -> dict:
+async def point(etcd: EmbeddedEtcd, follow: str, replicas: int, per_replica: float, seconds: float) -> dict:
     rate = per_replica * replicas
-    planes = [Plane(etcd.endpoint, group_commit=True) for _ in range(replicas)]
-    passive = Plane(etcd.endpoint, group_commit=True)
+    extra = ("--follow", follow)
+    planes = [Plane(etcd.endpoint, group_commit=True, extra=extra) for _ in range(replicas)]
+    passive = Plane(etcd.endpoint, group_commit=True, extra=extra)
     names = {f"r{i}": psutil.Process(p.proc.pid) for i, p in enumerate(planes)}
     names["passive"] = psutil.Process(passive.proc.pid)
     names["etcd"] = psutil.Process(etcd.proc.pid)
@@ -136,11 +139,11 @@ async def point(etcd: EmbeddedEtcd, replicas: int, per_replica: float, seconds: 
     await wipe_registry(etcd)
     total = sum(served)
     per_request = [(busy[f"r{i}"] - idle[f"r{i}"]) * wall / served[i] for i in range(replicas)]
-    row = dict(replicas=replicas, rate=total / wall, errors=errors, p50=pct(lat, 50) * 1e3, p99=pct(lat, 99) * 1e3,
+    row = dict(follow=follow, replicas=replicas, rate=total / wall, errors=errors, p50=pct(lat, 50) * 1e3, p99=pct(lat, 99) * 1e3,
                per_request_ms=[x * 1e3 for x in per_request],
                follow_ms=(busy["passive"] - idle["passive"]) * wall / total * 1e3,
                busy=busy, idle=idle, invariants=report.ok)
-    print(f"  {replicas} replicas: {row['rate']:.0f} lifecycles/s, Reserve p50 {row['p50']:.2f} p99 {row['p99']:.2f} ms, "
+    print(f"  --follow {follow}, {replicas} replicas: {row['rate']:.0f} lifecycles/s, Reserve p50 {row['p50']:.2f} p99 {row['p99']:.2f} ms, "
           f"errors {errors}; CPU per request served "
           f"{', '.join(f'{x:.3f}' for x in row['per_request_ms'])} ms; the idle replica's follow "
           f"{row['follow_ms']:.3f} ms per request; etcd {busy['etcd']:.2f} cores; invariants "
@@ -148,45 +151,63 @@ async def point(etcd: EmbeddedEtcd, replicas: int, per_replica: float, seconds: 
     return row
 
 
-async def replicas(points: list[tuple[int, float]], seconds: float, write: bool) -> None:
-    """``points``: (serving replicas, lifecycles/s on each)."""
+async def replicas(points: list[tuple[str, int, float]], seconds: float, write: bool) -> None:
+    """``points``: (--follow mode, serving replicas, lifecycles/s on each)."""
     etcd = EmbeddedEtcd(max_txn_ops=4096).start()
     rows = []
     try:
         print(f"etcd {etcd.endpoint}; {ENGINES} simulated decode engines; {seconds:g} s a point, "
               f"plus one replica serving nothing", flush=True)
-        for n, per_replica in points:
-            rows.append(await point(etcd, n, per_replica, seconds))
+        for follow, n, per_replica in points:
+            rows.append(await point(etcd, follow, n, per_replica, seconds))
     finally:
         etcd.stop()
-    headers = ["serving replicas", "lifecycles/s (registry)", "errors", "Reserve p50 ms", "p99 ms",
+    headers = ["--follow", "serving replicas", "lifecycles/s (registry)", "errors", "Reserve p50 ms", "p99 ms",
                "CPU per request served, each replica (ms)", "follow per request, replica serving nothing (ms)",
                "etcd cores", "load generator cores"]
-    table = [[r["replicas"], f"{r['rate']:.0f}", r["errors"], f"{r['p50']:.2f}", f"{r['p99']:.2f}",
+    table = [[r["follow"], r["replicas"], f"{r['rate']:.0f}", r["errors"], f"{r['p50']:.2f}", f"{r['p99']:.2f}",
               " / ".join(f"{x:.3f}" for x in r["per_request_ms"]), f"{r['follow_ms']:.3f}",
               f"{r['busy']['etcd']:.2f}", f"{r['busy']['client']:.2f}"] for r in rows]
     print(render(headers, table))
     if not write:
         return
-    alone = [r for r in rows if r["replicas"] == 1]
+
+    def mean(r: dict) -> float:
+        return sum(r["per_request_ms"]) / len(r["per_request_ms"])
+
+    def same_rate(follow: str) -> list[dict]:
+        base = [r for r in rows if r["follow"] == follow]
+        per = min(r["rate"] / r["replicas"] for r in base)  # the rate every serving replica shares
+        return [r for r in base if abs(r["rate"] / r["replicas"] - per) < 0.2 * per]
+
+    lines = []
+    for follow in ("all", "owned"):
+        grow = same_rate(follow)
+        if len(grow) > 1:
+            first = mean(grow[0])
+            lines.append(f"- `--follow {follow}`: a serving replica's CPU per request served, at "
+                         f"{grow[0]['rate'] / grow[0]['replicas']:.0f}/s on each, is "
+                         + ", ".join(f"{mean(r):.2f} ms with {r['replicas']}" for r in grow)
+                         + f" serving replicas ({', '.join(f'{mean(r) / first:.2f}' for r in grow)} of one's); the "
+                         "replica serving nothing pays "
+                         + ", ".join(f"{r['follow_ms']:.3f} ms" for r in grow) + " per request of the registry.")
     text = f"""## Scaling out: what each replica pays per request, and what following costs
 
 Command: `.venv/bin/python bench/scaling.py --replicas` (one run; one etcd with fsync; {ENGINES} simulated
 decode engines, their heartbeats spread over the serving replicas; full lifecycles, a Reserve over the
 router's stream client and the decode's CONSUMED over the sidecars' report stream, open loop for
-{seconds:g} s a point, request i sent to serving replica i mod N; one more replica serves nothing). The rows
-with one serving replica raise the registry's rate; the others keep 100/s on each serving replica, so N
+{seconds:g} s a point, request i sent to serving replica i mod N; one more replica serves nothing). Each point
+runs with every replica at `--follow all` (each follows the whole registry, as before ownership) and at
+`--follow owned` (each follows its own slots and what its clients need: the default). The rows with one
+serving replica raise the registry's rate; the others keep the same rate on each serving replica, so N
 replicas carry N times one's load. "CPU per request served" is each serving replica's CPU under load less
 its CPU at rest, over the requests it served; the follow column is the idle replica's CPU under load less
-at rest, over all the registry's requests. Every process shares this machine's 2 cores.
+at rest, over all the registry's requests (it owns a share of the engines too, and the serving replicas
+reserve on their own). Every process shares this machine's 2 cores.
 
 {markdown(headers, table)}
 
-- Following the registry costs a replica {', '.join(f"{r['follow_ms']:.2f} ms" for r in alone)} per request
-  at {', '.join(f"{r['rate']:.0f}" for r in alone)} requests/s: a replica applies every change any other made
-  (watch responses carry more changes each as the rate grows, so the cost per request falls).
-- Serving costs the replica {', '.join(f"{r['per_request_ms'][0]:.2f} ms" for r in alone)} per request at the
-  same rates, its own follow of its own writes included.
+{chr(10).join(lines)}
 - Invariants checked in etcd after every point: {'all hold' if all(r['invariants'] for r in rows) else 'VIOLATED'}.
 """
     update_section("scaling-replicas", text)

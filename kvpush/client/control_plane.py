@@ -12,7 +12,10 @@ from kvpush.tls import channel_credentials
 class ControlPlaneClient:
     def __init__(self, address: str, token: str, tls_ca: str = "", tls_cert: str = "", tls_key: str = "",
                  server_name: str = "") -> None:
-        options = [("grpc.max_receive_message_length", 64 << 20)]
+        # An address listing several replicas (ipv4:a,b or a dns:/// name) spreads calls over
+        # them: each replica follows only its own engines' requests, so all of a fleet's
+        # clients on the first one (gRPC's default, pick_first) would leave the others idle.
+        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.lb_policy_name", "round_robin")]
         if server_name:
             options.append(("grpc.ssl_target_name_override", server_name))
         if tls_ca or tls_cert:
