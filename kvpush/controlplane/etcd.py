@@ -116,6 +116,11 @@ def op_put(key: bytes, value: bytes, lease: int = 0, keep_lease: bool = False):
                                                     ignore_lease=keep_lease))
 
 
+def op_key(op) -> bytes:
+    """The key a put or a delete writes."""
+    return getattr(op, op.WhichOneof("request")).key
+
+
 def op_touch(key: bytes):
     """Bump a key's mod revision, keeping its value and lease (a fence write)."""
     return rpc.RequestOp(request_put=rpc.PutRequest(key=key, ignore_value=True, ignore_lease=True))

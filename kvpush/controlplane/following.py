@@ -3,13 +3,13 @@
 A replica follows the slots it owns (ownership.py), so the requests of the others' engines
 never reach it. On top of those it follows what its own clients need while they need it:
 
-* a decode sidecar's reservation stream: that engine's slot;
+* a sidecar's reservation stream: that engine's slot (a decode engine's reservations
+  live there; a prefill engine's are copied there, keys.push);
 * a Reserve that found no room on the engines it follows, while others of the model
   exist: their slots, for ``LINGER_S`` after the last such Reserve;
-* what no single slot answers: a prefill sidecar's stream (the reservations it pushes
-  into land on any engine), a tenant's reservation watch, the exact counts of
-  ``ListEngines`` and ``GetEngine``, a tenant with a quota (its usage is counted over
-  every slot): every slot.
+* what no single slot answers: a tenant's reservation watch, the exact counts of
+  ``ListEngines``, ``DeleteTenant``, a tenant with a quota (its usage is counted over
+  every slot): every slot. (``GetEngine`` takes its engine's slot.)
 
 Needs linger ``LINGER_S`` after they end, so a sidecar reconnecting does not make the
 replica drop a slot and read it again. ``--follow all`` makes a replica follow every slot

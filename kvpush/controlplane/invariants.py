@@ -66,6 +66,7 @@ async def check(etcd: EtcdClient | str, quiet: bool = False, allow_orphans: bool
     requests: dict[tuple[str, str], str] = {}
     tenants: dict[str, TenantRecord] = {}
     prefix_reports: dict[str, bytes] = {}
+    copies: dict[bytes, bytes] = {}  # prefill engines' copies (keys.push) -> value
     misplaced: list[str] = []  # a per-request key outside its slot: a replica following that slot misses it
     for kv in kvs:
         if kv.key.startswith(keys.ENGINES):
@@ -76,6 +77,9 @@ async def check(etcd: EtcdClient | str, quiet: bool = False, allow_orphans: bool
             if kind == keys.POOLS:
                 pools.add(name)
                 right = keys.pool(name)
+            elif kind == keys.PUSHES:
+                copies[kv.key] = kv.value
+                right = kv.key if kv.key == keys.push(*name.split("/", 1)) else b"(not a push key)"
             else:
                 res = ReservationRecord.decode(kv.value)
                 reservations.append(res)
@@ -94,6 +98,13 @@ async def check(etcd: EtcdClient | str, quiet: bool = False, allow_orphans: bool
             prefix_reports[keys.name_of(kv.key, keys.PREFIXES)] = kv.value
 
     violations: list[str] = misplaced
+    by_id = {r.id: r for r in reservations}
+    for key, value in copies.items():  # written in the same transactions as the reservation
+        copy = ReservationRecord.decode(value)
+        original = by_id.get(copy.id)
+        if original is None or original.prefill_engine_id != copy.prefill_engine_id or \
+                (original.state, original.extents) != (copy.state, copy.extents):
+            violations.append(f"prefill copy {key!r} does not match its reservation")
     for engine_id, value in prefix_reports.items():  # a report lives and dies with its engine's life
         eng = engines.get(engine_id)
         try:

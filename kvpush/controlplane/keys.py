@@ -27,6 +27,7 @@ FREE = ROOT + b"free/"                # per live replica (on its lease): its own
 SLOTTED = ROOT + b"slots/"            # per-request keys, by slot: SLOTTED + b"<slot>/" + one of the below
 POOLS = b"pools/"                     # per engine: its fence, bumped by every reservation on it
 RESERVATIONS = b"reservations/"
+PUSHES = b"pushes/"                   # a copy of each reservation naming a prefill engine, under that engine's slot
 
 SLOTS = 256
 # The shared state is every key under ROOT outside REQUESTS and SLOTTED: three ranges, [start, end).
@@ -50,12 +51,13 @@ def slot_of_key(key: bytes) -> int | None:
 
 
 def in_every_slot(kind: bytes) -> list[bytes]:
-    """The prefixes of one kind (POOLS, RESERVATIONS) across the slots."""
+    """The prefixes of one kind (POOLS, RESERVATIONS, PUSHES) across the slots."""
     return [slot_prefix(slot) + kind for slot in range(SLOTS)]
 
 
 def split_slotted(key: bytes) -> tuple[bytes, str]:
-    """(kind, name) of a key under SLOTTED: kind is POOLS or RESERVATIONS."""
+    """(kind, name) of a key under SLOTTED: kind is POOLS, RESERVATIONS or PUSHES (name:
+    prefill engine/reservation id)."""
     rest = key[len(SLOTTED) + 3:]
     kind, _, name = rest.partition(b"/")
     return kind + b"/", name.decode()
@@ -80,6 +82,12 @@ def pool(engine_id: str) -> bytes:
 
 def reservation(res_id: str) -> bytes:
     return slot_prefix(reservation_slot(res_id)) + RESERVATIONS + res_id.encode()
+
+
+def push(prefill_engine_id: str, res_id: str) -> bytes:
+    """The copy of reservation ``res_id`` its prefill engine's sidecar is told from: under the
+    prefill engine's slot, so that the replicas following that slot serve its stream."""
+    return slot_prefix(slot_of(prefill_engine_id)) + PUSHES + prefill_engine_id.encode() + b"/" + res_id.encode()
 
 
 def request(tenant_name: str, request_id: str) -> bytes:

@@ -15,7 +15,7 @@ import grpc
 
 from kvpush.controlplane import errors, keys, metrics
 from kvpush.controlplane.etcd import KV, EtcdClient, EtcdLeaseNotFound, EtcdUnavailable, chunks, cmp_create, \
-    cmp_mod, op_delete, op_put, op_txn
+    cmp_mod, op_delete, op_key, op_put, op_txn
 from kvpush.controlplane.group_commit import BATCH, GroupCommit
 from kvpush.controlplane.leases import LeaseBuckets
 from kvpush.controlplane.lifecycle_states import LEGAL, IllegalTransition, Move, decide
@@ -32,6 +32,17 @@ def ending(rec: ReservationRecord, target: State, reason: str) -> ReservationRec
     return dataclasses.replace(rec, state=target, reason=reason or rec.reason, ended_ms=now_ms())
 
 
+def record_puts(rec: ReservationRecord, value: bytes, lease: int, keep_lease: bool = False) -> list:
+    """The puts that store ``rec`` (encoded as ``value``): its key and, when it names a
+    prefill engine, its copy under that engine's slot (keys.push), under ``lease``. The
+    copy never keeps its lease: it may not exist yet (the prefill engine named at PUSHING),
+    and etcd refuses to keep the lease of a key that does not exist."""
+    ops = [op_put(keys.reservation(rec.id), value, lease, keep_lease=keep_lease)]
+    if rec.prefill_engine_id and lease:
+        ops.append(op_put(keys.push(rec.prefill_engine_id, rec.id), value, lease))
+    return ops
+
+
 def move_writes(current: ReservationRecord, revision: int, new_id: str, reason: str,
                 tombstone_lease: int) -> tuple[list, list, tuple]:
     """The replaced half of a decode failover (``Scheduler.Relocate``), for the
@@ -46,7 +57,7 @@ def move_writes(current: ReservationRecord, revision: int, new_id: str, reason: 
         decide(current.state, State.FAILED)  # raises IllegalTransition if the table forbids it
         moved = dataclasses.replace(ending(current, State.FAILED, reason), moved_to=new_id)
         value = moved.encode()
-        return [cmp_mod(key, revision)], [op_put(key, value, tombstone_lease)], (key, value, tombstone_lease, moved)
+        return [cmp_mod(key, revision)], record_puts(moved, value, tombstone_lease), (key, value, tombstone_lease, moved)
     moved = dataclasses.replace(current, moved_to=new_id)
     value = moved.encode()
     return [cmp_mod(key, revision)], [op_put(key, value, keep_lease=True)], (key, value, 0, moved)
@@ -72,10 +83,12 @@ class Lifecycle:
         (illegal move), UNAVAILABLE (etcd down)."""
         key = keys.reservation(res_id)
         current = self._view.reservation_at(res_id)
+        held = self._view.reservation_lease(res_id)  # its lease now (the prefill copy is put under it)
         try:
             if current is None:
                 kv = await self._etcd.get(key)
                 current = (ReservationRecord.decode(kv.value), kv.mod_revision) if kv else None
+                held = kv.lease if kv else 0
             for _ in range(MAX_ATTEMPTS):
                 if current is None:
                     raise errors.not_found(f"reservation_id {res_id!r} not found")
@@ -99,10 +112,15 @@ class Lifecycle:
                 if target.terminal:
                     lease = await self._leases.tombstone()
                     req_key = keys.request(rec.tenant, rec.request_id)
-                    ops, written = [op_put(key, value, lease), op_delete(req_key)], (key, req_key)
+                    ops = record_puts(new, value, lease) + [op_delete(req_key)]
                 else:
                     lease = None
-                    ops, written = [op_put(key, value, keep_lease=True)], (key,)
+                    ops = [op_put(key, value, keep_lease=True)]
+                    if new.prefill_engine_id and held:
+                        ops.append(op_put(keys.push(new.prefill_engine_id, res_id), value, held))
+                if rec.prefill_engine_id and rec.prefill_engine_id != new.prefill_engine_id:
+                    ops.append(op_delete(keys.push(rec.prefill_engine_id, res_id)))
+                written = tuple(op_key(op) for op in ops)
                 # The watch often brings the write back before the commit's answer: with
                 # the record at hand the view need not decode the JSON.
                 self._view.expect_own_writes({key: (value, new)})
@@ -124,6 +142,7 @@ class Lifecycle:
                 # Lost a race (another report, the reaper, another replica): read what won.
                 kv = await self._etcd.get(key)
                 current = (ReservationRecord.decode(kv.value), kv.mod_revision) if kv else None
+                held = kv.lease if kv else 0
             raise errors.unavailable(f"reservation {res_id} changed too often; retry")
         except EtcdUnavailable as exc:
             raise errors.unavailable(f"etcd unavailable: {exc}") from None
@@ -195,10 +214,11 @@ class Lifecycle:
                 nested, writes = [], []
                 for rec, (current, mod_revision) in entries:
                     key = keys.reservation(rec.id)
-                    value = ending(current, target, reason).encode()
+                    ended_rec = ending(current, target, reason)
+                    value = ended_rec.encode()
                     req_key = keys.request(rec.tenant, rec.request_id)
                     nested.append(op_txn([cmp_mod(key, mod_revision)],
-                                         [op_put(key, value, lease), op_delete(req_key)]))
+                                         record_puts(ended_rec, value, lease) + [op_delete(req_key)]))
                     writes.append((rec, key, value, req_key))
                 result = await self._etcd.txn([], nested)
             except EtcdUnavailable as exc:

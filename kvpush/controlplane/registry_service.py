@@ -20,7 +20,7 @@ from kvpush.contract.engine import MEMORY_KINDS, EngineRecord
 from kvpush.controlplane.engine_events import engine_proto
 from kvpush.controlplane.scheduler_service import watch_events
 from kvpush.controlplane.tagged_stream import outcome, serve_tagged
-from kvpush.controlplane.following import ALL, Following
+from kvpush.controlplane.following import Following
 from kvpush.controlplane.view import View
 from kvpush import log
 from kvpush.contract.layout import LayoutError
@@ -226,15 +226,22 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         engine_id = request.engine_id
         # Decode engines hear about reservations landing on them; prefill engines
         # about the ones they push into.
-        # (A prefill engine's are on every slot.)
+        # A prefill engine's are told from their copies under its own slot (keys.push): either
+        # way the stream needs that one slot.
         if engine.is_decode:
             def concerns(rec) -> bool:
                 return rec.engine_id == engine_id
+
+            def live():
+                return self.view.live_reservations(engine_id=engine_id)
         else:
             def concerns(rec) -> bool:
                 return rec.prefill_engine_id == engine_id
-        async with self._following.needing([keys.slot_of(engine_id) if engine.is_decode else ALL]):
-            async for event in watch_events(self.view, concerns, request.include_snapshot, engine_id):
+
+            def live():
+                return self.view.live_pushes(engine_id)
+        async with self._following.needing([keys.slot_of(engine_id)]):
+            async for event in watch_events(self.view, concerns, request.include_snapshot, engine_id, live):
                 yield event
 
     @unary

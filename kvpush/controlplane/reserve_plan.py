@@ -14,7 +14,7 @@ import numpy as np
 from kvpush.controlplane import keys
 from kvpush.controlplane.etcd import cmp_create, cmp_mod, op_put, op_touch
 from kvpush.controlplane.leases import LeaseBuckets
-from kvpush.controlplane.lifecycle import move_writes
+from kvpush.controlplane.lifecycle import move_writes, record_puts
 from kvpush.controlplane.records import ReservationRecord, TenantRecord
 from kvpush.controlplane.view import View
 from kvpush.contract.layout import KvLayout
@@ -82,9 +82,10 @@ class Plan:
     _fenced: set = dataclasses.field(default_factory=set)
 
     def has_room(self, max_ops: int) -> bool:
-        """Whether one more ask surely fits: at most 5 more operations (two puts, an engine's
-        and a tenant's fence, a move's end) and 6 more compares."""
-        return (len(self.ops) + 2 * len(self.records) + self.moves + 5 <= max_ops
+        """Whether one more ask surely fits: at most 7 more operations (three puts: record,
+        prefill copy, request key; an engine's and a tenant's fence; a move's end and its
+        copy) and 6 more compares."""
+        return (len(self.ops) + 3 * len(self.records) + 2 * self.moves + 7 <= max_ops
                 and len(self.compares) + self.moves + 6 <= max_ops)
 
     def add(self, ask: ReserveAsk, rec: ReservationRecord, tenant: TenantRecord, view: View) -> None:
@@ -127,7 +128,7 @@ class Plan:
             lease = await leases.for_deadline(rec.deadline_ms)
             value = rec.encode()
             req_key = keys.request(rec.tenant, rec.request_id)
-            self.ops.append(op_put(keys.reservation(rec.id), value, lease))
+            self.ops += record_puts(rec, value, lease)
             self.ops.append(op_put(req_key, rec.id.encode(), lease))
             self.writes.append((keys.reservation(rec.id), value, lease, rec))
             self.writes.append((req_key, rec.id.encode(), lease, None))

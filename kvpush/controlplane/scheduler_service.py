@@ -229,9 +229,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             yield event
 
 
-async def watch_events(view: View, concerns, include_snapshot: bool, engine_id: str = ""):
+async def watch_events(view: View, concerns, include_snapshot: bool, engine_id: str = "", live=None):
     """ReservationEvents for the reservations ``concerns(record)`` selects: the live
-    ones first (if asked), then every change as the view applies it. A watcher
+    ones first (if asked; from ``live()`` when given, else every live one), then every
+    change as the view applies it (only ``engine_id``'s, when given). A watcher
     that falls WATCH_QUEUE events behind is cut off (RESOURCE_EXHAUSTED) rather
     than allowed to grow the replica's memory; it reconnects with a snapshot."""
     queue = WatchQueue("reconnect with include_snapshot")
@@ -254,7 +255,7 @@ async def watch_events(view: View, concerns, include_snapshot: bool, engine_id: 
     unsubscribe = view.subscribe_engine(engine_id, on_change) if engine_id else view.subscribe(on_change)
     try:
         if include_snapshot:
-            for rec in view.live_reservations():
+            for rec in (live() if live is not None else view.live_reservations()):
                 if concerns(rec):
                     yield scheduler_pb2.ReservationEvent(kind=scheduler_pb2.ReservationEvent.SNAPSHOT,
                                                          reservation=rec.to_proto(), revision=view.revision)

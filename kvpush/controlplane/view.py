@@ -77,6 +77,9 @@ class View:
         self.reservations: dict[str, ReservationRecord] = {}
         self.reservation_revs: dict[str, tuple[int, int]] = {}  # id -> (mod revision, lease)
         self.by_engine: dict[str, set[str]] = {}     # engine -> ids of its live reservations
+        # prefill engine -> {id: record}: the live copies under the prefill engines' slots
+        # (keys.push), what prefill sidecars' streams are told from
+        self.pushes: dict[str, dict[str, ReservationRecord]] = {}
         self.ended: dict[str, int] = {}              # terminal state name -> count seen by this replica
         self.requests: dict[tuple[str, str], str] = {}
         self.usage_fences: dict[str, int] = {}
@@ -110,8 +113,9 @@ class View:
         return lambda: self._listeners.remove(fn) if fn in self._listeners else None
 
     def subscribe_engine(self, engine_id: str, fn: Callable[[ReservationChange], None]) -> Callable[[], None]:
-        """``fn`` hears only the changes of reservations that land on ``engine_id`` or that it
-        pushes into: each sidecar's watch, without every change visiting every watcher."""
+        """``fn`` hears only the changes of reservations that land on ``engine_id`` or, from
+        their copies under its slot, that it pushes into: each sidecar's watch, without every
+        change visiting every watcher."""
         fns = self._engine_listeners.setdefault(engine_id, [])
         fns.append(fn)
 
@@ -128,14 +132,14 @@ class View:
         for fn in list(self._listeners):
             fn(change)
         if isinstance(change, ReservationChange) and self._engine_listeners:
-            engines = set()
-            for rec in (change.old, change.new):
-                if rec is not None:
-                    engines.add(rec.engine_id)
-                    engines.add(rec.prefill_engine_id)
-            for engine_id in engines:
-                for fn in list(self._engine_listeners.get(engine_id, ())):
-                    fn(change)
+            rec = change.new or change.old
+            for fn in list(self._engine_listeners.get(rec.engine_id, ())):
+                fn(change)
+
+    def _emit_push(self, prefill_engine_id: str, change: ReservationChange) -> None:
+        if not self._loading:
+            for fn in list(self._engine_listeners.get(prefill_engine_id, ())):
+                fn(change)
 
     # ----- queries ---------------------------------------------------------
     def engine(self, engine_id: str) -> EngineRecord | None:
@@ -161,6 +165,10 @@ class View:
     def free_blocks(self, engine_id: str) -> int:
         self.release_quarantine()
         return self.free_count.get(engine_id, 0)
+
+    def live_pushes(self, prefill_engine_id: str) -> list[ReservationRecord]:
+        """The live reservations ``prefill_engine_id`` pushes into (from their copies)."""
+        return list(self.pushes.get(prefill_engine_id, {}).values())
 
     def live_reservations(self, engine_id: str | None = None, tenant: str | None = None) -> list[ReservationRecord]:
         if engine_id is not None:
@@ -220,6 +228,8 @@ class View:
                     self.pool_fences.pop(name, None)
                 else:
                     self.pool_fences[name] = revision
+            elif kind == keys.PUSHES:
+                self._apply_push(*name.split("/", 1), kv, deleted, revision)
         elif key.startswith(keys.REQUESTS):
             if self.following is not None:
                 return  # (a write of this replica's own: the index is followed with every slot only)
@@ -328,6 +338,22 @@ class View:
         if old is None or old.state != new.state:
             self._emit(ReservationChange(old, new, revision))
 
+    def _apply_push(self, prefill_engine_id: str, res_id: str, kv: KV, deleted: bool, revision: int) -> None:
+        """A prefill engine's copy of a reservation: heard by that engine's stream only (the
+        reservation itself is counted from its own key)."""
+        copies = self.pushes.setdefault(prefill_engine_id, {})
+        old = copies.pop(res_id, None)
+        new = None if deleted else ReservationRecord.decode(kv.value)
+        if new is not None and new.state.live:
+            copies[res_id] = new
+        if not copies:
+            del self.pushes[prefill_engine_id]
+        if deleted:
+            if old is not None:  # gone while live: the deadline lease ran out
+                self._emit_push(prefill_engine_id, ReservationChange(old, None, revision, expired=True))
+        elif old is None or old.state != new.state:
+            self._emit_push(prefill_engine_id, ReservationChange(old, new, revision))
+
     def _count_ended(self, state: State) -> None:
         if not self._loading:
             self.ended[state.name] = self.ended.get(state.name, 0) + 1
@@ -434,6 +460,8 @@ class View:
             self._contribute(rec, -1)
         for engine_id in [e for e in self.pool_fences if keys.slot_of(e) == slot]:
             del self.pool_fences[engine_id]
+        for engine_id in [e for e in self.pushes if keys.slot_of(e) == slot]:
+            del self.pushes[engine_id]
         kept = [q for q in self.quarantined if keys.slot_of(q[2]) != slot]
         for _, _, engine_id, incarnation, extents in self.quarantined:
             if keys.slot_of(engine_id) == slot:

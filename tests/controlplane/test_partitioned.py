@@ -90,6 +90,29 @@ async def test_two_replicas_follow_their_own_slots_and_serve_everything(etcd):
         assert event.reservation.id == mine.id and event.reservation.state == types_pb2.RELEASED
         watch.cancel()
 
+        # A prefill sidecar's stream, on a replica owning neither the prefill engine nor the
+        # decode engine: told from the copies under the prefill engine's slot, which is all
+        # that replica takes on for it.
+        prefill_id = engine_owned_by("a", skip=1)
+        prefill = SimulatedEngine(engine_client, prefill_id, num_blocks=64, role=types_pb2.PREFILL)
+        engines.append(prefill)
+        await prefill.register()
+        other = ControlPlaneClient(addr[1], ENGINE_TOKEN)
+        clients.append(other)
+        before = set(b.view.following)
+        p_watch = other.registry.WatchEngineReservations(
+            registry_pb2.WatchEngineReservationsRequest(engine_id=prefill_id, include_snapshot=True),
+            metadata=other.metadata)
+        assert (await asyncio.wait_for(p_watch.read(), 5)).kind == scheduler_pb2.ReservationEvent.SNAPSHOT_END
+        assert b.view.following == before | {keys.slot_of(prefill_id)}
+        named = await reserve(tenant_a, "req-named", 16, prefill_engine_id=prefill_id)
+        event = await asyncio.wait_for(p_watch.read(), 5)
+        assert event.reservation.id == named.id and event.reservation.state == types_pb2.RESERVED
+        await release(tenant_a, named.id)
+        event = await asyncio.wait_for(p_watch.read(), 5)
+        assert event.reservation.id == named.id and event.reservation.state == types_pb2.RELEASED
+        p_watch.cancel()
+
         status = await admin.admin.GetStatus(admin_pb2.GetStatusRequest(), metadata=admin.metadata)
         assert status.live_replicas == 2
 
