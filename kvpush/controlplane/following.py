@@ -25,7 +25,7 @@ import time
 from typing import Iterable
 
 from kvpush import log
-from kvpush.controlplane import keys, metrics
+from kvpush.controlplane import errors, keys, metrics
 from kvpush.controlplane.follow import Interest
 from kvpush.controlplane.ownership import Ownership
 from kvpush.controlplane.view import View
@@ -80,9 +80,9 @@ class Following:
         following = self._view.following
         return following is None or (ALL not in slots and all(s in following for s in slots))
 
-    async def until_covered(self, slots: Iterable[int], timeout_s: float = COVER_WAIT_S) -> bool:
+    async def until_covered(self, slots: Iterable[int], timeout_s: float | None = None) -> bool:
         slots = tuple(slots)
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + (COVER_WAIT_S if timeout_s is None else timeout_s)
         while not self.covers(slots):
             if time.monotonic() >= deadline:
                 return False
@@ -96,7 +96,9 @@ class Following:
         self._needs.update(slots)
         self.recheck()
         try:
-            await self.until_covered(slots)
+            if not await self.until_covered(slots):
+                raise errors.unavailable("this control-plane replica could not follow the registry's part this "
+                                         "call needs in time (etcd slow or unreachable); retry")
             yield
         finally:
             self._needs.subtract(slots)

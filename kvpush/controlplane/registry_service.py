@@ -239,7 +239,7 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
                 return rec.prefill_engine_id == engine_id
 
             def live():
-                return self.view.live_pushes(engine_id)
+                return self.view.pushes.live(engine_id)
         async with self._following.needing([keys.slot_of(engine_id)]):
             async for event in watch_events(self.view, concerns, request.include_snapshot, engine_id, live):
                 yield event

@@ -285,7 +285,12 @@ class Reserver:
         return True
 
     async def _replan_when_covered(self, ask: ReserveAsk, slots: set[int]) -> None:
-        await self._following.until_covered(slots)
+        try:
+            await self._following.until_covered(slots)
+        except asyncio.CancelledError:
+            if not ask.future.done():
+                ask.future.set_exception(errors.unavailable("control plane is shutting down"))
+            raise
         if not ask.future.done():
             self._queue.put_nowait(ask)
 

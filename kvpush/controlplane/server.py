@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import REGISTRY, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
-from kvpush.controlplane import free_summary, metrics
+from kvpush.controlplane import free_summary, keys, metrics
 from kvpush.controlplane.admin_service import AdminService
 from kvpush.controlplane.api import add_service
 from kvpush.controlplane.auth import Auth
@@ -75,9 +75,11 @@ class _ViewCollector:
         for state, count in sorted(self._view.live_by_state().items()):
             states.add_metric([state], count)
         yield states
-        free = GaugeMetricFamily("kvpush_engine_free_blocks", "Free landing blocks per engine", labels=["engine"])
+        free = GaugeMetricFamily("kvpush_engine_free_blocks", "Free landing blocks per engine this replica follows "
+                                 "(each engine by its owner at least: take the max over replicas)", labels=["engine"])
         for engine_id in sorted(self._view.engines):
-            free.add_metric([engine_id], self._view.free_blocks(engine_id))
+            if self._view.followed(keys.slot_of(engine_id)):
+                free.add_metric([engine_id], self._view.free_blocks(engine_id))
         yield free
 
 

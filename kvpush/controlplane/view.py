@@ -25,6 +25,7 @@ from kvpush.controlplane.etcd import KV
 from kvpush.contract.states import State
 from kvpush.contract.engine import EngineRecord
 from kvpush.controlplane.free_counts import FreeCounts
+from kvpush.controlplane.prefill_copies import PrefillCopies
 from kvpush.controlplane.prefixes import PrefixIndex
 from kvpush.controlplane.records import ReplicaRecord, ReservationRecord, TenantRecord, decode_free, now_ms
 from kvpush import log
@@ -77,9 +78,7 @@ class View:
         self.reservations: dict[str, ReservationRecord] = {}
         self.reservation_revs: dict[str, tuple[int, int]] = {}  # id -> (mod revision, lease)
         self.by_engine: dict[str, set[str]] = {}     # engine -> ids of its live reservations
-        # prefill engine -> {id: record}: the live copies under the prefill engines' slots
-        # (keys.push), what prefill sidecars' streams are told from
-        self.pushes: dict[str, dict[str, ReservationRecord]] = {}
+        self.pushes = PrefillCopies()                 # what prefill sidecars' streams are told from
         self.ended: dict[str, int] = {}              # terminal state name -> count seen by this replica
         self.requests: dict[tuple[str, str], str] = {}
         self.usage_fences: dict[str, int] = {}
@@ -136,10 +135,6 @@ class View:
             for fn in list(self._engine_listeners.get(rec.engine_id, ())):
                 fn(change)
 
-    def _emit_push(self, prefill_engine_id: str, change: ReservationChange) -> None:
-        if not self._loading:
-            for fn in list(self._engine_listeners.get(prefill_engine_id, ())):
-                fn(change)
 
     # ----- queries ---------------------------------------------------------
     def engine(self, engine_id: str) -> EngineRecord | None:
@@ -165,10 +160,6 @@ class View:
     def free_blocks(self, engine_id: str) -> int:
         self.release_quarantine()
         return self.free_count.get(engine_id, 0)
-
-    def live_pushes(self, prefill_engine_id: str) -> list[ReservationRecord]:
-        """The live reservations ``prefill_engine_id`` pushes into (from their copies)."""
-        return list(self.pushes.get(prefill_engine_id, {}).values())
 
     def live_reservations(self, engine_id: str | None = None, tenant: str | None = None) -> list[ReservationRecord]:
         if engine_id is not None:
@@ -228,8 +219,13 @@ class View:
                     self.pool_fences.pop(name, None)
                 else:
                     self.pool_fences[name] = revision
-            elif kind == keys.PUSHES:
-                self._apply_push(*name.split("/", 1), kv, deleted, revision)
+            elif kind == keys.PUSHES:  # heard by the prefill engine's stream only
+                prefill_engine_id, _, res_id = name.partition("/")
+                told = self.pushes.apply(prefill_engine_id, res_id, None if deleted else kv.value)
+                if told is not None and not self._loading:
+                    change = ReservationChange(*told, revision, expired=told[1] is None)
+                    for fn in list(self._engine_listeners.get(prefill_engine_id, ())):
+                        fn(change)
         elif key.startswith(keys.REQUESTS):
             if self.following is not None:
                 return  # (a write of this replica's own: the index is followed with every slot only)
@@ -338,22 +334,6 @@ class View:
         if old is None or old.state != new.state:
             self._emit(ReservationChange(old, new, revision))
 
-    def _apply_push(self, prefill_engine_id: str, res_id: str, kv: KV, deleted: bool, revision: int) -> None:
-        """A prefill engine's copy of a reservation: heard by that engine's stream only (the
-        reservation itself is counted from its own key)."""
-        copies = self.pushes.setdefault(prefill_engine_id, {})
-        old = copies.pop(res_id, None)
-        new = None if deleted else ReservationRecord.decode(kv.value)
-        if new is not None and new.state.live:
-            copies[res_id] = new
-        if not copies:
-            del self.pushes[prefill_engine_id]
-        if deleted:
-            if old is not None:  # gone while live: the deadline lease ran out
-                self._emit_push(prefill_engine_id, ReservationChange(old, None, revision, expired=True))
-        elif old is None or old.state != new.state:
-            self._emit_push(prefill_engine_id, ReservationChange(old, new, revision))
-
     def _count_ended(self, state: State) -> None:
         if not self._loading:
             self.ended[state.name] = self.ended.get(state.name, 0) + 1
@@ -460,8 +440,7 @@ class View:
             self._contribute(rec, -1)
         for engine_id in [e for e in self.pool_fences if keys.slot_of(e) == slot]:
             del self.pool_fences[engine_id]
-        for engine_id in [e for e in self.pushes if keys.slot_of(e) == slot]:
-            del self.pushes[engine_id]
+        self.pushes.drop_slot(slot)
         kept = [q for q in self.quarantined if keys.slot_of(q[2]) != slot]
         for _, _, engine_id, incarnation, extents in self.quarantined:
             if keys.slot_of(engine_id) == slot:
@@ -496,7 +475,7 @@ class View:
             if old_engines.get(eid) != entry.record:
                 self._emit(EngineChange(old_engines.get(eid), entry.record, revision))
         for rid, old in old_res.items():
-            if rid not in self.reservations:
+            if rid not in self.reservations and self.followed(keys.reservation_slot(rid)):
                 self._emit(ReservationChange(old, None, revision, expired=old.state.live))
         for rid, rec in self.reservations.items():
             old = old_res.get(rid)
