@@ -35,7 +35,7 @@ from kvpush.contract.states import State  # noqa: E402
 from kvpush.controlplane import keys  # noqa: E402
 from kvpush.controlplane.etcd import (EtcdClient, cmp_create, cmp_mod, op_delete, op_put, op_touch,  # noqa: E402
                                       op_txn)
-from kvpush.controlplane.records import ReservationRecord, now_ms, to_extents  # noqa: E402
+from kvpush.controlplane.records import RequestEntry, ReservationRecord, now_ms, to_extents  # noqa: E402
 from kvpush.controlplane.reserve_plan import new_reservation_id  # noqa: E402
 
 
@@ -64,7 +64,8 @@ async def _committer(etcd: EtcdClient, engine_id: str, batch: int, until: float,
         ops = [op_touch(keys.pool(engine_id))]
         for r in records:
             ops.append(op_put(keys.reservation(r.id), r.encode(), deadline_lease))
-            ops.append(op_put(keys.request(r.tenant, r.request_id), r.id.encode(), deadline_lease))
+            ops.append(op_put(keys.request(r.tenant, r.request_id), RequestEntry(r.id, r.num_blocks).encode(),
+                              deadline_lease))
         t0 = time.perf_counter()
         result = await etcd.txn(compares, ops)
         latencies.append(time.perf_counter() - t0)

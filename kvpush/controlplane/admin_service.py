@@ -15,6 +15,7 @@ from kvpush.contract.states import State
 from kvpush.controlplane.following import ALL, Following
 from kvpush.controlplane.ownership import Ownership
 from kvpush.controlplane.records import TenantRecord
+from kvpush.controlplane.request_index import RequestIndex
 from kvpush.controlplane.engine_events import engine_proto
 from kvpush.controlplane.view import View, token_hash
 from kvpush.contract.v1 import admin_pb2, admin_pb2_grpc, types_pb2
@@ -42,6 +43,22 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             return await self._etcd.txn(compares, ops)
         except EtcdUnavailable as exc:
             raise errors.unavailable(f"etcd unavailable: {exc}") from None
+
+    async def _used(self, name: str | None = None) -> dict[str, int]:
+        """Blocks each tenant's live reservations hold (``name``'s only, if given): from the
+        view where it follows that part of the request index, else read from etcd."""
+        following = self.view.following
+        if following is None or (name is not None and name in following):
+            return self.view.requests.used
+        prefix = keys.tenant_requests(name) if name is not None else keys.REQUESTS
+        try:
+            kvs, _ = await self._etcd.get_prefix(prefix)
+        except EtcdUnavailable as exc:
+            raise errors.unavailable(f"etcd unavailable: {exc}") from None
+        index = RequestIndex()
+        for kv in kvs:
+            index.apply(*keys.split_request(kv.key), kv.value, kv.mod_revision)
+        return index.used
 
     def _existing(self, name: str):
         v.text(name, "name", 63, v.TENANT_NAME)
@@ -98,7 +115,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         rec = dataclasses.replace(entry.record, quota_blocks=request.quota_blocks,
                                   allowed_pools=self._pools(request.allowed_pools))
         await self._replace(entry, rec)
-        return rec.to_proto(self.view.tenant_used.get(rec.name, 0))
+        return rec.to_proto((await self._used(rec.name)).get(rec.name, 0))
 
     @unary
     async def RotateTenantToken(self, request, context) -> types_pb2.Tenant:
@@ -107,7 +124,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         token = new_token()
         rec = dataclasses.replace(entry.record, token_sha256=token_hash(token))
         await self._replace(entry, rec)
-        return rec.to_proto(self.view.tenant_used.get(rec.name, 0), token=token)
+        return rec.to_proto((await self._used(rec.name)).get(rec.name, 0), token=token)
 
     @unary
     async def DeleteTenant(self, request, context) -> admin_pb2.DeleteTenantResponse:
@@ -127,8 +144,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     @unary
     async def ListTenants(self, request, context) -> admin_pb2.ListTenantsResponse:
         self._auth.admin(context)
-        tenants = [e.record.to_proto(self.view.tenant_used.get(name, 0))
-                   for name, e in sorted(self.view.tenants.items())]
+        used = await self._used()
+        tenants = [e.record.to_proto(used.get(name, 0)) for name, e in sorted(self.view.tenants.items())]
         return admin_pb2.ListTenantsResponse(tenants=tenants)
 
     @unary

@@ -1,11 +1,12 @@
 """Keeps a replica's View in step with etcd: a snapshot, then a watch; again after a gap.
 
-What it follows is the registry's shared state and a set of slots (keys.py), which may
-change while it runs (``Interest``): the slots the replica owns and those its clients
-need. Following every slot takes one watch over the whole keyspace. Following some
-takes one watch stream with a watcher per slot (and two for the shared state): a slot
-taken on is read at a revision and watched from the next, a slot given up is cancelled
-and its keys leave the view, and the other slots' requests never reach this replica.
+What it follows is the registry's shared state and a set of parts (keys.py), which may
+change while it runs (``Interest``): slots (the replica's own and those its clients need)
+and tenants' parts of the request index (those whose quota it counts). Following every
+slot takes one watch over the whole keyspace. Following some takes one watch stream with
+a watcher per part (and three for the shared state): a part taken on is read at a
+revision and watched from the next, a part given up is cancelled and its keys leave the
+view, and the other slots' requests never reach this replica.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ PROGRESS_EVERY_S = 1.0  # with several watchers, how often the view's revision i
 
 
 class Interest:
-    """The slots a view should follow: ``None`` for all of them. ``wanted`` is read again
-    whenever ``changed`` is set."""
+    """The parts a view should follow (slots, ints; tenants' request indexes, strs): ``None``
+    for everything. ``wanted`` is read again whenever ``changed`` is set."""
 
-    def __init__(self, wanted: Callable[[], frozenset[int] | None] = lambda: None) -> None:
+    def __init__(self, wanted: Callable[[], frozenset[int | str] | None] = lambda: None) -> None:
         self.wanted = wanted
         self.changed = asyncio.Event()
 
@@ -37,9 +38,14 @@ class Interest:
         self.changed.set()
 
 
-def _slot_range(slot: int) -> tuple[bytes, bytes]:
-    prefix = keys.slot_prefix(slot)
+def _range(part: int | str) -> tuple[bytes, bytes]:
+    """A slot's keys, or a tenant's part of the request index."""
+    prefix = keys.slot_prefix(part) if isinstance(part, int) else keys.tenant_requests(part)
     return prefix, prefix_end(prefix)
+
+
+def _order(part: int | str) -> tuple[int, str]:
+    return (0, f"{part:03d}") if isinstance(part, int) else (1, part)
 
 
 async def _read(etcd: EtcdClient, ranges, revision: int = 0):
@@ -68,16 +74,16 @@ async def _session(view: View, etcd: EtcdClient, stop: asyncio.Event, interest: 
     interest.changed.clear()
     wanted = interest.wanted()
     shared = list(keys.SHARED_RANGES) if wanted is not None else [(keys.ROOT, prefix_end(keys.ROOT))]
-    slots = sorted(wanted or ())
-    kvs, revision = await _read(etcd, shared + [_slot_range(s) for s in slots])
-    view.load(kvs, revision, None if wanted is None else frozenset(slots))
+    parts = sorted(wanted or (), key=_order)
+    kvs, revision = await _read(etcd, shared + [_range(p) for p in parts])
+    view.load(kvs, revision, None if wanted is None else frozenset(parts))
     view.ready.set()
     watch = RangeWatch(etcd)
     for start, end in shared:
         watch.add(start, end, revision + 1)
-    by_slot = {slot: watch.add(*_slot_range(slot), revision + 1) for slot in slots}
+    by_part = {part: watch.add(*_range(part), revision + 1) for part in parts}
     tasks = [asyncio.create_task(_consume(view, watch, several=wanted is not None), name="view-watch"),
-             asyncio.create_task(_retarget(view, etcd, watch, by_slot, interest, wanted is None),
+             asyncio.create_task(_retarget(view, etcd, watch, by_part, interest, wanted is None),
                                  name="view-retarget"),
              asyncio.create_task(stop.wait(), name="view-stop")]
     if wanted is not None:
@@ -110,10 +116,10 @@ async def _tick(watch: RangeWatch) -> None:
         watch.request_progress()
 
 
-async def _retarget(view: View, etcd: EtcdClient, watch: RangeWatch, by_slot: dict[int, int],
+async def _retarget(view: View, etcd: EtcdClient, watch: RangeWatch, by_part: dict[int | str, int],
                     interest: Interest, all_slots: bool) -> None:
-    """Takes on and gives up slots as the interest changes; returns (ending the session,
-    which starts another) when it switches to or from all slots."""
+    """Takes on and gives up parts as the interest changes; returns (ending the session,
+    which starts another) when it switches to or from everything."""
     while True:
         await interest.changed.wait()
         interest.changed.clear()
@@ -123,14 +129,20 @@ async def _retarget(view: View, etcd: EtcdClient, watch: RangeWatch, by_slot: di
             return
         if wanted is None:
             continue
-        for slot in set(by_slot) - wanted:
-            watch.cancel(by_slot.pop(slot))
-            view.drop_slot(slot)
-        for slot in sorted(wanted - set(by_slot)):
-            kvs, revision = await _read(etcd, [_slot_range(slot)])
-            by_slot[slot] = watch.add(*_slot_range(slot), revision + 1)
-            view.take_slot(slot, kvs)
-        if set(by_slot) != wanted:
+        for part in set(by_part) - wanted:
+            watch.cancel(by_part.pop(part))
+            if isinstance(part, int):
+                view.drop_slot(part)
+            else:
+                view.drop_tenant(part)
+        for part in sorted(wanted - set(by_part), key=_order):
+            kvs, revision = await _read(etcd, [_range(part)])
+            by_part[part] = watch.add(*_range(part), revision + 1)
+            if isinstance(part, int):
+                view.take_slot(part, kvs)
+            else:
+                view.take_tenant(part, kvs)
+        if set(by_part) != wanted:
             interest.changed.set()  # it moved again while we read
 
 

@@ -7,9 +7,11 @@ never reach it. On top of those it follows what its own clients need while they 
   live there; a prefill engine's are copied there, keys.push);
 * a Reserve that found no room on the engines it follows, while others of the model
   exist: their slots, for ``LINGER_S`` after the last such Reserve;
+* a tenant with a quota: its part of the request index, which holds its usage
+  (request_index.py), for as long as it has the quota; a tenant's usage asked for
+  (``UpdateTenant``, ``ListTenants``...): that tenant's part, while it is answered;
 * what no single slot answers: a tenant's reservation watch, the exact counts of
-  ``ListEngines``, ``DeleteTenant``, a tenant with a quota (its usage is counted over
-  every slot): every slot. (``GetEngine`` takes its engine's slot.)
+  ``ListEngines``, ``DeleteTenant``: every slot. (``GetEngine`` takes its engine's slot.)
 
 Needs linger ``LINGER_S`` after they end, so a sidecar reconnecting does not make the
 replica drop a slot and read it again. ``--follow all`` makes a replica follow every slot
@@ -32,7 +34,7 @@ from kvpush.controlplane.view import View
 
 _log = log.get("following")
 
-ALL = -1           # a need for every slot
+ALL = -1           # a need for every slot (a need is a slot, an int, or a tenant's index, its name)
 LINGER_S = 10.0    # a need is kept this long after it ends
 RECHECK_S = 0.5    # ownership and quotas are looked at again this often
 COVER_WAIT_S = 10.0
@@ -43,29 +45,32 @@ class Following:
         self._view = view
         self._ownership = ownership
         self.follow_all = follow_all
-        self._needs: collections.Counter[int] = collections.Counter()
-        self._lingering: dict[int, float] = {}  # slot (or ALL) -> monotonic time it may go
+        self._needs: collections.Counter[int | str] = collections.Counter()
+        self._lingering: dict[int | str, float] = {}  # need -> monotonic time it may go
         self.interest = Interest(self.wanted)
-        self._last: frozenset[int] | None = None
+        self._last: frozenset[int | str] | None = None
 
-    def wanted(self) -> frozenset[int] | None:
+    def wanted(self) -> frozenset[int | str] | None:
         now = time.monotonic()
-        for slot, until in list(self._lingering.items()):
+        for need, until in list(self._lingering.items()):
             if until <= now:
-                del self._lingering[slot]
+                del self._lingering[need]
         needed = set(self._needs) | set(self._lingering)
-        if self.follow_all or ALL in needed or any(e.record.quota_blocks for e in self._view.tenants.values()):
+        if self.follow_all or ALL in needed:
             return None
-        slots = frozenset(self._ownership.owned | needed)
-        return None if len(slots) == keys.SLOTS else slots
+        parts = self._ownership.owned | needed
+        if sum(isinstance(p, int) for p in parts) == keys.SLOTS:
+            return None
+        return frozenset(parts | {name for name, e in self._view.tenants.items() if e.record.quota_blocks})
 
     def recheck(self) -> None:
         """Poke the follow if what this replica should follow changed."""
         wanted = self.wanted()
         if wanted != self._last:
             self._last = wanted
-            _log.info("following", slots="all" if wanted is None else len(wanted))
-            metrics.FOLLOWED_SLOTS.set(keys.SLOTS if wanted is None else len(wanted))
+            slots = keys.SLOTS if wanted is None else sum(isinstance(p, int) for p in wanted)
+            _log.info("following", slots=slots, tenants="all" if wanted is None else len(wanted) - slots)
+            metrics.FOLLOWED_SLOTS.set(slots)
             self.interest.poke()
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -76,11 +81,11 @@ class Following:
             except asyncio.TimeoutError:
                 pass
 
-    def covers(self, slots: Iterable[int]) -> bool:
+    def covers(self, needs: Iterable[int | str]) -> bool:
         following = self._view.following
-        return following is None or (ALL not in slots and all(s in following for s in slots))
+        return following is None or (ALL not in needs and all(n in following for n in needs))
 
-    async def until_covered(self, slots: Iterable[int], timeout_s: float | None = None) -> bool:
+    async def until_covered(self, slots: Iterable[int | str], timeout_s: float | None = None) -> bool:
         slots = tuple(slots)
         deadline = time.monotonic() + (COVER_WAIT_S if timeout_s is None else timeout_s)
         while not self.covers(slots):
@@ -90,8 +95,9 @@ class Following:
         return True
 
     @contextlib.asynccontextmanager
-    async def needing(self, slots: Iterable[int]):
-        """Follow ``slots`` (or ``[ALL]``) while the body runs, and ``LINGER_S`` after."""
+    async def needing(self, slots: Iterable[int | str]):
+        """Follow ``slots`` (or ``[ALL]``; tenants' names: their request indexes) while the
+        body runs, and ``LINGER_S`` after."""
         slots = tuple(slots)
         self._needs.update(slots)
         self.recheck()
@@ -108,7 +114,7 @@ class Following:
                     del self._needs[slot]
                 self._lingering[slot] = max(self._lingering.get(slot, 0.0), until)
 
-    def borrow(self, slots: Iterable[int]) -> None:
+    def borrow(self, slots: Iterable[int | str]) -> None:
         """Follow ``slots`` for ``LINGER_S`` from now (a Reserve's room beyond its own engines)."""
         until = time.monotonic() + LINGER_S
         for slot in slots:

@@ -14,7 +14,7 @@ from kvpush.controlplane.etcd import EtcdClient
 from kvpush.contract.states import State
 from kvpush.contract.engine import EngineRecord
 from kvpush.contract.prefixes import PrefixReport, PrefixReportError
-from kvpush.controlplane.records import ReservationRecord, TenantRecord
+from kvpush.controlplane.records import RequestEntry, ReservationRecord, TenantRecord
 from kvpush.controlplane.view import QUARANTINE_MS
 
 
@@ -63,7 +63,7 @@ async def check(etcd: EtcdClient | str, quiet: bool = False, allow_orphans: bool
     engines: dict[str, EngineRecord] = {}
     pools: set[str] = set()
     reservations: list[ReservationRecord] = []
-    requests: dict[tuple[str, str], str] = {}
+    requests: dict[tuple[str, str], RequestEntry] = {}
     tenants: dict[str, TenantRecord] = {}
     prefix_reports: dict[str, bytes] = {}
     copies: dict[bytes, bytes] = {}  # prefill engines' copies (keys.push) -> value
@@ -89,8 +89,9 @@ async def check(etcd: EtcdClient | str, quiet: bool = False, allow_orphans: bool
             if right != kv.key:
                 misplaced.append(f"key {kv.key!r} belongs at {right!r}")
         elif kv.key.startswith(keys.REQUESTS):
-            tenant, _, request_id = keys.name_of(kv.key, keys.REQUESTS).partition("/")
-            requests[(tenant, request_id)] = kv.value.decode()
+            tenant, request_id = keys.split_request(kv.key)
+            if request_id:  # (not the tenant's usage fence)
+                requests[(tenant, request_id)] = RequestEntry.decode(kv.value)
         elif kv.key.startswith(keys.TENANTS):
             rec = TenantRecord.decode(kv.value)
             tenants[rec.name] = rec
@@ -167,15 +168,18 @@ async def check(etcd: EtcdClient | str, quiet: bool = False, allow_orphans: bool
         if r.num_blocks * r.block_size < r.num_tokens - r.cached_tokens:
             violations.append(f"reservation {r.id} has {r.num_blocks} blocks for {r.num_tokens - r.cached_tokens} "
                               "tokens")
-        if requests.get((r.tenant, r.request_id)) != r.id:
+        entry = requests.get((r.tenant, r.request_id))
+        if entry is None or entry.reservation_id != r.id:
             violations.append(f"live reservation {r.id} is missing from the request index")
+        elif entry.num_blocks != r.num_blocks:
+            violations.append(f"the request index holds {entry.num_blocks} blocks for {r.id}, which has {r.num_blocks}")
     for name, used in usage.items():
         tenant = tenants.get(name)
         if tenant is not None and tenant.quota_blocks and used > tenant.quota_blocks:
             violations.append(f"tenant {name} holds {used} blocks over its quota of {tenant.quota_blocks}")
     live_ids = {r.id for r in live}
-    for (tenant, request_id), res_id in requests.items():
-        if res_id not in live_ids:
+    for (tenant, request_id), entry in requests.items():
+        if (res_id := entry.reservation_id) not in live_ids:
             violations.append(f"request index ({tenant}, {request_id}) points at {res_id}, which is not live")
     if quiet and live:
         violations.append(f"system is quiet but {len(live)} reservations are live: "

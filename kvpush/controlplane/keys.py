@@ -1,15 +1,16 @@
 """The etcd key schema (DESIGN.md §4). Every key the control plane writes is built here.
 
 Keys fall in three parts. The registry's shared state (tenants, engines, prefix reports,
-replicas, quota fences) lives under ``ROOT`` and every replica follows all of it. What
-each request writes to its engine (its reservation, the engine's fence) lives under
-``SLOTTED``, partitioned by the decode engine's slot: ``SLOTTED/<slot>/...``, two hex
-digits. A replica follows the slots it needs (kvpush/controlplane/following.py), so one
-prefix watch per slot brings it just those requests. A reservation id begins with its
-slot, so a key is found from an id alone. The request index (``REQUESTS``) is keyed by
-what the client sent, not by an engine, so no slot can hold it: only a replica that
-follows every slot follows it; the others read a key when a Reserve's transaction fails
-on it (a retry: kvpush/controlplane/reserver.py).
+replicas) lives under ``ROOT`` and every replica follows all of it. What each request
+writes to its engine (its reservation, the engine's fence) lives under ``SLOTTED``,
+partitioned by the decode engine's slot: ``SLOTTED/<slot>/...``, two hex digits. A replica
+follows the slots it needs (kvpush/controlplane/following.py), so one prefix watch per slot
+brings it just those requests. A reservation id begins with its slot, so a key is found
+from an id alone. The request index (``REQUESTS``) is keyed by what the client sent, not by
+an engine, so no slot can hold it; it is kept by tenant: a replica follows a tenant's part
+when it counts that tenant's quota (request_index.py), all of it only when it follows every
+slot. A Reserve asked again through a replica not following its key reads the key when its
+transaction fails on it (a retry: kvpush/controlplane/reserver.py).
 """
 
 from __future__ import annotations
@@ -19,9 +20,8 @@ import zlib
 ROOT = b"/kvpush/v1/"
 TENANTS = ROOT + b"tenants/"
 ENGINES = ROOT + b"engines/"
-USAGE = ROOT + b"usage/"              # per-tenant fence: bumped by its quota-checked Reserves and record writes
 PREFIXES = ROOT + b"prefixes/"        # per decode engine: its last prefix report (on the engine's lease)
-REQUESTS = ROOT + b"requests/"        # (tenant, request id) -> reservation id, for idempotency
+REQUESTS = ROOT + b"requests/"        # (tenant, request id) -> reservation id and blocks (records.RequestEntry)
 REPLICAS = ROOT + b"replicas/"        # per live control-plane replica (on its own lease): who owns what
 FREE = ROOT + b"free/"                # per live replica (on its lease): its own engines' free blocks
 SLOTTED = ROOT + b"slots/"            # per-request keys, by slot: SLOTTED + b"<slot>/" + one of the below
@@ -91,7 +91,18 @@ def push(prefill_engine_id: str, res_id: str) -> bytes:
 
 
 def request(tenant_name: str, request_id: str) -> bytes:
-    return REQUESTS + tenant_name.encode() + b"/" + request_id.encode()
+    return tenant_requests(tenant_name) + request_id.encode()
+
+
+def tenant_requests(tenant_name: str) -> bytes:
+    """The prefix of a tenant's part of the request index (its usage fence included)."""
+    return REQUESTS + tenant_name.encode() + b"/"
+
+
+def split_request(key: bytes) -> tuple[str, str]:
+    """(tenant, request id) of a request index key; the request id is empty for the fence."""
+    tenant, _, request_id = key[len(REQUESTS):].decode().partition("/")
+    return tenant, request_id
 
 
 def prefixes(engine_id: str) -> bytes:
@@ -107,7 +118,10 @@ def free(replica_id: str) -> bytes:
 
 
 def usage(tenant_name: str) -> bytes:
-    return USAGE + tenant_name.encode()
+    """A tenant's usage fence: bumped by each of its quota-checked Reserves and its record's
+    writes. Inside its part of the request index (no request id is empty), so that the
+    watcher bringing its index keys brings the fence too, in order."""
+    return tenant_requests(tenant_name)
 
 
 def name_of(key: bytes, prefix: bytes) -> str:

@@ -163,6 +163,22 @@ class TenantRecord:
 
 
 @dataclasses.dataclass(frozen=True)
+class RequestEntry:
+    """A request index value (keys.request): the live reservation a tenant's request id has,
+    and its blocks, so that a tenant's usage is the sum over its index alone (request_index.py)."""
+    reservation_id: str
+    num_blocks: int
+
+    def encode(self) -> bytes:
+        return b"%s %d" % (self.reservation_id.encode(), self.num_blocks)
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "RequestEntry":
+        res_id, _, blocks = raw.decode().partition(" ")
+        return cls(res_id, int(blocks or 0))
+
+
+@dataclasses.dataclass(frozen=True)
 class ReplicaRecord:
     """A live control-plane replica, kept under its own lease (kvpush/controlplane/ownership.py)."""
     replica_id: str

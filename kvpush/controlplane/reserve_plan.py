@@ -15,7 +15,7 @@ from kvpush.controlplane import keys
 from kvpush.controlplane.etcd import cmp_create, cmp_mod, op_put, op_touch
 from kvpush.controlplane.leases import LeaseBuckets
 from kvpush.controlplane.lifecycle import move_writes, record_puts
-from kvpush.controlplane.records import ReservationRecord, TenantRecord
+from kvpush.controlplane.records import RequestEntry, ReservationRecord, TenantRecord
 from kvpush.controlplane.view import View
 from kvpush.contract.layout import KvLayout
 
@@ -80,6 +80,7 @@ class Plan:
     moved_live: int = 0                                      # live reservations a move ends FAILED
     moves: int = 0                                           # asks that move a reservation
     _fenced: set = dataclasses.field(default_factory=set)
+    _usage_fences: list = dataclasses.field(default_factory=list)   # tenants whose usage fence is bumped
 
     def has_room(self, max_ops: int) -> bool:
         """Whether one more ask surely fits: at most 7 more operations (three puts: record,
@@ -107,11 +108,11 @@ class Plan:
             self.compares.append(cmp_mod(keys.tenant(rec.tenant), view.tenants[rec.tenant].mod_revision))
             # The usage fence guards a quota only: without one, replicas reserving for the same
             # tenant at once would fail each other's transactions for nothing. (Setting a quota
-            # changes the tenant record, which the compare above catches.)
+            # changes the tenant record, which the compare above catches.) Its bump goes after
+            # the index puts (attach_records): a view that has it has them (request_index.py).
             if tenant.quota_blocks:
-                self.compares.append(cmp_mod(keys.usage(rec.tenant), view.usage_fences.get(rec.tenant, 0)))
-                self.ops.append(op_put(keys.usage(rec.tenant), b""))
-                self.writes.append((keys.usage(rec.tenant), b"", 0, None))
+                self.compares.append(cmp_mod(keys.usage(rec.tenant), view.requests.fences.get(rec.tenant, 0)))
+                self._usage_fences.append(rec.tenant)
 
     async def attach_records(self, leases: LeaseBuckets) -> None:
         """Add the reservation and request-index puts, bound to their deadline lease."""
@@ -127,9 +128,12 @@ class Plan:
                 self.moved_live += old.state.live
             lease = await leases.for_deadline(rec.deadline_ms)
             value = rec.encode()
-            req_key = keys.request(rec.tenant, rec.request_id)
+            req_key, entry = keys.request(rec.tenant, rec.request_id), RequestEntry(rec.id, rec.num_blocks).encode()
             self.ops += record_puts(rec, value, lease)
-            self.ops.append(op_put(req_key, rec.id.encode(), lease))
+            self.ops.append(op_put(req_key, entry, lease))
             self.writes.append((keys.reservation(rec.id), value, lease, rec))
-            self.writes.append((req_key, rec.id.encode(), lease, None))
+            self.writes.append((req_key, entry, lease, None))
+        for tenant in self._usage_fences:
+            self.ops.append(op_put(keys.usage(tenant), b""))
+            self.writes.append((keys.usage(tenant), b"", 0, None))
 

@@ -27,7 +27,7 @@ from kvpush.controlplane.ownership import OWN_SLACK, Ownership
 from kvpush.controlplane.reserve_plan import BatchState, Plan, ReserveAsk, new_reservation_id
 from kvpush.contract.states import State
 from kvpush.contract.engine import EngineRecord
-from kvpush.controlplane.records import DecodeAlone, ReservationRecord, TenantRecord, now_ms, to_extents
+from kvpush.controlplane.records import DecodeAlone, RequestEntry, ReservationRecord, TenantRecord, now_ms, to_extents
 from kvpush.controlplane.view import View
 from kvpush import log
 
@@ -194,7 +194,7 @@ class Reserver:
             if req in seen_requests:
                 plan.deferred.append(ask)
                 continue
-            existing_id = view.requests.get(req)
+            existing_id = view.requests.reservation_id(*req)
             existing = view.reservation(existing_id) if existing_id else None
             if self._answer_existing(ask, existing):
                 continue
@@ -254,7 +254,8 @@ class Reserver:
             key = keys.request(ask.tenant.name, ask.request_id)
             try:
                 kv = await self._etcd.get(key)
-                found = await self._etcd.get(keys.reservation(kv.value.decode())) if kv is not None else None
+                found = None if kv is None else await self._etcd.get(
+                    keys.reservation(RequestEntry.decode(kv.value).reservation_id))
             except EtcdUnavailable:
                 return  # the next attempt's transaction says more
             if found is not None and not ask.future.done():
@@ -279,25 +280,48 @@ class Reserver:
         ask.widened = True
         metrics.RESERVE_WIDENED.inc()
         self._following.borrow(slots)
-        task = asyncio.create_task(self._replan_when_covered(ask, slots))
-        self._widening.add(task)
-        task.add_done_callback(self._widening.discard)
+        self._replan_when_covered(ask, slots)
         return True
 
-    async def _replan_when_covered(self, ask: ReserveAsk, slots: set[int]) -> None:
-        try:
-            await self._following.until_covered(slots)
-        except asyncio.CancelledError:
-            if not ask.future.done():
-                ask.future.set_exception(errors.unavailable("control plane is shutting down"))
-            raise
-        if not ask.future.done():
-            self._queue.put_nowait(ask)
+    def _usage_unknown(self, ask: ReserveAsk, tenant: TenantRecord) -> bool:
+        """Whether ``tenant``'s quota cannot be counted here yet: this replica does not yet
+        follow its part of the request index (following.py takes a quota tenant's on within
+        a recheck); ``ask`` is then planned again once it does, or refused."""
+        following = self._view.following
+        if following is None or tenant.name in following:
+            return False
+        if self._following is None:
+            raise errors.unavailable(f"this replica does not count tenant {tenant.name!r}'s usage")
+        self._following.recheck()
+        self._replan_when_covered(ask, {tenant.name}, required=True)
+        return True
+
+    def _replan_when_covered(self, ask: ReserveAsk, needs: set[int | str], required: bool = False) -> None:
+        async def replan() -> None:
+            try:
+                covered = await self._following.until_covered(needs)
+            except asyncio.CancelledError:
+                if not ask.future.done():
+                    ask.future.set_exception(errors.unavailable("control plane is shutting down"))
+                raise
+            if ask.future.done():
+                return
+            if covered or not required:
+                self._queue.put_nowait(ask)
+            else:
+                ask.future.set_exception(errors.unavailable(
+                    "this control-plane replica could not follow the tenant's usage in time; retry"))
+        task = asyncio.create_task(replan())
+        self._widening.add(task)
+        task.add_done_callback(self._widening.discard)
 
     def _choose(self, ask: ReserveAsk, tenant: TenantRecord, batch: "BatchState"
                 ) -> tuple[EngineRecord, list[int], int] | DecodeAlone | None:
-        """The engine and blocks for ``ask``; None when it was handed to ``_widen``."""
+        """The engine and blocks for ``ask``; None when it was handed to ``_widen`` or waits for
+        its tenant's usage (``_usage_unknown``)."""
         view = self._view
+        if tenant.quota_blocks and self._usage_unknown(ask, tenant):
+            return None
         cands = self._candidates.get(ask.model, tenant, ask.prefill_layout)
         if ask.preferred_engine_id and ask.preferred_engine_id not in cands.index and \
                 ask.preferred_engine_id in view.engines and \
@@ -333,7 +357,7 @@ class Reserver:
                               and e.layout.tp_size == old.decode_tp for e in cands.engines])
             credit = old.num_blocks if old.state.live and view.counts(old) else 0  # given back in the same txn
         if tenant.quota_blocks:
-            quota_left = (tenant.quota_blocks - view.tenant_used.get(tenant.name, 0) - batch.used.get(tenant.name, 0)
+            quota_left = (tenant.quota_blocks - view.requests.used.get(tenant.name, 0) - batch.used.get(tenant.name, 0)
                           + credit)
             within = fits & (need <= quota_left)
             if fits.any() and not within.any():

@@ -5,8 +5,8 @@ reservations of the slots it follows (keys.py: all of them, or its own and those
 its clients need) in memory, so a Reserve decides without reading etcd. The view may lag etcd: that is
 safe because every write it informs is fenced in etcd (see reserver.py) and a lag
 only hides frees, never allocations of other replicas that the fences would not
-catch. Derived state (each engine's allocated-block bitmap, each tenant's usage)
-is kept incrementally so a Reserve costs O(blocks it takes).
+catch. Derived state (each engine's allocated-block bitmap; each tenant's usage, from
+its part of the request index) is kept incrementally so a Reserve costs O(blocks it takes).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from kvpush.contract.states import State
 from kvpush.contract.engine import EngineRecord
 from kvpush.controlplane.free_counts import FreeCounts
 from kvpush.controlplane.prefill_copies import PrefillCopies
+from kvpush.controlplane.request_index import RequestIndex
 from kvpush.controlplane.prefixes import PrefixIndex
 from kvpush.controlplane.records import ReplicaRecord, ReservationRecord, TenantRecord, decode_free, now_ms
 from kvpush import log
@@ -80,8 +81,7 @@ class View:
         self.by_engine: dict[str, set[str]] = {}     # engine -> ids of its live reservations
         self.pushes = PrefillCopies()                 # what prefill sidecars' streams are told from
         self.ended: dict[str, int] = {}              # terminal state name -> count seen by this replica
-        self.requests: dict[tuple[str, str], str] = {}
-        self.usage_fences: dict[str, int] = {}
+        self.requests = RequestIndex()                # request ids, tenants' usage and fences (request_index.py)
         self.tenants: dict[str, Entry] = {}
         self.prefixes = PrefixIndex()                 # decode engines' prefix caches (kvpush/controlplane/prefixes.py)
         self.tenant_by_token: dict[str, str] = {}
@@ -89,12 +89,12 @@ class View:
         self.free_count = FreeCounts()               # engine -> blocks not in the bitmap
         self.engines_version = 0                     # bumped at every engine change (candidate caches)
         self.cursors: dict[str, int] = {}            # engine -> next-fit allocation cursor
-        self.tenant_used: dict[str, int] = {}
         self.replicas: dict[str, ReplicaRecord] = {}  # live control-plane replicas (ownership.py)
         self.replicas_version = 0
         self.free_elsewhere: dict[str, dict[str, int]] = {}  # replica -> its engines' free blocks (free_summary.py)
         self.free_elsewhere_version = 0
-        self.following: frozenset[int] | None = None  # the slots whose keys are kept; None: all
+        # The parts whose keys are kept (None: all): slots (int) and tenants' request indexes (str).
+        self.following: frozenset[int | str] | None = None
         self.request_progress: Callable[[], None] = lambda: None  # set by the follow: a waiter wants the revision
         self._key_revs: dict[bytes, int] = {}         # newest revision applied per key, deletes too
         self._deleted: collections.deque = collections.deque()  # (revision, key) to prune from _key_revs
@@ -227,21 +227,12 @@ class View:
                     for fn in list(self._engine_listeners.get(prefill_engine_id, ())):
                         fn(change)
         elif key.startswith(keys.REQUESTS):
-            if self.following is not None:
-                return  # (a write of this replica's own: the index is followed with every slot only)
-            tenant, _, request_id = keys.name_of(key, keys.REQUESTS).partition("/")
-            if deleted:
-                self.requests.pop((tenant, request_id), None)
-            else:
-                self.requests[(tenant, request_id)] = kv.value.decode()
+            tenant, request_id = keys.split_request(key)
+            if self.following is not None and tenant not in self.following:
+                return  # (a write of this replica's own, for a tenant whose index it does not follow)
+            self.requests.apply(tenant, request_id, None if deleted else kv.value, revision)
         elif key.startswith(keys.ENGINES):
             self._apply_engine(keys.name_of(key, keys.ENGINES), kv, deleted, revision)
-        elif key.startswith(keys.USAGE):
-            name = keys.name_of(key, keys.USAGE)
-            if deleted:
-                self.usage_fences.pop(name, None)
-            else:
-                self.usage_fences[name] = revision
         elif key.startswith(keys.TENANTS):
             self._apply_tenant(keys.name_of(key, keys.TENANTS), kv, deleted, revision)
         elif key.startswith(keys.PREFIXES):
@@ -273,12 +264,9 @@ class View:
             bitmap[start:start + count] = taken
             self.free_count[engine_id] -= count if taken else -count
 
-    def _contribute(self, rec: ReservationRecord, sign: int, blocks: bool = True) -> None:
-        if not self.counts(rec):
-            return
-        if blocks:
+    def _contribute(self, rec: ReservationRecord, sign: int) -> None:
+        if self.counts(rec):
             self._mark(rec.engine_id, rec.incarnation, rec.extents, sign > 0)
-        self.tenant_used[rec.tenant] = self.tenant_used.get(rec.tenant, 0) + sign * rec.num_blocks
 
     def _quarantine(self, rec: ReservationRecord, ended_ms: int, already_marked: bool) -> None:
         """Keep ``rec``'s blocks taken until ``ended_ms`` + quarantine (see QUARANTINE_MS)."""
@@ -307,9 +295,8 @@ class View:
         if old is not None:
             self.by_engine[old.engine_id].discard(res_id)
             if new is None or (new.state.terminal and new.state != State.CONSUMED):
-                # Ended without being consumed: the tenant gets its quota back now,
-                # the blocks only after the quarantine.
-                self._contribute(old, -1, blocks=False)
+                # Ended without being consumed: the blocks come back only after the quarantine
+                # (the tenant's quota at once: its index key went with the record).
                 self._quarantine(old, new.ended_ms if new is not None and new.ended_ms else now_ms(), True)
             else:
                 self._contribute(old, -1)
@@ -416,7 +403,6 @@ class View:
         return self.following is None or slot in self.following
 
     def take_slot(self, slot: int, kvs: list[KV]) -> None:
-        # (A view following some slots holds no request index: see keys.REQUESTS.)
         """Start keeping ``slot``: ``kvs`` is everything under it at some revision; the
         watch from the next revision follows. (Reservations it holds are announced as
         they would be by the watch: a sidecar stream that asked for the slot hears them.)"""
@@ -451,9 +437,26 @@ class View:
             del self._key_revs[key]
         self.engines_version += 1  # the slot's engines are no longer candidates here
 
-    def load(self, kvs: list[KV], revision: int, following: frozenset[int] | None = None) -> None:
+    def take_tenant(self, name: str, kvs: list[KV]) -> None:
+        """Start keeping ``name``'s part of the request index (its usage counted here):
+        ``kvs`` is all of it at some revision; the watch from the next revision follows."""
+        assert self.following is not None
+        self.following = self.following | {name}
+        for kv in kvs:
+            self.apply(kv, False, kv.mod_revision)
+
+    def drop_tenant(self, name: str) -> None:
+        if self.following is None or name not in self.following:
+            return
+        self.following = self.following - {name}
+        self.requests.drop_tenant(name)
+        prefix = keys.tenant_requests(name)
+        for key in [k for k in self._key_revs if k.startswith(prefix)]:
+            del self._key_revs[key]
+
+    def load(self, kvs: list[KV], revision: int, following: frozenset[int | str] | None = None) -> None:
         """Replace the whole view with a snapshot taken at ``revision`` of the shared state
-        and of the slots in ``following`` (None: all)."""
+        and of the parts in ``following`` (None: all)."""
         old_res = dict(self.reservations)
         old_engines = {eid: entry.record for eid, entry in self.engines.items()}
         self.__init_state()

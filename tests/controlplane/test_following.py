@@ -1,10 +1,12 @@
 """Which slots a replica follows (kvpush/controlplane/following.py), without etcd: its own
-slots; a need's slots while it lasts and LINGER_S after; every slot for a need of ALL, for a
-tenant with a quota, for --follow all, and (as one watch) when it owns them all."""
+slots; a need's slots while it lasts and LINGER_S after; the request index of a tenant with
+a quota; every slot for a need of ALL, for --follow all, and (as one watch) when it owns
+them all."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -62,13 +64,16 @@ async def test_its_own_slots_then_a_need_while_it_lasts_and_a_while_after(monkey
         follower.cancel()
 
 
-def test_a_quota_tenant_or_follow_all_means_every_slot():
+def test_a_quota_tenant_means_its_request_index_and_follow_all_every_slot():
     view = view_with_replicas("a", "b")
     following = Following(view, Ownership(view, "a"))
-    assert following.wanted() is not None
+    before = following.wanted()
+    assert before is not None and not any(isinstance(p, str) for p in before)
     tenant = TenantRecord("capped", 100, [], "0" * 64)
     view.apply(KV(keys.tenant("capped"), tenant.encode(), 2, 2, 0), False, 2)
-    assert following.wanted() is None
+    assert following.wanted() == before | {"capped"}    # its usage, not every slot
+    view.apply(KV(keys.tenant("capped"), dataclasses.replace(tenant, quota_blocks=0).encode(), 3, 2, 0), False, 3)
+    assert following.wanted() == before                 # no quota: nothing to count
     view2 = view_with_replicas("a", "b")
     assert Following(view2, Ownership(view2, "a"), follow_all=True).wanted() is None
 

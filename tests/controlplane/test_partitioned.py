@@ -129,3 +129,73 @@ async def test_two_replicas_follow_their_own_slots_and_serve_everything(etcd):
             await client.close()
         for plane in planes:
             await plane.stop(grace=0.1)
+
+
+async def test_a_quota_counted_by_partitioned_replicas_is_never_overrun(etcd):
+    """A tenant with a quota no longer makes every replica follow every slot: each follows
+    that tenant's part of the request index (its usage) besides its own slots. Reserves
+    through both replicas at once, on engines each owns, never take more than the quota
+    (the usage fence orders them); what is released is counted back on both, and the
+    quota's owner-independent count is what etcd holds."""
+    planes = [ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd.endpoint, admin_token=ADMIN_TOKEN,
+                                              engine_token=ENGINE_TOKEN, replica_id=rid, sweep_interval_s=0.5))
+              for rid in ("a", "b")]
+    clients: list[ControlPlaneClient] = []
+    engines: list[SimulatedEngine] = []
+    try:
+        for plane in planes:
+            await plane.start()
+            await plane.view.ready.wait()
+        a, b = planes
+        addr = [f"127.0.0.1:{p.port}" for p in planes]
+        admin = ControlPlaneClient(addr[0], ADMIN_TOKEN)
+        engine_client = ControlPlaneClient(addr[0], ENGINE_TOKEN)
+        clients += [admin, engine_client]
+        for owner in ("a", "b"):
+            engines.append(SimulatedEngine(engine_client, engine_owned_by(owner), num_blocks=64))
+            await engines[-1].register()
+        capped = await make_tenant(admin, addr[0], "capped", quota_blocks=10)
+        token = capped.metadata[0][1].split()[1]
+        through = [capped, ControlPlaneClient(addr[1], token)]
+        clients += through
+
+        def slots(plane) -> set:
+            return {p for p in plane.view.following or () if isinstance(p, int)}
+        await eventually(lambda: all(p.view.following is not None and "capped" in p.view.following
+                                     and len(slots(p)) < keys.SLOTS for p in planes))
+        assert slots(a).isdisjoint(slots(b))
+
+        # 24 asks of one block each through both replicas at once: exactly 10 granted.
+        results = await asyncio.gather(*(reserve(through[i % 2], f"q{i}", 16) for i in range(24)),
+                                       return_exceptions=True)
+        granted = [r for r in results if not isinstance(r, Exception)]
+        refused = [r for r in results if isinstance(r, Exception)]
+        assert len(granted) == 10, [getattr(r, "details", lambda: r)() for r in refused]
+        assert all(r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "quota" in r.details() for r in refused)
+        assert {r.engine_id for r in granted} <= {e.engine_id for e in engines}
+        await eventually(lambda: all(p.view.requests.used.get("capped") == 10 for p in planes))
+        assert all(len(slots(p)) < keys.SLOTS for p in planes)   # counted without every slot
+
+        # Released through a: b counts the blocks back and grants that many more, no more.
+        for res in granted[:3]:
+            await release(capped, res.id)
+        await eventually(lambda: b.view.requests.used.get("capped") == 7)
+        for i in range(3):
+            await reserve(through[1], f"more{i}", 16)
+        await expect_code(grpc.StatusCode.RESOURCE_EXHAUSTED, reserve(through[1], "over", 16))
+        listed = await admin.admin.ListTenants(admin_pb2.ListTenantsRequest(), metadata=admin.metadata)
+        assert {t.name: t.reserved_blocks for t in listed.tenants}["capped"] == 10
+        report = await settle(etcd.endpoint)
+        assert report.tenant_usage["capped"] == 10
+
+        # The quota lifted: the tenant's index is no longer followed.
+        await admin.admin.UpdateTenant(admin_pb2.UpdateTenantRequest(name="capped", quota_blocks=0),
+                                       metadata=admin.metadata)
+        await eventually(lambda: all("capped" not in p.view.following for p in planes))
+    finally:
+        for engine in engines:
+            await engine.stop()
+        for client in clients:
+            await client.close()
+        for plane in planes:
+            await plane.stop(grace=0.1)
