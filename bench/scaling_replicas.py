@@ -11,7 +11,10 @@ request" is its CPU under load less at rest, divided by the requests it served. 
 runs twice, the replicas at ``--follow all`` (the baseline: each applies every change of
 every other, so it pays the follow once per request of the whole registry and its cost per
 request served grows with the number of replicas) and at ``--follow owned`` (each follows
-its own slots: kvpush/controlplane/following.py)."""
+its own slots: kvpush/controlplane/following.py). A third set of points gives the tenant a
+quota (one that never binds): every Reserve is then counted against the tenant's usage, which
+each replica follows in the tenant's part of the request index, and fenced on its usage key,
+which the serving replicas' batches share."""
 
 from __future__ import annotations
 
@@ -84,7 +87,11 @@ async def _tenant_everywhere(fronts_planes: list[Plane], token: str) -> None:
         await client.close()
 
 
-async def point(etcd: EmbeddedEtcd, follow: str, replicas: int, per_replica: float, seconds: float) -> dict:
+QUOTA = 1 << 30   # blocks: counted and fenced, never reached
+
+
+async def point(etcd: EmbeddedEtcd, follow: str, replicas: int, per_replica: float, seconds: float,
+                quota: bool = False) -> dict:
     rate = per_replica * replicas
     extra = ("--follow", follow)
     planes = [Plane(etcd.endpoint, group_commit=True, extra=extra) for _ in range(replicas)]
@@ -96,7 +103,8 @@ async def point(etcd: EmbeddedEtcd, follow: str, replicas: int, per_replica: flo
     meter = CpuMeter(names)
     try:
         admin = ControlPlaneClient(planes[0].address, ADMIN)
-        made = await admin.admin.CreateTenant(admin_pb2.CreateTenantRequest(name="fleet"), metadata=admin.metadata)
+        made = await admin.admin.CreateTenant(admin_pb2.CreateTenantRequest(name="fleet", quota_blocks=QUOTA if quota
+                                                                            else 0), metadata=admin.metadata)
         await _tenant_everywhere(planes, made.token)
         fronts = [Front(p, made.token) for p in planes]
         blocks = int(rate * seconds * 2 / ENGINES) + 64
@@ -139,11 +147,11 @@ async def point(etcd: EmbeddedEtcd, follow: str, replicas: int, per_replica: flo
     await wipe_registry(etcd)
     total = sum(served)
     per_request = [(busy[f"r{i}"] - idle[f"r{i}"]) * wall / served[i] for i in range(replicas)]
-    row = dict(follow=follow, replicas=replicas, rate=total / wall, errors=errors, p50=pct(lat, 50) * 1e3, p99=pct(lat, 99) * 1e3,
+    row = dict(follow=follow + (", quota" if quota else ""), replicas=replicas, rate=total / wall, errors=errors, p50=pct(lat, 50) * 1e3, p99=pct(lat, 99) * 1e3,
                per_request_ms=[x * 1e3 for x in per_request],
                follow_ms=(busy["passive"] - idle["passive"]) * wall / total * 1e3,
                busy=busy, idle=idle, invariants=report.ok)
-    print(f"  --follow {follow}, {replicas} replicas: {row['rate']:.0f} lifecycles/s, Reserve p50 {row['p50']:.2f} p99 {row['p99']:.2f} ms, "
+    print(f"  --follow {row['follow']}, {replicas} replicas: {row['rate']:.0f} lifecycles/s, Reserve p50 {row['p50']:.2f} p99 {row['p99']:.2f} ms, "
           f"errors {errors}; CPU per request served "
           f"{', '.join(f'{x:.3f}' for x in row['per_request_ms'])} ms; the idle replica's follow "
           f"{row['follow_ms']:.3f} ms per request; etcd {busy['etcd']:.2f} cores; invariants "
@@ -151,15 +159,15 @@ async def point(etcd: EmbeddedEtcd, follow: str, replicas: int, per_replica: flo
     return row
 
 
-async def replicas(points: list[tuple[str, int, float]], seconds: float, write: bool) -> None:
-    """``points``: (--follow mode, serving replicas, lifecycles/s on each)."""
+async def replicas(points: list[tuple[str, int, float, bool]], seconds: float, write: bool) -> None:
+    """``points``: (--follow mode, serving replicas, lifecycles/s on each, the tenant has a quota)."""
     etcd = EmbeddedEtcd(max_txn_ops=4096).start()
     rows = []
     try:
         print(f"etcd {etcd.endpoint}; {ENGINES} simulated decode engines; {seconds:g} s a point, "
               f"plus one replica serving nothing", flush=True)
-        for follow, n, per_replica in points:
-            rows.append(await point(etcd, follow, n, per_replica, seconds))
+        for follow, n, per_replica, quota in points:
+            rows.append(await point(etcd, follow, n, per_replica, seconds, quota))
     finally:
         etcd.stop()
     headers = ["--follow", "serving replicas", "lifecycles/s (registry)", "errors", "Reserve p50 ms", "p99 ms",
@@ -181,7 +189,7 @@ async def replicas(points: list[tuple[str, int, float]], seconds: float, write: 
         return [r for r in base if abs(r["rate"] / r["replicas"] - per) < 0.2 * per]
 
     lines = []
-    for follow in ("all", "owned"):
+    for follow in ("all", "owned", "owned, quota"):
         grow = same_rate(follow)
         if len(grow) > 1:
             first = mean(grow[0])

@@ -111,6 +111,11 @@ def cmp_create(key: bytes, revision: int):
                        create_revision=revision)
 
 
+def compared(compares: Sequence) -> dict[bytes, int]:
+    """key -> the revision each compare (``cmp_mod``, ``cmp_create``) expects it at (0: absent)."""
+    return {c.key: c.mod_revision if c.target == rpc.Compare.MOD else c.create_revision for c in compares}
+
+
 def op_put(key: bytes, value: bytes, lease: int = 0, keep_lease: bool = False):
     return rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value, lease=0 if keep_lease else lease,
                                                     ignore_lease=keep_lease))

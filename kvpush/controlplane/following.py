@@ -7,9 +7,9 @@ never reach it. On top of those it follows what its own clients need while they 
   live there; a prefill engine's are copied there, keys.push);
 * a Reserve that found no room on the engines it follows, while others of the model
   exist: their slots, for ``LINGER_S`` after the last such Reserve;
-* a tenant with a quota: its part of the request index, which holds its usage
-  (request_index.py), for as long as it has the quota; a tenant's usage asked for
-  (``UpdateTenant``, ``ListTenants``...): that tenant's part, while it is answered;
+* a Reserve for a tenant with a quota: that tenant's part of the request index, which
+  holds its usage (request_index.py), for ``LINGER_S`` after its last such Reserve (a
+  replica that serves the tenant nothing never follows it);
 * what no single slot answers: a tenant's reservation watch, the exact counts of
   ``ListEngines``, ``DeleteTenant``: every slot. (``GetEngine`` takes its engine's slot.)
 
@@ -36,7 +36,7 @@ _log = log.get("following")
 
 ALL = -1           # a need for every slot (a need is a slot, an int, or a tenant's index, its name)
 LINGER_S = 10.0    # a need is kept this long after it ends
-RECHECK_S = 0.5    # ownership and quotas are looked at again this often
+RECHECK_S = 0.5    # ownership and needs' linger are looked at again this often
 COVER_WAIT_S = 10.0
 
 
@@ -59,9 +59,7 @@ class Following:
         if self.follow_all or ALL in needed:
             return None
         parts = self._ownership.owned | needed
-        if sum(isinstance(p, int) for p in parts) == keys.SLOTS:
-            return None
-        return frozenset(parts | {name for name, e in self._view.tenants.items() if e.record.quota_blocks})
+        return None if sum(isinstance(p, int) for p in parts) == keys.SLOTS else frozenset(parts)
 
     def recheck(self) -> None:
         """Poke the follow if what this replica should follow changed."""
@@ -114,8 +112,13 @@ class Following:
                     del self._needs[slot]
                 self._lingering[slot] = max(self._lingering.get(slot, 0.0), until)
 
+    def keep(self, need: int | str) -> None:
+        """``need``, followed already, is kept ``LINGER_S`` from now (a quota tenant's Reserve)."""
+        self._lingering[need] = time.monotonic() + LINGER_S
+
     def borrow(self, slots: Iterable[int | str]) -> None:
-        """Follow ``slots`` for ``LINGER_S`` from now (a Reserve's room beyond its own engines)."""
+        """Follow ``slots`` for ``LINGER_S`` from now (a Reserve's room beyond its own engines;
+        a quota tenant's usage)."""
         until = time.monotonic() + LINGER_S
         for slot in slots:
             self._lingering[slot] = max(self._lingering.get(slot, 0.0), until)

@@ -80,13 +80,17 @@ class Plan:
     moved_live: int = 0                                      # live reservations a move ends FAILED
     moves: int = 0                                           # asks that move a reservation
     _fenced: set = dataclasses.field(default_factory=set)
-    _usage_fences: list = dataclasses.field(default_factory=list)   # tenants whose usage fence is bumped
+    # The fences' bumps, written after the records they guard (attach_records): a view part way
+    # through applying the transaction (follow.py applies a big one in slices) then holds the
+    # records without the new fence, so a Reserve planned there fails its compare instead of
+    # trusting a fence whose records it has not yet counted.
+    _fences: list = dataclasses.field(default_factory=list)   # (op, write for the view)
 
     def has_room(self, max_ops: int) -> bool:
         """Whether one more ask surely fits: at most 7 more operations (three puts: record,
         prefill copy, request key; an engine's and a tenant's fence; a move's end and its
         copy) and 6 more compares."""
-        return (len(self.ops) + 3 * len(self.records) + 2 * self.moves + 7 <= max_ops
+        return (len(self.ops) + len(self._fences) + 3 * len(self.records) + 2 * self.moves + 7 <= max_ops
                 and len(self.compares) + self.moves + 6 <= max_ops)
 
     def add(self, ask: ReserveAsk, rec: ReservationRecord, tenant: TenantRecord, view: View) -> None:
@@ -101,18 +105,17 @@ class Plan:
             self._fenced.add(("e", rec.engine_id))
             self.compares.append(cmp_mod(keys.engine(rec.engine_id), view.engines[rec.engine_id].mod_revision))
             self.compares.append(cmp_mod(keys.pool(rec.engine_id), view.pool_fences[rec.engine_id]))
-            self.ops.append(op_touch(keys.pool(rec.engine_id)))
-            self.writes.append((keys.pool(rec.engine_id), b"", view.engines[rec.engine_id].lease, None))
+            self._fences.append((op_touch(keys.pool(rec.engine_id)),
+                                 (keys.pool(rec.engine_id), b"", view.engines[rec.engine_id].lease, None)))
         if ("t", rec.tenant) not in self._fenced:
             self._fenced.add(("t", rec.tenant))
             self.compares.append(cmp_mod(keys.tenant(rec.tenant), view.tenants[rec.tenant].mod_revision))
             # The usage fence guards a quota only: without one, replicas reserving for the same
             # tenant at once would fail each other's transactions for nothing. (Setting a quota
-            # changes the tenant record, which the compare above catches.) Its bump goes after
-            # the index puts (attach_records): a view that has it has them (request_index.py).
+            # changes the tenant record, which the compare above catches.)
             if tenant.quota_blocks:
                 self.compares.append(cmp_mod(keys.usage(rec.tenant), view.requests.fences.get(rec.tenant, 0)))
-                self._usage_fences.append(rec.tenant)
+                self._fences.append((op_put(keys.usage(rec.tenant), b""), (keys.usage(rec.tenant), b"", 0, None)))
 
     async def attach_records(self, leases: LeaseBuckets) -> None:
         """Add the reservation and request-index puts, bound to their deadline lease."""
@@ -133,7 +136,7 @@ class Plan:
             self.ops.append(op_put(req_key, entry, lease))
             self.writes.append((keys.reservation(rec.id), value, lease, rec))
             self.writes.append((req_key, entry, lease, None))
-        for tenant in self._usage_fences:
-            self.ops.append(op_put(keys.usage(tenant), b""))
-            self.writes.append((keys.usage(tenant), b"", 0, None))
+        for op, write in self._fences:
+            self.ops.append(op)
+            self.writes.append(write)
 

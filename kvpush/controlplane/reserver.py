@@ -20,7 +20,7 @@ import numpy as np
 from kvpush.controlplane import errors, keys, metrics
 from kvpush.controlplane.allocator import allocate
 from kvpush.controlplane.candidates import CandidateCache, RoomElsewhere
-from kvpush.controlplane.etcd import KV, EtcdClient, EtcdLeaseNotFound, EtcdUnavailable
+from kvpush.controlplane.etcd import KV, EtcdClient, EtcdLeaseNotFound, EtcdUnavailable, compared
 from kvpush.controlplane.leases import LeaseBuckets
 from kvpush.controlplane.following import Following
 from kvpush.controlplane.ownership import OWN_SLACK, Ownership
@@ -145,8 +145,9 @@ class Reserver:
                     return
                 continue
             metrics.BATCH_CONFLICTS.inc()
-            # Someone else moved a fence: let the watch bring the view up to date.
-            if not await self._view.wait_for_revision(result.revision, timeout=2.0):
+            # Someone else moved a fence: let the watch bring the view up to date (that write
+            # is enough; a view following several parts may hold the whole revision later).
+            if not await self._view.wait_for_revision(result.revision, timeout=2.0, known=compared(plan.compares)):
                 _log.warning("view lagging after conflict", want=result.revision, have=self._view.revision)
             await self._read_request_keys(pending)
             for ask in pending:
@@ -284,15 +285,20 @@ class Reserver:
         return True
 
     def _usage_unknown(self, ask: ReserveAsk, tenant: TenantRecord) -> bool:
-        """Whether ``tenant``'s quota cannot be counted here yet: this replica does not yet
-        follow its part of the request index (following.py takes a quota tenant's on within
-        a recheck); ``ask`` is then planned again once it does, or refused."""
+        """Whether ``tenant``'s quota cannot be counted here yet: this replica does not follow
+        its part of the request index (following.py takes it on while the tenant's Reserves
+        come here); ``ask`` is then planned again once it does, or refused."""
         following = self._view.following
-        if following is None or tenant.name in following:
+        if following is None:
             return False
         if self._following is None:
+            if tenant.name in following:
+                return False
             raise errors.unavailable(f"this replica does not count tenant {tenant.name!r}'s usage")
-        self._following.recheck()
+        if tenant.name in following:
+            self._following.keep(tenant.name)
+            return False
+        self._following.borrow([tenant.name])
         self._replan_when_covered(ask, {tenant.name}, required=True)
         return True
 

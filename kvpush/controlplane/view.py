@@ -27,6 +27,7 @@ from kvpush.contract.engine import EngineRecord
 from kvpush.controlplane.free_counts import FreeCounts
 from kvpush.controlplane.prefill_copies import PrefillCopies
 from kvpush.controlplane.request_index import RequestIndex
+from kvpush.controlplane.view_waiters import ViewWaiters
 from kvpush.controlplane.prefixes import PrefixIndex
 from kvpush.controlplane.records import ReplicaRecord, ReservationRecord, TenantRecord, decode_free, now_ms
 from kvpush import log
@@ -102,7 +103,7 @@ class View:
         self._own_writes: dict[bytes, tuple[bytes, object]] = {}
         self._listeners: list[Callable[[object], None]] = []
         self._engine_listeners: dict[str, list[Callable[[object], None]]] = {}
-        self._revision_waiters: list[tuple[int, asyncio.Future]] = []
+        self.waiters = ViewWaiters()
         self.ready = asyncio.Event()
         self._loading = False
 
@@ -200,10 +201,13 @@ class View:
         key = kv.key
         if self._key_revs.get(key, 0) >= revision:
             return
-        if self.following is not None and key.startswith(keys.SLOTTED) and \
-                keys.slot_of_key(key) not in self.following:
-            return  # (a write this replica made into a slot it does not follow)
+        if self.following is not None and not self._kept(key):
+            # A write this replica made into a part it does not follow: not even its revision
+            # is kept, or taking the part on later would skip the key as already seen.
+            return
         self._key_revs[kv.key] = revision
+        if self.waiters.by_key:
+            self.waiters.written(key, revision)
         if deleted:
             self._deleted.append((revision, kv.key))
         if key.startswith(keys.SLOTTED):
@@ -227,10 +231,7 @@ class View:
                     for fn in list(self._engine_listeners.get(prefill_engine_id, ())):
                         fn(change)
         elif key.startswith(keys.REQUESTS):
-            tenant, request_id = keys.split_request(key)
-            if self.following is not None and tenant not in self.following:
-                return  # (a write of this replica's own, for a tenant whose index it does not follow)
-            self.requests.apply(tenant, request_id, None if deleted else kv.value, revision)
+            self.requests.apply(*keys.split_request(key), None if deleted else kv.value, revision)
         elif key.startswith(keys.ENGINES):
             self._apply_engine(keys.name_of(key, keys.ENGINES), kv, deleted, revision)
         elif key.startswith(keys.TENANTS):
@@ -378,26 +379,21 @@ class View:
             if rev >= revision - 100_000:
                 break
             del self._expired_ids[res_id]
-        still = []
-        for want, fut in self._revision_waiters:
-            if want <= revision:
-                if not fut.done():
-                    fut.set_result(None)
-            else:
-                still.append((want, fut))
-        self._revision_waiters = still
+        self.waiters.reached(revision)
 
-    async def wait_for_revision(self, revision: int, timeout: float) -> bool:
-        if self.revision >= revision:
+    async def wait_for_revision(self, revision: int, timeout: float, known: dict[bytes, int] | None = None) -> bool:
+        """Until the view holds ``revision``, or (``known``: key -> the mod revision a
+        transaction compared) has a newer write of one of those keys (view_waiters.py)."""
+        if self.revision >= revision or (known and any(self._key_revs.get(k, 0) > r for k, r in known.items())):
             return True
-        fut = asyncio.get_running_loop().create_future()
-        self._revision_waiters.append((revision, fut))
         self.request_progress()
-        try:
-            await asyncio.wait_for(fut, timeout)
-            return True
-        except asyncio.TimeoutError:
-            return False
+        return await self.waiters.wait(revision, known or {}, timeout)
+
+    def _kept(self, key: bytes) -> bool:
+        """Is ``key`` in a followed part (shared keys always are)?"""
+        if key.startswith(keys.SLOTTED):
+            return keys.slot_of_key(key) in self.following
+        return not key.startswith(keys.REQUESTS) or keys.split_request(key)[0] in self.following
 
     def followed(self, slot: int) -> bool:
         return self.following is None or slot in self.following
@@ -486,13 +482,13 @@ class View:
                 self._emit(ReservationChange(old, rec, revision))
 
     def __init_state(self) -> None:
-        listeners, waiters, ready = self._listeners, self._revision_waiters, self.ready
+        listeners, waiters, ready = self._listeners, self.waiters, self.ready
         engine_listeners, request_progress = self._engine_listeners, self.request_progress
         expired, cursors, ended = self._expired_ids, self.cursors, self.ended
         version, replicas_version = self.engines_version, self.replicas_version
         free_version = self.free_elsewhere_version
         self.__init__(self.quarantine_ms)
-        self._listeners, self._revision_waiters, self.ready = listeners, waiters, ready
+        self._listeners, self.waiters, self.ready = listeners, waiters, ready
         self._engine_listeners, self.request_progress = engine_listeners, request_progress
         self._expired_ids, self.cursors, self.ended = expired, cursors, ended
         self.engines_version = version + 1  # a new FreeCounts: every cached slot is stale

@@ -138,3 +138,23 @@ async def test_a_view_follows_its_slots_takes_one_on_and_gives_one_up(cp, admin,
         await tenant.close()
         for engine in engines:
             await engine.stop()
+
+
+def test_a_tenants_index_taken_on_counts_what_this_replica_wrote_before():
+    """A write this replica made into a tenant's index it did not follow (its own Reserve,
+    applied to its view at once) must not leave the key's revision behind: taking the index
+    on later reads that key at the same revision, and skipping it as seen would leave the
+    tenant's usage short, and a quota overrun (found as a 31st block on a 30-block quota)."""
+    from kvpush.controlplane.etcd import KV
+    from kvpush.controlplane.records import RequestEntry
+    view = View()
+    view.load([], 1, frozenset({3}))
+    key, value = keys.request("capped", "q1"), RequestEntry("r-03" + "0" * 22, 2).encode()
+    view.apply(KV(key, value, 5, 5, 0), False, 5)       # its own write, the index not followed
+    view.apply(KV(keys.usage("capped"), b"", 5, 1, 0), False, 5)
+    assert not view.requests and "capped" not in view.requests.fences
+    view.take_tenant("capped", [KV(key, value, 5, 5, 0), KV(keys.usage("capped"), b"", 5, 1, 0)])
+    assert view.requests.used == {"capped": 2} and view.requests.fences == {"capped": 5}
+    assert view.requests.reservation_id("capped", "q1") == "r-03" + "0" * 22
+    view.drop_tenant("capped")
+    assert not view.requests and not view.requests.used and not view.requests.fences

@@ -1,12 +1,11 @@
 """Which slots a replica follows (kvpush/controlplane/following.py), without etcd: its own
-slots; a need's slots while it lasts and LINGER_S after; the request index of a tenant with
-a quota; every slot for a need of ALL, for --follow all, and (as one watch) when it owns
-them all."""
+slots; a need's slots while it lasts and LINGER_S after; a quota tenant's request index
+while its Reserves need it; every slot for a need of ALL, for --follow all, and (as one
+watch) when it owns them all."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 import pytest
 
@@ -64,16 +63,16 @@ async def test_its_own_slots_then_a_need_while_it_lasts_and_a_while_after(monkey
         follower.cancel()
 
 
-def test_a_quota_tenant_means_its_request_index_and_follow_all_every_slot():
+def test_follow_all_means_every_slot_and_a_tenant_index_is_followed_only_while_needed():
     view = view_with_replicas("a", "b")
     following = Following(view, Ownership(view, "a"))
     before = following.wanted()
     assert before is not None and not any(isinstance(p, str) for p in before)
     tenant = TenantRecord("capped", 100, [], "0" * 64)
     view.apply(KV(keys.tenant("capped"), tenant.encode(), 2, 2, 0), False, 2)
-    assert following.wanted() == before | {"capped"}    # its usage, not every slot
-    view.apply(KV(keys.tenant("capped"), dataclasses.replace(tenant, quota_blocks=0).encode(), 3, 2, 0), False, 3)
-    assert following.wanted() == before                 # no quota: nothing to count
+    assert following.wanted() == before               # a quota alone: nothing to count yet
+    following.borrow(["capped"])                      # a Reserve of its
+    assert following.wanted() == before | {"capped"}  # its usage, not every slot
     view2 = view_with_replicas("a", "b")
     assert Following(view2, Ownership(view2, "a"), follow_all=True).wanted() is None
 
