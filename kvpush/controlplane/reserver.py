@@ -361,7 +361,9 @@ class Reserver:
             old = ask.moving
             fits &= np.array([e.engine_id != old.engine_id and e.layout.block_size == old.block_size
                               and e.layout.tp_size == old.decode_tp for e in cands.engines])
-            credit = old.num_blocks if old.state.live and view.counts(old) else 0  # given back in the same txn
+            # Given back in the same transaction (its index key is the successor's now); counted
+            # while live whatever its engine's state, as the tenant's usage counts it.
+            credit = old.num_blocks if old.state.live else 0
         if tenant.quota_blocks:
             quota_left = (tenant.quota_blocks - view.requests.used.get(tenant.name, 0) - batch.used.get(tenant.name, 0)
                           + credit)

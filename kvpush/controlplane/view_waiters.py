@@ -57,5 +57,4 @@ class ViewWaiters:
                     self.by_key[key] = left
                 else:
                     self.by_key.pop(key, None)
-            if not fut.done():
-                self._by_revision = [w for w in self._by_revision if w[1] is not fut]
+            self._by_revision = [w for w in self._by_revision if w[1] is not fut]
