@@ -291,13 +291,12 @@ class Reserver:
         following = self._view.following
         if following is None:
             return False
-        if self._following is None:
-            if tenant.name in following:
-                return False
-            raise errors.unavailable(f"this replica does not count tenant {tenant.name!r}'s usage")
         if tenant.name in following:
-            self._following.keep(tenant.name)
+            if self._following is not None:
+                self._following.keep(tenant.name)
             return False
+        if self._following is None:
+            raise errors.unavailable(f"this replica does not count tenant {tenant.name!r}'s usage")
         self._following.borrow([tenant.name])
         self._replan_when_covered(ask, {tenant.name}, required=True)
         return True

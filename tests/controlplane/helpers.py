@@ -53,3 +53,13 @@ async def settle(endpoint: str, quiet: bool = False, timeout: float = 15.0, unti
             assert until is None or until(report), f"condition not reached: {report.summary()}"
             return report
         await asyncio.sleep(0.2)
+
+
+async def stop_all(engines, clients, planes) -> None:
+    """A test's teardown: its simulated engines, then its clients, then its in-process replicas."""
+    for engine in engines:
+        await engine.stop()
+    for client in clients:
+        await client.close()
+    for plane in planes:
+        await plane.stop(grace=0.1)

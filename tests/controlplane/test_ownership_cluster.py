@@ -23,7 +23,7 @@ from kvpush.controlplane.ownership import LEASE_TTL_S, SLOTS, assign, slot_of
 from kvpush.controlplane.server import ControlPlane, ControlPlaneConfig
 from kvpush.controlplane.follow import follow
 from tests.conftest import ADMIN_TOKEN, ENGINE_TOKEN, ControlPlaneProcess
-from tests.controlplane.helpers import expect_code, make_tenant, reserve, settle
+from tests.controlplane.helpers import expect_code, make_tenant, reserve, settle, stop_all
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -228,9 +228,4 @@ async def test_a_quota_set_through_a_lagging_replica_still_holds(etcd):
         report = await settle(etcd.endpoint)
         assert report.tenant_usage["acme"] == 4
     finally:
-        for engine in engines:
-            await engine.stop()
-        for client in clients:
-            await client.close()
-        for plane in planes:
-            await plane.stop(grace=0.1)
+        await stop_all(engines, clients, planes)

@@ -8,6 +8,7 @@ through the non-owner end what they should, and etcd's invariants hold."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 
@@ -18,18 +19,16 @@ from kvpush.controlplane import keys
 from kvpush.controlplane.ownership import assign
 from kvpush.controlplane.server import ControlPlane, ControlPlaneConfig
 from tests.conftest import ADMIN_TOKEN, ENGINE_TOKEN
-from tests.controlplane.helpers import expect_code, make_tenant, release, reserve, settle
+from tests.controlplane.helpers import expect_code, make_tenant, release, reserve, settle, stop_all
 from tests.controlplane.test_follow import eventually
 
 OWNERS = assign(["a", "b"])
 
 
-def engine_owned_by(replica: str, skip: int = 0) -> str:
-    found = [f"decode-{i}" for i in range(200) if OWNERS[keys.slot_of(f"decode-{i}")] == replica]
-    return found[skip]
-
-
-async def test_two_replicas_follow_their_own_slots_and_serve_everything(etcd):
+@contextlib.asynccontextmanager
+async def two_replicas(etcd):
+    """Replicas a and b in this process, started and ready: (planes, their addresses, and the
+    lists of clients and engines a test adds to, all stopped at the end)."""
     planes = [ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd.endpoint, admin_token=ADMIN_TOKEN,
                                               engine_token=ENGINE_TOKEN, replica_id=rid, sweep_interval_s=0.5))
               for rid in ("a", "b")]
@@ -39,8 +38,19 @@ async def test_two_replicas_follow_their_own_slots_and_serve_everything(etcd):
         for plane in planes:
             await plane.start()
             await plane.view.ready.wait()
+        yield planes, [f"127.0.0.1:{p.port}" for p in planes], clients, engines
+    finally:
+        await stop_all(engines, clients, planes)
+
+
+def engine_owned_by(replica: str, skip: int = 0) -> str:
+    found = [f"decode-{i}" for i in range(200) if OWNERS[keys.slot_of(f"decode-{i}")] == replica]
+    return found[skip]
+
+
+async def test_two_replicas_follow_their_own_slots_and_serve_everything(etcd):
+    async with two_replicas(etcd) as (planes, addr, clients, engines):
         a, b = planes
-        addr = [f"127.0.0.1:{p.port}" for p in planes]
         await eventually(lambda: all(p.view.following is not None and len(p.view.following) < keys.SLOTS
                                      for p in planes))
         assert a.view.following.isdisjoint(b.view.following)
@@ -122,13 +132,6 @@ async def test_two_replicas_follow_their_own_slots_and_serve_everything(etcd):
         report = await settle(etcd.endpoint, quiet=True)
         assert not [r for r in report.live if r.tenant == "acme"]
         await expect_code(grpc.StatusCode.UNAUTHENTICATED, reserve(tenant_b, "req-after", 16))
-    finally:
-        for engine in engines:
-            await engine.stop()
-        for client in clients:
-            await client.close()
-        for plane in planes:
-            await plane.stop(grace=0.1)
 
 
 async def test_a_quota_counted_by_partitioned_replicas_is_never_overrun(etcd):
@@ -137,17 +140,8 @@ async def test_a_quota_counted_by_partitioned_replicas_is_never_overrun(etcd):
     its own slots. Reserves through both replicas at once, on engines each owns, never take
     more than the quota (the usage fence orders them); what is released is counted back on
     both, and the count is what etcd holds."""
-    planes = [ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd.endpoint, admin_token=ADMIN_TOKEN,
-                                              engine_token=ENGINE_TOKEN, replica_id=rid, sweep_interval_s=0.5))
-              for rid in ("a", "b")]
-    clients: list[ControlPlaneClient] = []
-    engines: list[SimulatedEngine] = []
-    try:
-        for plane in planes:
-            await plane.start()
-            await plane.view.ready.wait()
+    async with two_replicas(etcd) as (planes, addr, clients, engines):
         a, b = planes
-        addr = [f"127.0.0.1:{p.port}" for p in planes]
         admin = ControlPlaneClient(addr[0], ADMIN_TOKEN)
         engine_client = ControlPlaneClient(addr[0], ENGINE_TOKEN)
         clients += [admin, engine_client]
@@ -187,10 +181,3 @@ async def test_a_quota_counted_by_partitioned_replicas_is_never_overrun(etcd):
         assert {t.name: t.reserved_blocks for t in listed.tenants}["capped"] == 10
         report = await settle(etcd.endpoint)
         assert report.tenant_usage["capped"] == 10
-    finally:
-        for engine in engines:
-            await engine.stop()
-        for client in clients:
-            await client.close()
-        for plane in planes:
-            await plane.stop(grace=0.1)
