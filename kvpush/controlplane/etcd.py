@@ -197,6 +197,7 @@ class _Endpoint:
         self.lease = rpc.LeaseStub(channel)
         self.watch = rpc.WatchStub(channel)
         self.auth = rpc.AuthStub(channel)
+        self.maintenance = rpc.MaintenanceStub(channel)
         self.token: str | None = None
         self.keepalives: KeepAliveStream | None = None  # every lease's refreshes, one stream
 
@@ -366,6 +367,19 @@ class EtcdClient:
             raise EtcdUnavailable(f"etcd keepalive: {exc.code().name}: {exc.details()}") from exc
         except EtcdLeaseNotFound as exc:
             raise EtcdUnavailable(f"etcd keepalive: {exc}") from exc
+
+    async def member_versions(self, timeout: float = 2.0) -> dict[str, str]:
+        """Each endpoint's etcd release, as its status says; one that does not answer
+        within ``timeout`` is left out."""
+        async def one(ep: _Endpoint) -> str | None:
+            try:
+                resp = await ep.maintenance.Status(rpc.StatusRequest(), timeout=timeout,
+                                                   metadata=await self._metadata(ep))
+                return resp.version
+            except grpc.aio.AioRpcError:
+                return None
+        answers = await asyncio.gather(*(one(ep) for ep in self._eps))
+        return {ep.target: v for ep, v in zip(self._eps, answers) if v}
 
     async def revoke_lease(self, lease_id: int) -> None:
         """Revoke; a lease already gone (expired, or revoked by a racing call) is fine."""

@@ -29,6 +29,9 @@ RELOCATIONS = Counter("kvpush_relocations_total",
                       "Decode failovers asked (Scheduler.Relocate), by outcome (OK or the gRPC status code)", ["outcome"])
 
 OWNED_SLOTS = Gauge("kvpush_owned_slots", "Engine slots this replica owns (of kvpush.controlplane.ownership.SLOTS)")
+ETCD_DEFECTIVE_MEMBERS = Gauge("kvpush_etcd_defective_members",
+                               "Members of --etcd whose etcd release can lose writes it acknowledged "
+                               "(kvpush.controlplane.etcd_versions), as found at this replica's start")
 LIVE_REPLICAS = Gauge("kvpush_live_replicas", "Control-plane replicas this replica sees live (itself included)")
 RESERVE_OWNER = Counter("kvpush_reserve_engine_owner_total",
                         "Reservations committed by this replica, by who owns the engine chosen: this replica "

@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import REGISTRY, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
-from kvpush.controlplane import free_summary, keys, metrics
+from kvpush.controlplane import etcd_versions, free_summary, keys, metrics
 from kvpush.controlplane.admin_service import AdminService
 from kvpush.controlplane.api import add_service
 from kvpush.controlplane.auth import Auth
@@ -117,6 +117,8 @@ class ControlPlane:
         self._stop = asyncio.Event()
         self._follow: asyncio.Task | None = None
         self._member: asyncio.Task | None = None
+        self._version_check: asyncio.Task | None = None
+        self.etcd_defects: dict[str, list[str]] = {}  # endpoint -> what its release is known to lose
         self._health = health.aio.HealthServicer()
 
     async def start(self) -> None:
@@ -162,6 +164,7 @@ class ControlPlane:
             asyncio.create_task(free_summary.publish(self.etcd, self.view, self.ownership, self._membership,
                                                      self._stop), name="free-summary"))
         asyncio.create_task(self._serving_when_ready(names + [""]))
+        self._version_check = asyncio.create_task(self._check_etcd_versions(), name="etcd-versions")
         _log.info("control plane listening", listen=self.cfg.listen, port=self.port, etcd=self.cfg.etcd,
                   replica_id=self.replica_id, tls=creds is not None, metrics_port=self.cfg.metrics_port)
 
@@ -170,6 +173,16 @@ class ControlPlane:
         operators: nothing reads it yet; a replica listening on 0.0.0.0 says so)."""
         host = self.cfg.listen.rpartition(":")[0] or "127.0.0.1"
         return f"{host}:{self.port}"
+
+    async def _check_etcd_versions(self) -> None:
+        """Say so, at start, of every member of --etcd on a release known to lose writes it
+        acknowledged: what the registry promises (no answered reservation lost) rests on it."""
+        for endpoint, version in (await self.etcd.member_versions()).items():
+            if found := etcd_versions.defects(version):
+                self.etcd_defects[endpoint] = found
+                _log.warning("etcd member has a known defect: upgrade it", endpoint=endpoint, version=version,
+                             defects=found, safe_from=etcd_versions.CRASH_SAFE_FROM)
+        metrics.ETCD_DEFECTIVE_MEMBERS.set(len(self.etcd_defects))
 
     async def _serving_when_ready(self, names: list[str]) -> None:
         await self.view.ready.wait()
@@ -188,9 +201,10 @@ class ControlPlane:
             self._member.cancel()  # (it may be waiting on a keep-alive to an unreachable etcd)
             await asyncio.gather(self._member, return_exceptions=True)
             await self._membership.leave()  # the others take its engines now, not after the TTL
-        if self._follow:
-            self._follow.cancel()
-            await asyncio.gather(self._follow, return_exceptions=True)
+        for task in (self._follow, self._version_check):
+            if task:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         await self.etcd.close()
 
     async def wait_closed(self) -> None:

@@ -15,10 +15,12 @@ import time
 import grpc
 import pytest
 
-from kvpush.app.etcd_server import EtcdCluster, EtcdTls
+from kvpush.app.etcd_server import BINARY_ENV, EtcdCluster, EtcdTls, binary_version, etcd_binary
 from kvpush.app.simulated import SimulatedEngine
 from kvpush.client.control_plane import ControlPlaneClient
+from kvpush.controlplane import etcd_versions
 from kvpush.controlplane.etcd import EtcdClient, EtcdSecurity, EtcdUnavailable, parse_endpoints
+from kvpush.controlplane.invariants import check
 from kvpush.controlplane.server import ControlPlane, ControlPlaneConfig
 from tests.conftest import ADMIN_TOKEN, ENGINE_TOKEN
 from tests.controlplane.helpers import make_tenant, reserve, settle
@@ -99,6 +101,14 @@ async def test_a_write_goes_on_only_where_etcd_certainly_did_not_apply_it(cluste
 
 
 async def test_the_leader_killed_under_reserve_load_loses_and_double_books_nothing(cluster):
+    # On etcd 3.5.0-3.5.2 the killed member can come back without writes it acknowledged and
+    # serve a history frozen at the crash: this test found it (one restart in 14 on 3.5.1).
+    # What is tested here is kvpush, on an etcd that keeps what it acknowledged.
+    version = binary_version(etcd_binary())
+    if any("#13766" in d for d in etcd_versions.defects(version)):
+        pytest.skip(f"etcd {version} ({etcd_binary()}) loses acknowledged writes when a member is killed under "
+                    f"load (etcd-io/etcd#13766): install etcd {etcd_versions.CRASH_SAFE_FROM} or newer "
+                    f"(scripts/setup.sh takes Debian's etcd-server where it can) or set ${BINARY_ENV}")
     plane = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", etcd=cluster.endpoints, admin_token=ADMIN_TOKEN,
                                             engine_token=ENGINE_TOKEN, sweep_interval_s=0.5))
     await plane.start()
@@ -147,6 +157,9 @@ async def test_the_leader_killed_under_reserve_load_loses_and_double_books_nothi
         assert set(live) == set(answered)  # none lost, none made twice for one request
         for rid, res in answered.items():
             assert live[rid].id == res.id and live[rid].blocks == list(res.block_ids)
+        for member in cluster.members:  # every member holds them, the restarted one too
+            held = {r.request_id for r in (await check(member.endpoint)).live}
+            assert held == set(answered), f"member {member.name}: {len(set(answered) - held)} answered missing"
         during = [s for t, s in latency if killed <= t < back]
         after_kill = [t for t, _ in latency if t >= killed + 3]
         assert during and after_kill, "no Reserve was answered after the leader died"
