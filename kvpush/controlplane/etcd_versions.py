@@ -30,7 +30,7 @@ DEFECTS = (
            "serve a history that stopped at the crash (etcd-io/etcd#13766; fixed in 3.5.3)"),
     Defect((((3, 5, 0), (3, 5, 5)),),
            "a member that crashes during defragmentation can apply entries twice on restart "
-           "(etcd-io/etcd#14685; fixed in 3.5.6)"),
+           "(etcd-io/etcd#14730; fixed in 3.5.6)"),
     Defect((((0, 0, 0), (3, 4, 20)), ((3, 5, 0), (3, 5, 4))),
            "a single-member cluster can lose a write it acknowledged just before a crash "
            "(etcd-io/etcd#14370; fixed in 3.4.21 and 3.5.5)"),
@@ -47,8 +47,8 @@ def parse(text: str) -> Version | None:
 
 
 def defects(version: str) -> list[str]:
-    """What is known to be wrong with this etcd release (none for an unparsable version:
-    a build of its own, say, is taken at its word)."""
+    """What is known to be wrong with this etcd release (nothing is known of an unparsable
+    version)."""
     v = parse(version)
     if v is None:
         return []

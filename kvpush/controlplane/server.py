@@ -177,7 +177,11 @@ class ControlPlane:
     async def _check_etcd_versions(self) -> None:
         """Say so, at start, of every member of --etcd on a release known to lose writes it
         acknowledged: what the registry promises (no answered reservation lost) rests on it."""
-        for endpoint, version in (await self.etcd.member_versions()).items():
+        versions = await self.etcd.member_versions()
+        if unread := [ep for ep in self.etcd.endpoints if ep not in versions]:
+            _log.warning("could not read the etcd release of these members at start; not checked for "
+                         "known defects", endpoints=unread)
+        for endpoint, version in versions.items():
             if found := etcd_versions.defects(version):
                 self.etcd_defects[endpoint] = found
                 _log.warning("etcd member has a known defect: upgrade it", endpoint=endpoint, version=version,

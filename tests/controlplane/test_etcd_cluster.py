@@ -15,7 +15,7 @@ import time
 import grpc
 import pytest
 
-from kvpush.app.etcd_server import BINARY_ENV, EtcdCluster, EtcdTls, binary_version, etcd_binary
+from kvpush.app.etcd_server import BINARY_ENV, EtcdCluster, EtcdTls, binary_version
 from kvpush.app.simulated import SimulatedEngine
 from kvpush.client.control_plane import ControlPlaneClient
 from kvpush.controlplane import etcd_versions
@@ -104,9 +104,10 @@ async def test_the_leader_killed_under_reserve_load_loses_and_double_books_nothi
     # On etcd 3.5.0-3.5.2 the killed member can come back without writes it acknowledged and
     # serve a history frozen at the crash: this test found it (one restart in 14 on 3.5.1).
     # What is tested here is kvpush, on an etcd that keeps what it acknowledged.
-    version = binary_version(etcd_binary())
+    binary = cluster.members[0].binary
+    version = binary_version(binary)
     if any("#13766" in d for d in etcd_versions.defects(version)):
-        pytest.skip(f"etcd {version} ({etcd_binary()}) loses acknowledged writes when a member is killed under "
+        pytest.skip(f"etcd {version} ({binary}) loses acknowledged writes when a member is killed under "
                     f"load (etcd-io/etcd#13766): install etcd {etcd_versions.CRASH_SAFE_FROM} or newer "
                     f"(scripts/setup.sh takes Debian's etcd-server where it can) or set ${BINARY_ENV}")
     plane = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", etcd=cluster.endpoints, admin_token=ADMIN_TOKEN,

