@@ -34,12 +34,16 @@ def _client(args, token_required: bool = True):
 
 
 def cmd_etcd(args) -> None:
-    from kvpush.app.etcd_server import EmbeddedEtcd
+    from kvpush.app.etcd_server import EmbeddedEtcd, binary_version
     import signal
     import time
     etcd = EmbeddedEtcd(args.data_dir, args.client_port, args.peer_port, args.max_txn_ops)
-    etcd.start()
-    print(f"etcd listening on {etcd.endpoint} (data in {etcd.data_dir})", flush=True)
+    try:
+        etcd.start()
+    except (RuntimeError, TimeoutError) as exc:  # it says why (a data dir a newer etcd wrote, say)
+        sys.exit(f"kvpush etcd: {exc}")
+    print(f"etcd {binary_version(etcd.binary) or '(release unread)'} ({etcd.binary}) listening on {etcd.endpoint} "
+          f"(data in {etcd.data_dir})", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         while etcd.proc.poll() is None:
@@ -62,7 +66,10 @@ def cmd_controlplane(args) -> None:
     max_batch = args.max_batch
     if args.embedded_etcd:
         from kvpush.app.etcd_server import EmbeddedEtcd
-        etcd_proc = EmbeddedEtcd(args.etcd_data_dir or None).start()
+        try:
+            etcd_proc = EmbeddedEtcd(args.etcd_data_dir or None).start()
+        except (RuntimeError, TimeoutError) as exc:
+            sys.exit(f"kvpush controlplane --embedded-etcd: {exc}")
         etcd = etcd_proc.endpoint
         max_batch = max_batch or 500  # our etcd allows 4096 ops per transaction
     password = os.environ.get("KVPUSH_ETCD_PASSWORD", "")

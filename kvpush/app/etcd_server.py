@@ -100,10 +100,10 @@ def etcd_binary() -> str:
 @functools.lru_cache(maxsize=None)
 def warn_if_defective(path: str) -> None:
     """Once per binary and process: what is known to be wrong with it, if anything."""
-    for what in etcd_versions.defects(binary_version(path)):
-        _log.warning("this etcd has a known defect; for anything that must survive a crash use etcd %s or "
-                     "newer (set $%s, or put one on PATH): %s %s: %s", etcd_versions.CRASH_SAFE_FROM,
-                     BINARY_ENV, path, binary_version(path), what)
+    if found := etcd_versions.defects(binary_version(path)):
+        _log.warning("etcd %s (%s) has known defects; for anything that must survive a crash use etcd %s or newer "
+                     "(set $%s, or put one on PATH): %s", binary_version(path), path, etcd_versions.CRASH_SAFE_FROM,
+                     BINARY_ENV, "; ".join(found))
 
 
 _handed_out: set[int] = set()
