@@ -15,7 +15,10 @@ class ControlPlaneClient:
         # An address listing several replicas (ipv4:a,b or a dns:/// name) spreads calls over
         # them: each replica follows only its own engines' requests, so all of a fleet's
         # clients on the first one (gRPC's default, pick_first) would leave the others idle.
-        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.lb_policy_name", "round_robin")]
+        # A replica restarted (a rolling upgrade) is dialled again within 2 s: with gRPC's default
+        # backoff (1 s growing to 120 s) a client could fail fast for many seconds after it was back.
+        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.lb_policy_name", "round_robin"),
+                   ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]
         if server_name:
             options.append(("grpc.ssl_target_name_override", server_name))
         if tls_ca or tls_cert:

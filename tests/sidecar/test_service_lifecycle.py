@@ -3,6 +3,7 @@ credentials, clean exit on SIGTERM. Real etcd, control-plane and sidecar process
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 
@@ -80,7 +81,9 @@ async def test_control_plane_restart_sidecars_register_again_and_keep_working(st
             assert decode.client.consumed(first.id).state == "CONSUMED"
             await etcd.wait_state(waiting.id, State.CONSUMED)
             await etcd.wait_state(first.id, State.CONSUMED)
-        # And new reservations work as before; the peer was never looked up again.
+        # And new reservations work as before; the peer was never looked up again. (The tenant's
+        # channel, unused since the restart, dials again by itself within its 2 s backoff.)
+        await asyncio.wait_for(sched.tenant.channel.channel_ready(), 10)
         third = await sched.reserve("after", 30, prefill_layout=layout_pb(LAYOUT))
         push_and_land(prefill, decode, third, "after", 30)
         await etcd.wait_state(third.id, State.LANDED)
