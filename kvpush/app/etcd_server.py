@@ -223,8 +223,14 @@ class EmbeddedEtcd:
         return env
 
     def start(self, timeout: float = 20.0) -> "EmbeddedEtcd":
+        """Spawn and wait until healthy; on failure the process is stopped (it runs in its own
+        session: nothing else would reach it) and its data dir and log are kept."""
         self.spawn()
-        self.wait_healthy(timeout)
+        try:
+            self.wait_healthy(timeout)
+        except BaseException:
+            self.stop(remove_data=False)
+            raise
         return self
 
     def spawn(self) -> None:
