@@ -183,25 +183,35 @@ def cmd_router(args) -> None:
     from kvpush.router.app import serve
     from kvpush.router.config import LOCAL_PREFILL_TOKENS, RouterConfig, parse_decode, parse_prefill
     log.configure("router", args.log_level)
-    token = args.token or os.environ.get("KVPUSH_TENANT_TOKEN", "")
-    if not token:
+    addresses = args.controlplane or [os.environ.get("KVPUSH_CONTROLPLANE", "127.0.0.1:50051")]
+    tokens = args.token or [os.environ.get("KVPUSH_TENANT_TOKEN", "")]
+    if not all(tokens):
         sys.exit("kvpush router: --token (or $KVPUSH_TENANT_TOKEN) is required")
+    if len(tokens) == 1:
+        tokens = tokens * len(addresses)
+    if len(tokens) != len(addresses):
+        sys.exit(f"kvpush router: give --token once (the tenant's token in every registry) or once per "
+                 f"--controlplane, in order: {len(tokens)} tokens for {len(addresses)} registries")
     if bool(args.prefill) != bool(args.decode):
         sys.exit("kvpush router: give both --prefill and --decode, or neither (engines from the registry)")
-    prefill_urls, prefill_ids = parse_prefill(args.prefill)
-    cfg = RouterConfig(controlplane=args.controlplane, token=token, model=args.model,
-                       prefill_urls=prefill_urls, prefill_ids=prefill_ids, decode=parse_decode(args.decode),
-                       tokenizer_dir=args.tokenizer or args.model_dir, listen_host=args.host,
-                       listen_port=args.port, deadline_ms=args.deadline_ms, max_model_len=args.max_model_len,
-                       max_logprobs=args.max_logprobs, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
-                       tls_key=args.tls_key, tls_server_name=args.tls_server_name,
-                       http_tls_cert=args.http_tls_cert, http_tls_key=args.http_tls_key,
-                       body_timeout_s=args.body_timeout, write_timeout_s=args.write_timeout,
-                       header_timeout_s=args.header_timeout, keepalive_timeout_s=args.keepalive_timeout,
-                       relocate=not args.no_relocate, prefix_block_size=args.prefix_block_size,
-                       prefix_hash=args.prefix_hash, prefix_hash_seed=args.prefix_hash_seed,
-                       local_prefill_tokens=(args.local_prefill_tokens if args.local_prefill_tokens is not None
-                                             else LOCAL_PREFILL_TOKENS if args.prefix_block_size else 0))
+    try:
+        prefill_urls, prefill_ids = parse_prefill(args.prefill)
+        cfg = RouterConfig(controlplane=addresses[0], token=tokens[0], model=args.model,
+                           more_registries=tuple(zip(addresses[1:], tokens[1:])),
+                           prefill_urls=prefill_urls, prefill_ids=prefill_ids, decode=parse_decode(args.decode),
+                           tokenizer_dir=args.tokenizer or args.model_dir, listen_host=args.host,
+                           listen_port=args.port, deadline_ms=args.deadline_ms, max_model_len=args.max_model_len,
+                           max_logprobs=args.max_logprobs, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+                           tls_key=args.tls_key, tls_server_name=args.tls_server_name,
+                           http_tls_cert=args.http_tls_cert, http_tls_key=args.http_tls_key,
+                           body_timeout_s=args.body_timeout, write_timeout_s=args.write_timeout,
+                           header_timeout_s=args.header_timeout, keepalive_timeout_s=args.keepalive_timeout,
+                           relocate=not args.no_relocate, prefix_block_size=args.prefix_block_size,
+                           prefix_hash=args.prefix_hash, prefix_hash_seed=args.prefix_hash_seed,
+                           local_prefill_tokens=(args.local_prefill_tokens if args.local_prefill_tokens is not None
+                                                 else LOCAL_PREFILL_TOKENS if args.prefix_block_size else 0))
+    except ValueError as exc:  # (a flag's value: said by name)
+        sys.exit(f"kvpush router: {exc}")
     if args.workers < 1:
         sys.exit("kvpush router: --workers must be at least 1")
     if args.workers > 1:
@@ -297,9 +307,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_sidecar)
 
     p = sub.add_parser("router", help="run the OpenAI-compatible P/D router")
-    p.add_argument("--controlplane", default=os.environ.get("KVPUSH_CONTROLPLANE", "127.0.0.1:50051"),
-                   help=CONTROLPLANE_HELP)
-    p.add_argument("--token", default="", help="tenant token (default: $KVPUSH_TENANT_TOKEN)")
+    p.add_argument("--controlplane", action="append", default=[],
+                   help=CONTROLPLANE_HELP + " (default: $KVPUSH_CONTROLPLANE, else 127.0.0.1:50051). Given more than "
+                   "once, each is a registry of its own (a fleet split over control planes, each with its own "
+                   "etcd): the engines are found in each, and each request is reserved in one")
+    p.add_argument("--token", action="append", default=[],
+                   help="tenant token (default: $KVPUSH_TENANT_TOKEN); once for every registry, or once per "
+                   "--controlplane in order")
     p.add_argument("--model", required=True, help="the served model name")
     p.add_argument("--model-dir", default="", help="local model directory (its tokenizer counts prompt tokens)")
     p.add_argument("--tokenizer", default="", help="tokenizer directory, if not --model-dir")

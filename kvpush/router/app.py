@@ -9,14 +9,13 @@ import time
 import aiohttp
 from aiohttp import web
 
-from kvpush.client.control_plane import ControlPlaneClient
+from kvpush.client.registries import Registries
 from kvpush import log
 from kvpush.aio import tune_gc, until_signalled, write_ready_file
 from kvpush.router import connections, metrics
 from kvpush.router.body import MAX_BODY, read as read_body
 from kvpush.router.config import RouterConfig
 from kvpush.router.dispatch import Dispatcher
-from kvpush.router.engines import EngineDirectory
 from kvpush.router.errors import ApiError, json_error
 from kvpush.router.streams import ClientTooSlow
 from kvpush.router.tokens import HFTokenCounter, TokenCounter
@@ -26,7 +25,7 @@ _log = log.get("router")
 OPENAI = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 CFG = web.AppKey("cfg", RouterConfig)
 COUNTER = web.AppKey("counter", object)
-CP = web.AppKey("cp", ControlPlaneClient)
+REGISTRIES = web.AppKey("registries", Registries)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 
@@ -38,20 +37,18 @@ def build_app(cfg: RouterConfig, counter: TokenCounter | None = None) -> web.App
     app[COUNTER] = counter or HFTokenCounter(cfg.tokenizer_dir)
 
     async def on_startup(app: web.Application) -> None:
-        app[CP] = ControlPlaneClient(cfg.controlplane, cfg.token, cfg.tls_ca, cfg.tls_cert, cfg.tls_key,
-                                     cfg.tls_server_name)
+        app[REGISTRIES] = Registries.connect(cfg.registry_targets(), cfg.tls_ca, cfg.tls_cert, cfg.tls_key,
+                                             cfg.tls_server_name)
         app[SESSION] = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0),
             timeout=aiohttp.ClientTimeout(total=cfg.upstream_timeout_s, sock_connect=5))
-        engines = EngineDirectory(cfg, app[CP])
-        engines.start()
-        app[DISPATCHER] = Dispatcher(cfg, app[COUNTER], app[CP], app[SESSION], engines)
+        app[DISPATCHER] = Dispatcher(cfg, app[COUNTER], app[REGISTRIES], app[SESSION])
+        app[DISPATCHER].engines.start()
 
     async def on_cleanup(app: web.Application) -> None:
-        await app[DISPATCHER].engines.close()
         await app[DISPATCHER].close()
         await app[SESSION].close()
-        await app[CP].close()
+        await app[REGISTRIES].close()
 
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)

@@ -59,8 +59,18 @@ class RouterConfig:
     # many of its prompt's tokens is served by that engine alone, no prefill engine involved
     # (0: never). The CLI's default with KV-aware routing is LOCAL_PREFILL_TOKENS.
     local_prefill_tokens: int = 0
+    # More registries (a fleet split over control planes, each with its own etcd): (address,
+    # tenant token) of each beyond ``controlplane``/``token``. Their engines are found in each
+    # (no --prefill/--decode) and every request is reserved in one (``kvpush.router.fleet``).
+    more_registries: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
+        if self.more_registries and (self.prefill_urls or self.decode):
+            raise ValueError("--prefill and --decode name one registry's engines: with --controlplane given more "
+                             "than once the engines are found in each registry")
+        addresses = [a for a, _ in self.registry_targets()]
+        if len(set(addresses)) != len(addresses):
+            raise ValueError(f"--controlplane names the same registry twice: {addresses}")
         for flag, value in (("--header-timeout", self.header_timeout_s),
                             ("--keepalive-timeout", self.keepalive_timeout_s)):
             if not value > 0:  # (NaN too)
@@ -76,6 +86,10 @@ class RouterConfig:
             raise ValueError("--http-tls-cert and --http-tls-key go together")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key go together")
+
+    def registry_targets(self) -> tuple[tuple[str, str], ...]:
+        """(control-plane address, tenant token) of each registry, the first ``controlplane``'s."""
+        return ((self.controlplane, self.token), *self.more_registries)
 
     def prefill_id(self, url: str) -> str:
         for i, u in enumerate(self.prefill_urls):

@@ -32,22 +32,20 @@ import time
 import uuid
 
 import aiohttp
-import grpc
 from aiohttp import web
 
-from kvpush.client.control_plane import ControlPlaneClient
-from kvpush.client.reserve_stream import ReserveRefused, StreamReserver
+from kvpush.client.registries import Registries
 from kvpush import log
 from kvpush.contract.states import DECODE, PREFILL
 from kvpush.contract.transfer_params import AwaitParams, PushParams, read_push_report
-from kvpush.contract.v1 import scheduler_pb2
 from kvpush.router import ask as asks
 from kvpush.router import metrics
 from kvpush.router.config import RouterConfig
-from kvpush.router.engines import EngineDirectory
+from kvpush.router.fleet import Fleet
 from kvpush.router.model_limits import ModelLimits
 from kvpush.router.alone_path import AlonePath
 from kvpush.router.push_path import PushPath
+from kvpush.router.reserving import Reserving
 from kvpush.router.errors import ApiError, json_error
 from kvpush.router.failover import Failover, with_reservation
 from kvpush.router.relay import Passthrough, Relay
@@ -62,66 +60,28 @@ _log = log.get("router")
 ENGINES_WAIT_S = 5.0
 
 
-class Dispatcher(PushPath, AlonePath):
-    def __init__(self, cfg: RouterConfig, counter: TokenCounter, cp: ControlPlaneClient,
-                 session: aiohttp.ClientSession, engines: EngineDirectory | None = None) -> None:
+class Dispatcher(PushPath, AlonePath, Reserving):
+    def __init__(self, cfg: RouterConfig, counter: TokenCounter, registries: Registries,
+                 session: aiohttp.ClientSession) -> None:
         self.cfg = cfg
         self.counter = counter
-        self.cp = cp
+        # Each registry's Reserves go over one ReserveStream for all requests: cheaper than a
+        # call each, for the router and the control plane, and concurrent requests share messages.
+        self.registries = registries
         self.session = session
-        self.engines = engines or EngineDirectory(cfg, cp)
         self.up = Upstream(session, cfg.write_timeout_s)
         self.outstanding = self.up.outstanding  # engine URL -> requests the router has on it
-        # One ReserveStream for all requests: cheaper than a call each, for the
-        # router and the control plane, and concurrent requests share messages.
-        self.reserver = StreamReserver(cp)
+        self.engines = Fleet(cfg, registries, self.outstanding)
         # How long a prefill engine holds a request for its reservation: past the
         # Reserve's own timeout the router has given up on it (and taken the request back).
         self.await_ms = int(cfg.reserve_timeout_s * 1000) + 250
         self.kv_aware = KvAware(cfg, self.await_ms)
         self.limits = ModelLimits(cfg, counter, session, self.engines)
-        self.failover = Failover(cp, self.engines, self.release, cfg.relocate, cfg.reserve_timeout_s + 0.5)
+        self.failover = Failover(registries, self.engines, self.release, cfg.relocate, cfg.reserve_timeout_s + 0.5,
+                                 self.keep_s)
 
     async def close(self) -> None:
-        await self.reserver.close()
-
-    def _least_loaded(self, urls) -> str:
-        if not urls:
-            raise ApiError(f"no prefill engine is available for model {self.cfg.model!r}", 503)
-        return min(urls, key=lambda u: self.outstanding.get(u, 0))
-
-    async def reserve(self, request_id: str, ask: asks.Ask, prefill_engine_id: str = "", keys=(),
-                      preferred: str = ""):
-        """The reservation (its decode engine one the router can reach), or (None, reason)
-        when serving without push. ``keys``: the prompt's block keys (KV-aware routing);
-        ``preferred``: the decode engine to choose where it qualifies."""
-        started = time.perf_counter()
-        try:
-            res = await self.reserver.reserve(
-                scheduler_pb2.ReserveRequest(request_id=request_id, num_tokens=ask.num_tokens, model=self.cfg.model,
-                                             deadline_ms=self.cfg.deadline_ms, prefill_engine_id=prefill_engine_id,
-                                             local_prefill_tokens=self.cfg.local_prefill_tokens,
-                                             preferred_engine_id=preferred, **self.kv_aware.reserve_fields(keys)),
-                timeout=self.cfg.reserve_timeout_s)
-        except ReserveRefused as exc:
-            return None, exc.code.name.lower()
-        finally:
-            metrics.RESERVE_LATENCY.observe(elapsed := time.perf_counter() - started)
-            self.kv_aware.hold.observe(elapsed)
-        if self.engines.decode_url(res.engine_id) is None:
-            if not res.decode_alone:  # (decode_alone: nothing is held)
-                await self.release(res.id, "router has no address for this decode engine")
-            return None, "unknown_decode_engine"
-        self.kv_aware.served(keys, res.engine_id)
-        return self.kv_aware.observed(res), ""
-
-    async def release(self, res_id: str, reason: str) -> None:
-        try:
-            await self.cp.scheduler.Release(scheduler_pb2.ReleaseRequest(reservation_id=res_id, reason=reason[:500]),
-                                            metadata=self.cp.metadata, timeout=5)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: it ended already
-                _log.warning("release failed", reservation_id=res_id, code=exc.code().name)
+        await self.engines.close()
 
     async def handle(self, endpoint: str, body: dict, request: web.Request) -> web.StreamResponse:
         if body.get("model") not in (None, self.cfg.model):
@@ -142,15 +102,19 @@ class Dispatcher(PushPath, AlonePath):
             return await self._decode_alone(endpoint, body, request, "decode_only")
         timings = {"counted": time.perf_counter()}
         request_id = f"rt-{uuid.uuid4().hex}"  # 128 random bits: also the prefill handover's key
-        prefill_url = self._least_loaded(self.engines.prefill_urls())
+        keys = self.kv_aware.keys(ask.prompt_ids, ask.cache_salt)
+        # Over several registries: the one the conversation's previous turn went to, else the
+        # least loaded; the prefill engine is one of its own.
+        hint = self.kv_aware.guess(keys, ask.num_tokens) if len(self.registries.all) > 1 else None
+        reg = self.engines.choose(hint.engine_id if hint else "")
+        prefill_url = self._least_loaded(self.engines.prefill_urls(reg))
         prefill_id = self.engines.prefill_id(prefill_url)
         held: list = []  # the reservation once granted: released if anything below fails
-        keys = self.kv_aware.keys(ask.prompt_ids, ask.cache_salt)
         # (A prompt shorter than --local-prefill-tokens goes to a decode engine alone
         # whatever it holds, and one extending a turn this router sent by a short rest
         # likely will: no prefill request ahead of the Reserve's answer.)
         early = bool(ask.path == asks.FIRST_TOKEN and prefill_id and ask.num_tokens >= self.cfg.local_prefill_tokens)
-        guess = self.kv_aware.guess(keys, ask.num_tokens) if early else None
+        guess = (hint or self.kv_aware.guess(keys, ask.num_tokens)) if early else None
         ahead = self.engines.decode_url(guess.engine_id) if guess and guess.alone and guess.engine_id else None
         self.kv_aware.sent(keys, ask.num_tokens, ask.max_tokens)
         sent = None  # a guessed decode-alone turn sent ahead of its Reserve: withdrawn if anything below fails
@@ -159,9 +123,9 @@ class Dispatcher(PushPath, AlonePath):
                 # The Reserve and the prefill request's HTTP, tokenization and scheduling
                 # run at once: the reservation names the prefill engine, whose sidecar
                 # hears it by watch while its connector holds the request.
-                reserving = asyncio.create_task(self.reserve(request_id, ask, prefill_id, keys))
+                reserving = asyncio.create_task(self.reserve(request_id, ask, prefill_url, keys, reg=reg))
                 response = await self._first_token(ask, request_id, prefill_url, request, timings, held,
-                                                   reserving=reserving)
+                                                   reserving=reserving, reg=reg, keys=keys)
             else:
                 # Named on the push path too: its sidecar then holds the staged KV for a
                 # failover (and frees it at CONSUMED), and the layouts are checked now.
@@ -169,8 +133,10 @@ class Dispatcher(PushPath, AlonePath):
                 # engine that served the turn it extends (``_send_ahead``); only an answer of
                 # decode_alone on that engine keeps it, any other takes it back.
                 sent = self._send_ahead(ask, ahead) if ahead is not None else None
-                res, why = await self.reserve(request_id, ask, prefill_id, keys,
-                                              guess.engine_id if sent is not None else "")
+                # (A turn sent ahead stays with its engine's registry; any other may move on.)
+                res, why, prefill_url = await self.reserve(request_id, ask, prefill_url, keys,
+                                                           guess.engine_id if sent is not None else "", reg,
+                                                           move_on=sent is None)
                 if sent is not None and not (res is not None and res.decode_alone
                                              and res.engine_id == guess.engine_id):
                     await sent.withdraw()
@@ -209,9 +175,11 @@ class Dispatcher(PushPath, AlonePath):
 
     # -- first token: prefill's token goes out at once, decode continues from it -----------------
     async def _first_token(self, ask: asks.Ask, request_id: str, prefill_url: str, request: web.Request,
-                           timings: dict, held: list, reserving: asyncio.Task | None = None) -> web.StreamResponse:
+                           timings: dict, held: list, reserving: asyncio.Task | None = None, reg=None,
+                           keys=()) -> web.StreamResponse:
         """``held`` has the reservation when it was granted before; with ``reserving`` (the
-        Reserve still running) the prefill request goes now and waits for it on the engine."""
+        Reserve still running, in registry ``reg``, for the prompt of block ``keys``) the prefill
+        request goes now and waits for it on the engine."""
         if reserving is not None:
             kv = AwaitParams(request_id, self.await_ms).as_kv_transfer_params()
         else:
@@ -220,7 +188,7 @@ class Dispatcher(PushPath, AlonePath):
         alone = None  # a Reserve answered decode_alone
         try:
             if reserving is not None:
-                res, why = await reserving
+                res, why, _ = await reserving
                 timings["reserved"] = time.perf_counter()
                 if res is not None and res.decode_alone:
                     # Decode lacks only a short rest: the prefill engine, holding the request
@@ -232,14 +200,27 @@ class Dispatcher(PushPath, AlonePath):
                     held.append(res)
                 else:
                     # Refused (or slow): the prefill engine is holding the request for a
-                    # reservation that will not come. Take it back and have it computed
-                    # plain; decode then computes the prompt itself (the local fallback).
-                    metrics.FALLBACKS.labels(reason=why).inc()
-                    _log.info("first token without push", request_id=request_id, reason=why)
+                    # reservation that will not come. Take it back; another registry may
+                    # have room (then its prefill engine computes it, pushing), else it is
+                    # computed plain and decode computes the prompt itself (the local fallback).
                     prefill.cancel()
                     await asyncio.gather(prefill, return_exceptions=True)
-                    prefill = asyncio.create_task(self.up.post(prefill_url, ask.endpoint,
-                                                             prefill_body(ask.body, None, True), timings))
+                    kv = None
+                    other = await self.reserve_elsewhere(request_id, ask, keys, reg, why)
+                    if other is not None and other[0] is not None:
+                        res, _, prefill_url = other
+                        if res.decode_alone:
+                            alone = res
+                        else:
+                            held.append(res)
+                            kv = PushParams.from_reservation(res, PREFILL).as_kv_transfer_params()
+                    else:
+                        why = other[1] if other is not None else why
+                        metrics.FALLBACKS.labels(reason=why).inc()
+                        _log.info("first token without push", request_id=request_id, reason=why)
+                    if alone is None:
+                        prefill = asyncio.create_task(self.up.post(prefill_url, ask.endpoint,
+                                                                 prefill_body(ask.body, kv, True), timings))
             if alone is None:
                 status, payload = await prefill
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:

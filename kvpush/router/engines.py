@@ -77,13 +77,6 @@ class EngineDirectory:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
 
-    async def wait_ready(self, timeout: float) -> bool:
-        try:
-            await asyncio.wait_for(self.ready.wait(), timeout)
-            return True
-        except asyncio.TimeoutError:
-            return False
-
     async def _follow(self) -> None:
         delay = RETRY_MIN_S
         while True:

@@ -11,39 +11,42 @@ from typing import Awaitable, Callable
 
 import grpc
 
-from kvpush.client.control_plane import ControlPlaneClient
+from kvpush.client.registries import Registries
 from kvpush import log
 from kvpush.contract.states import DECODE
 from kvpush.contract.transfer_params import PushParams
 from kvpush.contract.v1 import scheduler_pb2
 from kvpush.router import metrics
-from kvpush.router.engines import EngineDirectory
+from kvpush.router.fleet import Fleet
 
 _log = log.get("router")
 
 
 class Failover:
-    def __init__(self, cp: ControlPlaneClient, engines: EngineDirectory,
-                 release: Callable[[str, str], Awaitable[None]], enabled: bool = True, timeout_s: float = 1.0) -> None:
-        self.cp = cp
+    def __init__(self, registries: Registries, engines: Fleet, release: Callable[[str, str], Awaitable[None]],
+                 enabled: bool = True, timeout_s: float = 1.0, keep_s: float = 90.0) -> None:
+        self.registries = registries
         self.engines = engines
+        self.keep_s = keep_s
         self.release = release
         self.enabled = enabled
         self.timeout_s = timeout_s
 
     async def relocate(self, res, why: str):
         """(the reservation that replaces ``res``, its decode engine's URL), or None."""
-        if res is None or not self.enabled:
+        reg = self.registries.of(res.id) if res is not None else None
+        if reg is None or not self.enabled:
             return None
-        try:
-            moved = await self.cp.scheduler.Relocate(
+        try:  # (in the registry holding it: the reservation moves to another of its engines)
+            moved = await reg.cp.scheduler.Relocate(
                 scheduler_pb2.RelocateRequest(reservation_id=res.id, reason=why[:1000]),
-                metadata=self.cp.metadata, timeout=self.timeout_s)
+                metadata=reg.cp.metadata, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             metrics.RELOCATIONS.labels(outcome=exc.code().name.lower()).inc()
             _log.info("reservation not moved", reservation_id=res.id, code=exc.code().name,
                       details=(exc.details() or "")[:200])
             return None
+        self.registries.granted(moved.id, reg, self.keep_s)
         url = self.engines.decode_url(moved.engine_id)
         if url is None:  # the router cannot reach it: the move is no use to this request
             metrics.RELOCATIONS.labels(outcome="unknown_decode_engine").inc()

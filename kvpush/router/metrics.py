@@ -52,6 +52,13 @@ CONNECTIONS_SHED = Counter("kvpush_router_connections_shed_total", "Client conne
                            "for --keepalive-timeout between requests (idle)", ["reason"], registry=REGISTRY)
 OPEN_CONNECTIONS = Gauge("kvpush_router_open_connections", "Client connections open now (each holds a file "
                          "descriptor)", registry=REGISTRY, multiprocess_mode="livesum")
+ENGINE_ID_CONFLICTS = Gauge("kvpush_router_engine_id_conflicts", "Engine ids registered in more than one of the "
+                            "router's registries (--controlplane given more than once): not served until one holds "
+                            "each", registry=REGISTRY, multiprocess_mode="livemax")
+REGISTRY_RESERVES = Counter("kvpush_router_registry_reserves_total", "Reserves by registry (its control-plane "
+                            "address) and outcome: granted, or the refusal's status (with several registries a "
+                            "refusal for room or an unanswered ask moves on to the next)", ["registry", "outcome"],
+                            registry=REGISTRY)
 CONTINUATION_EVENTS = Counter("kvpush_router_continuation_events_total", "First-token path: decode's events, passed on "
                               "as bytes past the first-token boundary (passed) or made again in the router (made: the "
                               "boundary, the last event, and answers with logprobs or usage in every event)", ["how"],

@@ -11,7 +11,7 @@ import aiohttp
 from kvpush import log
 from kvpush.router import ask as asks
 from kvpush.router.config import RouterConfig
-from kvpush.router.engines import EngineDirectory
+from kvpush.router.fleet import Fleet
 from kvpush.router.tokens import TokenCounter
 
 _log = log.get("router")
@@ -20,7 +20,7 @@ RETRY_S = 5.0
 
 class ModelLimits:
     def __init__(self, cfg: RouterConfig, counter: TokenCounter, session: aiohttp.ClientSession,
-                 engines: EngineDirectory) -> None:
+                 engines: Fleet) -> None:
         self.cfg, self.counter, self.session, self.engines = cfg, counter, session, engines
         self._limits: asks.Limits | None = None
         self._asked = -1e9  # monotonic: when an engine was last asked

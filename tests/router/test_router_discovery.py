@@ -122,7 +122,7 @@ async def test_a_decode_engine_dropped_while_prefill_runs_is_replaced(stack):
                                                       json={"model": "tiny", "prompt": "a b", "max_tokens": 3}))
         while len(s["prefill"].bodies) == before:
             await asyncio.sleep(0.01)
-        directory = app[DISPATCHER].engines
+        directory = next(iter(app[DISPATCHER].engines.directories.values()))  # (its one registry's)
         directory.engines = Engines(prefill=directory.engines.prefill, decode=())  # decode-0 dropped
         s["prefill"].stall.set()
         resp = await asyncio.wait_for(ask, 20)

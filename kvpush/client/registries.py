@@ -1,0 +1,147 @@
+"""Several registries behind one client: a fleet split over control planes, each with its
+own etcd.
+
+One etcd cluster carries about 10,000 of kvpush's requests/s (docs/SCALING.md, "Where the
+limits are now"), so a fleet past that is split into registries, typically by engine pool:
+each registry is its own etcd and control-plane replicas, and each engine's sidecar
+registers in one of them. A client that serves a model over several (the router with
+``--controlplane`` given more than once, or a program using this SDK) asks one registry per
+request, chosen by the caller (where the conversation's previous turn went, where it has
+the least load), and moves on to the next when that one has no room or does not answer.
+
+A reservation lives in the registry that granted it: its release and its relocation go
+there (``of``). Registries share nothing, so engine ids must be unique across them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import grpc
+
+from kvpush.client.control_plane import ControlPlaneClient
+from kvpush.client.reserve_stream import ReserveRefused, StreamReserver
+from kvpush.contract.v1 import scheduler_pb2, types_pb2
+
+# A registry that did not answer (UNAVAILABLE, DEADLINE_EXCEEDED) is asked last for this
+# long: requests go to the others meanwhile instead of each waiting out its timeout there.
+DOWN_S = 2.0
+# ... and one that had no room (or quota) for this long: the next requests try the others
+# first, and it is asked again soon, as its engines free blocks all the time.
+FULL_S = 0.5
+# Refusals another registry may answer otherwise: no room (or quota) there, or no answer.
+# Any other (a malformed ask, a bad token) would be the same everywhere.
+MOVE_ON = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE,
+                     grpc.StatusCode.DEADLINE_EXCEEDED})
+_NOT_ANSWERED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+@dataclasses.dataclass(eq=False)
+class Registry:
+    """One registry as a client sees it: its control plane and one Reserve stream to it."""
+    name: str                   # its control-plane address, for logs
+    cp: ControlPlaneClient
+    reserver: StreamReserver
+    aside_until: float = 0.0    # (monotonic) did not answer, or had no room: asked last until then
+
+    def aside(self, now: float | None = None) -> bool:
+        return (time.monotonic() if now is None else now) < self.aside_until
+
+
+class Registries:
+    def __init__(self, registries: Sequence[Registry]) -> None:
+        if not registries:
+            raise ValueError("at least one registry (a control-plane address) is needed")
+        self.all = tuple(registries)
+        # Which registry granted each reservation, kept past its deadline (nothing is asked
+        # of it after); one registry needs no record.
+        self._granted: dict[str, Registry] = {}
+        self._expiry: collections.deque[tuple[float, str]] = collections.deque()
+
+    @classmethod
+    def connect(cls, targets: Sequence[tuple[str, str]], tls_ca: str = "", tls_cert: str = "", tls_key: str = "",
+                server_name: str = "") -> "Registries":
+        """``targets``: (control-plane address, tenant token) of each registry, in order."""
+        out = []
+        for address, token in targets:
+            cp = ControlPlaneClient(address, token, tls_ca, tls_cert, tls_key, server_name)
+            out.append(Registry(address, cp, StreamReserver(cp)))
+        return cls(out)
+
+    async def close(self) -> None:
+        for reg in self.all:
+            await reg.reserver.close()
+            await reg.cp.close()
+
+    def order(self, first: Registry | None = None, load: Callable[[Registry], float] | None = None
+              ) -> list[Registry]:
+        """Every registry, in the order to ask them: ``first``, then the others by ``load``
+        (lowest first; ties in their given order); those that did not answer or had no room
+        lately last."""
+        now = time.monotonic()
+        rest = [r for r in self.all if r is not first]
+        if load is not None:
+            rest.sort(key=load)
+        ordered = ([first] if first is not None else []) + rest
+        return [r for r in ordered if not r.aside(now)] + [r for r in ordered if r.aside(now)]
+
+    async def reserve(self, ask: Callable[[Registry], scheduler_pb2.ReserveRequest | None], timeout: float,
+                      order: Sequence[Registry], keep_s: float,
+                      observe: Callable[[Registry, str], None] | None = None) -> tuple[Registry, types_pb2.Reservation]:
+        """The first grant of ``order``'s registries, asked in turn within ``timeout`` in all;
+        ``ask(registry)`` is the request for that registry (None: skip it). Raises the last
+        refusal (``ReserveRefused``) when none granted. ``keep_s``: how long the grant's
+        registry is remembered (``of``): the reservation's deadline and a margin. ``observe(registry,
+        outcome)``: each answer ("granted", or the refusal's code in lower case), for metrics.
+
+        A registry that did not answer may still have reserved (the stream broke after the
+        ask left): that reservation ends at its deadline, as a lost answer's does with one
+        registry; one answered after its caller moved on is released (``StreamReserver``)."""
+        deadline = time.monotonic() + timeout
+        refused: ReserveRefused | None = None
+        for reg in order:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            request = ask(reg)
+            if request is None:
+                continue
+            try:
+                res = await reg.reserver.reserve(request, timeout=left)
+            except ReserveRefused as exc:
+                refused = exc
+                if observe is not None:
+                    observe(reg, exc.code.name.lower())
+                if exc.code in MOVE_ON:
+                    reg.aside_until = time.monotonic() + (DOWN_S if exc.code in _NOT_ANSWERED else FULL_S)
+                if exc.code not in MOVE_ON:
+                    raise
+                continue
+            reg.aside_until = 0.0
+            if observe is not None:
+                observe(reg, "granted")
+            self.granted(res.id, reg, keep_s)
+            return reg, res
+        raise refused or ReserveRefused(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                        "no registry was asked: none could take the request in time")
+
+    def granted(self, reservation_id: str, reg: Registry, keep_s: float) -> None:
+        """Remember that ``reg`` holds ``reservation_id`` (a grant, or a relocation's new one)."""
+        if len(self.all) == 1:
+            return
+        now = time.monotonic()
+        while self._expiry and self._expiry[0][0] < now:
+            _, old = self._expiry.popleft()
+            self._granted.pop(old, None)
+        self._granted[reservation_id] = reg
+        self._expiry.append((now + keep_s, reservation_id))
+
+    def of(self, reservation_id: str) -> Registry | None:
+        """The registry holding ``reservation_id`` (None: not granted through this client, or
+        long past its deadline)."""
+        if len(self.all) == 1:
+            return self.all[0]
+        return self._granted.get(reservation_id)

@@ -1,0 +1,107 @@
+"""The client SDK over several registries (``kvpush.client.registries``), with stand-in
+reservers: the order registries are asked in, moving on for room or no answer (never for
+a refusal every registry would give), the shared time budget, and which registry holds a
+grant. The router's test over two real registries is tests/router/test_router_registries.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from kvpush.client import registries as regs
+from kvpush.client.registries import Registries, Registry
+from kvpush.client.reserve_stream import ReserveRefused
+from kvpush.contract.v1 import scheduler_pb2, types_pb2
+
+
+class Reserver:
+    """Answers each ask with the next of ``answers``: a code (refused), a delay in seconds
+    (then granted), or None (granted at once)."""
+
+    def __init__(self, name: str, *answers) -> None:
+        self.name, self.answers, self.asked = name, list(answers), []
+
+    async def reserve(self, request, timeout=None):
+        self.asked.append((request, timeout))
+        answer = self.answers.pop(0) if self.answers else None
+        if isinstance(answer, grpc.StatusCode):
+            raise ReserveRefused(answer, f"{self.name} says {answer.name}")
+        if isinstance(answer, float):
+            if answer > timeout:
+                await asyncio.sleep(timeout)
+                raise ReserveRefused(grpc.StatusCode.DEADLINE_EXCEEDED, "timed out")
+            await asyncio.sleep(answer)
+        return types_pb2.Reservation(id=f"r-{self.name}-{len(self.asked)}", engine_id=f"decode-{self.name}")
+
+
+def fleet(*reservers: Reserver) -> Registries:
+    return Registries([Registry(r.name, cp=None, reserver=r) for r in reservers])
+
+
+def ask(reg: Registry) -> scheduler_pb2.ReserveRequest:
+    return scheduler_pb2.ReserveRequest(request_id="q", num_tokens=10, model="m", prefill_engine_id=f"p-{reg.name}")
+
+
+async def test_a_registry_without_room_or_answer_is_passed_for_the_next_and_asked_last_a_while():
+    a, b, c = Reserver("a", grpc.StatusCode.RESOURCE_EXHAUSTED), Reserver("b", grpc.StatusCode.UNAVAILABLE), \
+        Reserver("c")
+    f = fleet(a, b, c)
+    seen = []
+    reg, res = await f.reserve(ask, 1.0, f.order(), keep_s=30, observe=lambda r, o: seen.append((r.name, o)))
+    assert reg.name == "c" and res.id == "r-c-1"
+    assert seen == [("a", "resource_exhausted"), ("b", "unavailable"), ("c", "granted")]
+    assert [r.asked[0][0].prefill_engine_id for r in (a, b, c)] == ["p-a", "p-b", "p-c"]  # each its own ask
+    assert f.of("r-c-1") is reg and f.of("r-a-1") is None
+    # Both set aside (b, not answering, the longer): asked last, in their order, while they are.
+    assert [r.name for r in f.order()] == ["c", "a", "b"]
+    assert [r.name for r in f.order(first=f.all[0])] == ["c", "a", "b"]
+    f.all[0].aside_until = time.monotonic() - 1  # a's moment passed: b is still aside
+    assert [r.name for r in f.order()] == ["a", "c", "b"]
+    assert f.all[1].aside_until - time.monotonic() > regs.FULL_S
+    # ... and a grant ends a registry's spell aside.
+    b.answers = [None]
+    await f.reserve(ask, 1.0, [f.all[1]], keep_s=30)
+    assert not f.all[1].aside()
+
+
+async def test_a_refusal_every_registry_would_give_is_not_asked_again_elsewhere():
+    a, b = Reserver("a", grpc.StatusCode.INVALID_ARGUMENT), Reserver("b")
+    f = fleet(a, b)
+    with pytest.raises(ReserveRefused) as refused:
+        await f.reserve(ask, 1.0, f.order(), keep_s=30)
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and b.asked == [] and not f.all[0].aside()
+
+
+async def test_the_timeout_is_shared_by_every_registry_asked_and_the_last_refusal_is_raised():
+    a, b = Reserver("a", 0.5), Reserver("b", 0.5)
+    f = fleet(a, b)
+    started = time.monotonic()
+    with pytest.raises(ReserveRefused) as refused:
+        await f.reserve(ask, 0.3, f.order(), keep_s=30)
+    assert time.monotonic() - started < 0.45 and refused.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert b.asked == []  # (nothing left of the budget for it)
+    assert f.all[0].aside()
+    # No registry could take the ask at all: said so.
+    with pytest.raises(ReserveRefused, match="no registry was asked"):
+        await f.reserve(lambda reg: None, 1.0, f.order(), keep_s=30)
+
+
+async def test_load_orders_the_others_and_grants_are_forgotten_after_their_time():
+    a, b, c = Reserver("a"), Reserver("b"), Reserver("c")
+    f = fleet(a, b, c)
+    load = {"a": 3.0, "b": 2.0, "c": 1.0}
+    assert [r.name for r in f.order(load=lambda r: load[r.name])] == ["c", "b", "a"]
+    assert [r.name for r in f.order(first=f.all[0], load=lambda r: load[r.name])] == ["a", "c", "b"]
+    reg, res = await f.reserve(ask, 1.0, f.order(first=f.all[1]), keep_s=0.05)
+    assert f.of(res.id) is reg
+    await asyncio.sleep(0.1)
+    f.granted("r-later", f.all[2], keep_s=30)  # (each grant prunes the expired)
+    assert f.of(res.id) is None and f.of("r-later") is f.all[2]
+    # One registry: it holds every reservation, nothing is recorded.
+    one = fleet(Reserver("only"))
+    assert one.of("anything") is one.all[0]
+    with pytest.raises(ValueError):
+        Registries([])
