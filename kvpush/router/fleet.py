@@ -150,14 +150,17 @@ class Fleet:
         decode: dict[str, tuple[str, Registry]] = {}
         prefill: dict[str, tuple[str, Registry]] = {}
         clash: set[str] = set()
+        prefill_ids: set[str] = set()
         for reg, d in self.directories.items():
             for e in d.engines.decode:
                 if e.engine_id in decode:
                     clash.add(e.engine_id)
                 decode[e.engine_id] = (e.url, reg)
             for url, eid in d.engines.prefill:
-                if eid and any(eid == other for other, _ in prefill.values()):
+                if eid in prefill_ids:
                     clash.add(eid)
+                if eid:
+                    prefill_ids.add(eid)
                 prefill[url] = (eid, reg)
         for eid in clash - self._conflicts:
             _log.error("an engine id is registered in more than one of this router's registries; it is not served "

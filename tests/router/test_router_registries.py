@@ -167,11 +167,15 @@ async def test_requests_are_reserved_in_both_registries_and_a_full_one_sends_the
     # An engine id registered in both registries is served in neither.
     dups = [SimulatedEngine(side.engines, "decode-dup", 64, model="tiny", serving_url=side.decode_url)
             for side in (a, b)]
+    dups += [SimulatedEngine(side.engines, "prefill-dup", 64, model="tiny", role=types_pb2.PREFILL,
+                             serving_url=f"http://127.0.0.1:1/{side.name}") for side in (a, b)]
     try:
         for sim in dups:
             await sim.register()
-        health = await _health(session, url, lambda h: h["engine_id_conflicts"] == ["decode-dup"])
-        assert "decode-dup" not in health["decode"]
+        health = await _health(session, url,
+                               lambda h: h["engine_id_conflicts"] == ["decode-dup", "prefill-dup"])
+        assert "decode-dup" not in health["decode"] and "prefill-dup" not in health["prefill"].values()
+        assert len(health["decode"]) == 2 and len(health["prefill"]) == 2
     finally:
         for sim in dups:
             await sim.stop()
