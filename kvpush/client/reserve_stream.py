@@ -69,8 +69,12 @@ class StreamReserver(TaggedStream):
 
     def _unclaimed(self, answer) -> None:
         """A grant nobody waits for any more is released at once, not at its deadline."""
-        if answer.code == 0 and not answer.reservation.decode_alone:  # (decode_alone: nothing was held)
-            task = asyncio.get_running_loop().create_task(self._release(answer.reservation.id))
+        if answer.code == 0:
+            self._dropped(answer.reservation)
+
+    def _dropped(self, reservation) -> None:
+        if not reservation.decode_alone:  # (decode_alone: nothing was held)
+            task = asyncio.get_running_loop().create_task(self._release(reservation.id))
             self._releasing.add(task)
             task.add_done_callback(self._releasing.discard)
 

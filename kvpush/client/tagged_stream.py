@@ -68,6 +68,9 @@ class TaggedStream:
     def _unclaimed(self, answer) -> None:
         """An answer to an item whose caller stopped waiting after it was sent."""
 
+    def _dropped(self, result) -> None:
+        """A result (``_outcome``'s) delivered to a caller cancelled before it could take it."""
+
     # -- calls ------------------------------------------------------------------------------------
     async def call(self, request, timeout: float | None = None):
         if self._closed:
@@ -85,6 +88,12 @@ class TaggedStream:
         timer = loop.call_later(timeout, self._expire, tag, timeout) if timeout is not None else None
         try:
             return await fut
+        except asyncio.CancelledError:
+            # Cancelled after the answer arrived but before this task resumed: the answer
+            # (a grant) would be lost with nobody to release it; it is unclaimed instead.
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self._dropped(fut.result())
+            raise
         finally:
             if timer is not None:
                 timer.cancel()
@@ -160,6 +169,9 @@ class TaggedStream:
                 self._unclaimed(answer)
             return
         if fut.done():
+            # Cancelled, its caller not yet resumed to give it up: nobody takes this answer.
+            if fut.cancelled():
+                self._unclaimed(answer)
             return
         try:
             fut.set_result(self._outcome(answer))

@@ -103,6 +103,34 @@ async def test_a_caller_that_stops_waiting_leaks_no_blocks(cp, admin, engine_cli
     await engine.stop()
 
 
+async def test_a_caller_cancelled_as_its_grant_arrives_leaks_no_blocks(cp, admin, engine_client, etcd):
+    """The grant is delivered and the caller is cancelled before it resumes to take it
+    (a client that disconnects at that moment): the grant is released, not held to its
+    deadline."""
+    engine = SimulatedEngine(engine_client, "decode-0", num_blocks=200)
+    await engine.register()
+    tenant = await make_tenant(admin, cp.address, "acme")
+    reserver = StreamReserver(tenant)
+    await reserver.reserve(ask("warm"), timeout=10)
+    callers: list[asyncio.Task] = []
+    deliver = reserver._deliver
+
+    def deliver_then_cancel(answer) -> None:
+        deliver(answer)  # the caller's future now holds the grant ...
+        for task in callers:
+            task.cancel()  # ... and the caller is cancelled before it runs again
+    reserver._deliver = deliver_then_cancel
+    callers.extend(asyncio.create_task(reserver.reserve(ask(f"late{i}"), timeout=10)) for i in range(5))
+    outcomes = await asyncio.gather(*callers, return_exceptions=True)
+    assert all(isinstance(o, asyncio.CancelledError) for o in outcomes)
+    report = await settle(etcd.endpoint, until=lambda r: len(r.live) == 1, timeout=20)
+    assert [r.request_id for r in report.live] == ["warm"]
+    assert reserver.abandoned_released == 5
+    await reserver.close()
+    await tenant.close()
+    await engine.stop()
+
+
 async def test_a_restarted_control_plane_fails_what_is_in_flight_then_serves_again(etcd):
     """A broken stream never hangs a caller: asks fail UNAVAILABLE, and the next ask
     opens a new stream to the replica that came back on the same address."""
