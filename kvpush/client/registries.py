@@ -91,7 +91,8 @@ class Registries:
     async def reserve(self, ask: Callable[[Registry], scheduler_pb2.ReserveRequest | None], timeout: float,
                       order: Sequence[Registry], keep_s: float,
                       observe: Callable[[Registry, str], None] | None = None) -> tuple[Registry, types_pb2.Reservation]:
-        """The first grant of ``order``'s registries, asked in turn within ``timeout`` in all;
+        """The first grant of ``order``'s registries, asked in turn within ``timeout`` in all
+        (each but the last given at most half of what is left);
         ``ask(registry)`` is the request for that registry (None: skip it). Raises the last
         refusal (``ReserveRefused``) when none granted. ``keep_s``: how long the grant's
         registry is remembered (``of``): the reservation's deadline and a margin. ``observe(registry,
@@ -102,23 +103,30 @@ class Registries:
         registry; one answered after its caller moved on is released (``StreamReserver``)."""
         deadline = time.monotonic() + timeout
         refused: ReserveRefused | None = None
-        for reg in order:
+        for i, reg in enumerate(order):
             left = deadline - time.monotonic()
             if left <= 0:
                 break
             request = ask(reg)
             if request is None:
                 continue
+            # Each but the last is given half of what is left: one that does not answer
+            # leaves time for the next.
+            given = left if i == len(order) - 1 else left / 2
             try:
-                res = await reg.reserver.reserve(request, timeout=left)
+                res = await reg.reserver.reserve(request, timeout=given)
             except ReserveRefused as exc:
                 refused = exc
                 if observe is not None:
                     observe(reg, exc.code.name.lower())
-                if exc.code in MOVE_ON:
-                    reg.aside_until = time.monotonic() + (DOWN_S if exc.code in _NOT_ANSWERED else FULL_S)
                 if exc.code not in MOVE_ON:
                     raise
+                # (No answer within a short slice, the end of a timeout others used up,
+                # says little about a registry: it is set aside only after a fair share.)
+                if exc.code not in _NOT_ANSWERED:
+                    reg.aside_until = time.monotonic() + FULL_S
+                elif exc.code == grpc.StatusCode.UNAVAILABLE or given >= timeout / 4:
+                    reg.aside_until = time.monotonic() + DOWN_S
                 continue
             reg.aside_until = 0.0
             if observe is not None:

@@ -115,7 +115,10 @@ class Dispatcher(PushPath, AlonePath, Reserving):
         # likely will: no prefill request ahead of the Reserve's answer.)
         early = bool(ask.path == asks.FIRST_TOKEN and prefill_id and ask.num_tokens >= self.cfg.local_prefill_tokens)
         guess = (hint or self.kv_aware.guess(keys, ask.num_tokens)) if early else None
-        ahead = self.engines.decode_url(guess.engine_id) if guess and guess.alone and guess.engine_id else None
+        # Sent ahead only to an engine of the chosen registry: another would not know it.
+        ahead = (self.engines.decode_url(guess.engine_id)
+                 if guess and guess.alone and guess.engine_id
+                 and self.engines.registry_of_engine(guess.engine_id) is reg else None)
         self.kv_aware.sent(keys, ask.num_tokens, ask.max_tokens)
         sent = None  # a guessed decode-alone turn sent ahead of its Reserve: withdrawn if anything below fails
         try:
@@ -123,7 +126,8 @@ class Dispatcher(PushPath, AlonePath, Reserving):
                 # The Reserve and the prefill request's HTTP, tokenization and scheduling
                 # run at once: the reservation names the prefill engine, whose sidecar
                 # hears it by watch while its connector holds the request.
-                reserving = asyncio.create_task(self.reserve(request_id, ask, prefill_url, keys, reg=reg))
+                reserving = asyncio.create_task(self.reserve(request_id, ask, prefill_url, keys, reg=reg,
+                                                             timeout=self.first_share_s))
                 response = await self._first_token(ask, request_id, prefill_url, request, timings, held,
                                                    reserving=reserving, reg=reg, keys=keys)
             else:
@@ -206,7 +210,8 @@ class Dispatcher(PushPath, AlonePath, Reserving):
                     prefill.cancel()
                     await asyncio.gather(prefill, return_exceptions=True)
                     kv = None
-                    other = await self.reserve_elsewhere(request_id, ask, keys, reg, why)
+                    left = self.cfg.reserve_timeout_s - (time.perf_counter() - timings["counted"])
+                    other = await self.reserve_elsewhere(request_id, ask, keys, reg, why, left)
                     if other is not None and other[0] is not None:
                         res, _, prefill_url = other
                         if res.decode_alone:

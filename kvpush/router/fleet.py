@@ -34,7 +34,7 @@ class Fleet:
         self.discovering = next(iter(self.directories.values())).discovering
         self.outstanding = outstanding if outstanding is not None else {}  # decode URL -> this router's requests
         self.ready = asyncio.Event()
-        self._seen: tuple = ()
+        self._seen: tuple = ()   # the directories' engine sets last merged (held, compared by identity)
         self._decode: dict[str, tuple[str, Registry]] = {}   # engine id -> (url, registry)
         self._prefill: dict[str, tuple[str, Registry]] = {}  # url -> (engine id, registry)
         self._conflicts: set[str] = set()
@@ -142,26 +142,29 @@ class Fleet:
 
     # -- merging --------------------------------------------------------------------------------
     def _merge(self) -> None:
-        """Rebuild the merged maps when a directory published a new set (each is a new object)."""
-        seen = tuple(id(d.engines) for d in self.directories.values())
-        if seen == self._seen:
+        """Rebuild the merged maps when a directory published a new set (each is a new object).
+
+        The sets themselves are held and compared by identity: an ``id()`` can be reused once
+        the old set is freed, which would leave a stale merge in place."""
+        seen = tuple(d.engines for d in self.directories.values())
+        if len(seen) == len(self._seen) and all(a is b for a, b in zip(seen, self._seen)):
             return
         self._seen = seen
         decode: dict[str, tuple[str, Registry]] = {}
         prefill: dict[str, tuple[str, Registry]] = {}
         clash: set[str] = set()
-        prefill_ids: set[str] = set()
+        prefill_ids: dict[str, Registry] = {}
+        # A clash is an id in two registries; one registry repeating an id (flags naming an
+        # engine twice) is that registry's own business, as it was with a single registry.
         for reg, d in self.directories.items():
             for e in d.engines.decode:
-                if e.engine_id in decode:
+                if e.engine_id in decode and decode[e.engine_id][1] is not reg:
                     clash.add(e.engine_id)
-                decode[e.engine_id] = (e.url, reg)
+                decode.setdefault(e.engine_id, (e.url, reg))
             for url, eid in d.engines.prefill:
-                if eid in prefill_ids:
+                if eid and prefill_ids.setdefault(eid, reg) is not reg:
                     clash.add(eid)
-                if eid:
-                    prefill_ids.add(eid)
-                prefill[url] = (eid, reg)
+                prefill.setdefault(url, (eid, reg))
         for eid in clash - self._conflicts:
             _log.error("an engine id is registered in more than one of this router's registries; it is not served "
                        "until only one holds it (engine ids must be unique across registries)", engine_id=eid,

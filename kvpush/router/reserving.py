@@ -31,15 +31,24 @@ class Reserving:
         """How long a grant's registry is remembered: past its deadline nothing is asked of it."""
         return self.cfg.deadline_ms / 1000 + 60
 
+    @property
+    def first_share_s(self) -> float:
+        """The time a Reserve in one registry is given when its refusal would be asked again
+        in another (``reserve_elsewhere``): half the timeout, so a registry that does not
+        answer leaves time for the next; all of it with one registry."""
+        return self.cfg.reserve_timeout_s / (2 if len(self.registries.all) > 1 else 1)
+
     async def reserve(self, request_id: str, ask: asks.Ask, prefill_url: str, keys=(), preferred: str = "",
-                      reg: Registry | None = None, move_on: bool = False):
+                      reg: Registry | None = None, move_on: bool = False, timeout: float | None = None,
+                      skip: Registry | None = None):
         """(the reservation, "", its prefill engine's URL), its decode engine one the router can
         reach; or (None, why, ``prefill_url``) when serving without push. ``prefill_url``: the
         prefill engine chosen in ``reg`` (``Fleet.choose``), named in the reservation where its
         id is known; ``keys``: the prompt's block keys (KV-aware routing); ``preferred``: the
         decode engine to choose where it qualifies. With ``move_on`` the other registries are
         asked after ``reg`` has no room or does not answer, each with its least loaded prefill
-        engine (so the URL returned may be another)."""
+        engine (so the URL returned may be another), except ``skip``. ``timeout``: for all the
+        registries asked (default: ``--reserve-timeout``)."""
         reg = reg or self.registries.all[0]
         picks = {reg: prefill_url}
 
@@ -60,11 +69,11 @@ class Reserving:
             if len(self.registries.all) > 1:
                 metrics.REGISTRY_RESERVES.labels(registry=r.name, outcome=outcome).inc()
 
-        order = self.registries.order(reg, self.engines.load) if move_on else [reg]
+        order = [r for r in self.registries.order(reg, self.engines.load) if r is not skip] if move_on else [reg]
         started = time.perf_counter()
         try:
-            granted_in, res = await self.registries.reserve(request_for, self.cfg.reserve_timeout_s, order,
-                                                            self.keep_s, observe)
+            granted_in, res = await self.registries.reserve(
+                request_for, self.cfg.reserve_timeout_s if timeout is None else timeout, order, self.keep_s, observe)
         except ReserveRefused as exc:
             return None, exc.code.name.lower(), prefill_url
         finally:
@@ -77,17 +86,20 @@ class Reserving:
         self.kv_aware.served(keys, res.engine_id)
         return self.kv_aware.observed(res), "", picks[granted_in]
 
-    async def reserve_elsewhere(self, request_id: str, ask: asks.Ask, keys, refused_in: Registry | None, why: str):
+    async def reserve_elsewhere(self, request_id: str, ask: asks.Ask, keys, refused_in: Registry | None, why: str,
+                                left_s: float):
         """After ``refused_in`` refused for room or did not answer (``why``), the same Reserve in
-        the other registries, least loaded first, each with its own prefill engine: ``reserve``'s
-        answer, or None when there is no other to ask."""
-        if refused_in is None or len(self.registries.all) == 1 or why not in _MOVE_ON:
+        the other registries, least loaded first, each with its own prefill engine, within
+        ``left_s`` (what the first ask left of the timeout): ``reserve``'s answer, or None
+        when there is no other to ask or no time left."""
+        if refused_in is None or len(self.registries.all) == 1 or why not in _MOVE_ON or left_s <= 0:
             return None
         other = next((r for r in self.registries.order(None, self.engines.load)
                       if r is not refused_in and self.engines.prefill_urls(r)), None)
         if other is None:
             return None
-        return await self.reserve(request_id, ask, "", keys, reg=other, move_on=True)
+        return await self.reserve(request_id, ask, "", keys, reg=other, move_on=True, timeout=left_s,
+                                  skip=refused_in)
 
     async def release(self, res_id: str, reason: str) -> None:
         reg = self.registries.of(res_id)

@@ -19,7 +19,8 @@ from kvpush.contract.v1 import scheduler_pb2, types_pb2
 
 class Reserver:
     """Answers each ask with the next of ``answers``: a code (refused), a delay in seconds
-    (then granted), or None (granted at once)."""
+    (then granted), (delay, code) (then refused), or None (granted at once); no answer
+    within the ask's timeout is DEADLINE_EXCEEDED at its end."""
 
     def __init__(self, name: str, *answers) -> None:
         self.name, self.answers, self.asked = name, list(answers), []
@@ -29,11 +30,14 @@ class Reserver:
         answer = self.answers.pop(0) if self.answers else None
         if isinstance(answer, grpc.StatusCode):
             raise ReserveRefused(answer, f"{self.name} says {answer.name}")
-        if isinstance(answer, float):
-            if answer > timeout:
+        delay, code = answer if isinstance(answer, tuple) else (answer, None)
+        if isinstance(delay, float):
+            if delay > timeout:
                 await asyncio.sleep(timeout)
                 raise ReserveRefused(grpc.StatusCode.DEADLINE_EXCEEDED, "timed out")
-            await asyncio.sleep(answer)
+            await asyncio.sleep(delay)
+        if code is not None:
+            raise ReserveRefused(code, f"{self.name} says {code.name}")
         return types_pb2.Reservation(id=f"r-{self.name}-{len(self.asked)}", engine_id=f"decode-{self.name}")
 
 
@@ -75,18 +79,41 @@ async def test_a_refusal_every_registry_would_give_is_not_asked_again_elsewhere(
     assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and b.asked == [] and not f.all[0].aside()
 
 
-async def test_the_timeout_is_shared_by_every_registry_asked_and_the_last_refusal_is_raised():
-    a, b = Reserver("a", 0.5), Reserver("b", 0.5)
+async def test_the_timeout_is_shared_a_hung_registry_leaving_time_for_the_next():
+    # Each registry but the last is given half of what is left: a hung one does not eat
+    # the whole timeout, and the next grants within it.
+    a, b = Reserver("a", 5.0), Reserver("b")
     f = fleet(a, b)
+    started = time.monotonic()
+    reg, _ = await f.reserve(ask, 0.4, f.order(), keep_s=30)
+    assert reg.name == "b" and time.monotonic() - started < 0.35
+    assert a.asked[0][1] == pytest.approx(0.2, abs=0.02) and b.asked[0][1] == pytest.approx(0.2, abs=0.03)
+    assert f.all[0].aside() and not f.all[1].aside()
+    # Every one hung: the last refusal is raised at the end of the timeout, not later.
+    c, d = Reserver("c", 5.0), Reserver("d", 5.0)
+    f = fleet(c, d)
     started = time.monotonic()
     with pytest.raises(ReserveRefused) as refused:
         await f.reserve(ask, 0.3, f.order(), keep_s=30)
     assert time.monotonic() - started < 0.45 and refused.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert b.asked == []  # (nothing left of the budget for it)
-    assert f.all[0].aside()
+    assert all(r.aside() for r in f.all)
     # No registry could take the ask at all: said so.
     with pytest.raises(ReserveRefused, match="no registry was asked"):
         await f.reserve(lambda reg: None, 1.0, f.order(), keep_s=30)
+
+
+async def test_no_answer_within_a_short_leftover_slice_does_not_set_a_registry_aside():
+    # a and b use most of the 2 s refusing for room; c and d are then given 0.3 s each,
+    # less than a fair share, so their silence says little: they stay in the order.
+    a = Reserver("a", (0.95, grpc.StatusCode.RESOURCE_EXHAUSTED))
+    b = Reserver("b", (0.45, grpc.StatusCode.RESOURCE_EXHAUSTED))
+    c, d = Reserver("c", 5.0), Reserver("d", 5.0)
+    f = fleet(a, b, c, d)
+    with pytest.raises(ReserveRefused) as refused:
+        await f.reserve(ask, 2.0, f.order(), keep_s=30)
+    assert refused.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert c.asked[0][1] < 0.5 and d.asked and d.asked[0][1] < 0.5
+    assert [r.name for r in f.all if r.aside_until] == ["a", "b"]  # (a and b for room: 0.5 s, passed by now)
 
 
 async def test_load_orders_the_others_and_grants_are_forgotten_after_their_time():
