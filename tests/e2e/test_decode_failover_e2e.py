@@ -166,16 +166,28 @@ def test_a_decode_engine_killed_mid_push_costs_no_second_prefill(system):
     # nothing is left live once the dead engine's lease has gone.
     moved = asyncio.run(_reservation(stack, res.id))
     assert moved.state == State.FAILED and moved.moved_to
-    successor = asyncio.run(_reservation(stack, moved.moved_to))
+    # (The survivor's sidecar reports CONSUMED on its own stream, group-committed: it may
+    # land a moment after the client has its last token.)
+    successor = asyncio.run(_reservation(stack, moved.moved_to, until=_consumed))
     assert successor.state == State.CONSUMED and successor.engine_id == survivor
     settled(stack, timeout=60)
 
 
-async def _reservation(stack: Stack, res_id: str):
+def _consumed(rec) -> bool:
+    return rec is not None and rec.state == State.CONSUMED
+
+
+async def _reservation(stack: Stack, res_id: str, until=None, timeout: float = 10.0):
+    """The reservation's record in etcd; with ``until``, once it holds (or as it is at ``timeout``)."""
     from tests.sidecar.service_helpers import Etcd
     etcd = Etcd(stack.etcd.endpoint)
+    deadline = time.monotonic() + timeout
     try:
-        return await etcd.reservation(res_id)
+        while True:
+            rec = await etcd.reservation(res_id)
+            if until is None or until(rec) or time.monotonic() > deadline:
+                return rec
+            await asyncio.sleep(0.05)
     finally:
         await etcd.close()
 
@@ -237,6 +249,8 @@ def test_on_the_push_path_a_decode_engine_killed_mid_push_costs_no_second_prefil
     assert router_metric(url, "kvpush_router_fallbacks_total", reason="decode_failed") == fallbacks_before
     moved = asyncio.run(_reservation(stack, res.id))
     assert moved.state == State.FAILED and moved.moved_to
-    successor = asyncio.run(_reservation(stack, moved.moved_to))
+    # (The survivor's sidecar reports CONSUMED on its own stream, group-committed: it may
+    # land a moment after the client has its last token.)
+    successor = asyncio.run(_reservation(stack, moved.moved_to, until=_consumed))
     assert successor.state == State.CONSUMED and successor.engine_id == survivor
     settled(stack, timeout=60)
