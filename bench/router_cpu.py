@@ -186,8 +186,15 @@ def engines_part(model: str, logs: str, baseline: str) -> dict:
 
 # -- fake upstream --------------------------------------------------------------------------------
 def fake_upstream(port: int, model: str, pace_ms: float = 0.0) -> None:
+    from aiohttp import web
+    web.run_app(stand_in_app(model, pace_ms), host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+def stand_in_app(model: str, pace_ms: float = 0.0, handover=None):
     """A stand-in engine: prefill answers (one token, its ids, the push report) at once;
-    decode's continuation is written whole, as vLLM writes its events, in one write."""
+    decode's continuation is written whole, as vLLM writes its events, in one write.
+    ``handover``: async (the router's request id) -> the reservation id, for a prefill
+    request sent before its Reserve answered (as the prefill sidecar hears it by watch)."""
     from aiohttp import web
     from tokenizers import Tokenizer
     from tokenizers.decoders import DecodeStream
@@ -226,7 +233,9 @@ def fake_upstream(port: int, model: str, pace_ms: float = 0.0) -> None:
             answer = {"id": "cmpl-fake-p", "object": "text_completion", "created": 1, "model": "tiny",
                       "choices": [choice], "usage": {"prompt_tokens": len(prompt), "completion_tokens": 1,
                                                      "total_tokens": len(prompt) + 1}}
-            if "reservation_id" in kv:
+            if "await" in kv and handover is not None:
+                kv = {"reservation_id": await handover(kv["await"]["request_id"], kv["await"]["wait_ms"] / 1e3)}
+            if kv.get("reservation_id"):
                 answer["kv_transfer_params"] = push_report(kv["reservation_id"], True)
             return web.json_response(answer)
         resp = web.StreamResponse()
@@ -243,7 +252,8 @@ def fake_upstream(port: int, model: str, pace_ms: float = 0.0) -> None:
 
     app = web.Application()
     app.router.add_post("/v1/completions", handle)
-    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+    app.router.add_post("/{engine}/v1/completions", handle)   # (one stand-in serving several engines' URLs)
+    return app
 
 
 class SimulatedDecode:
