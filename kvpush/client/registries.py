@@ -7,7 +7,8 @@ each registry is its own etcd and control-plane replicas, and each engine's side
 registers in one of them. A client that serves a model over several (the router with
 ``--controlplane`` given more than once, or a program using this SDK) asks one registry per
 request, chosen by the caller (where the conversation's previous turn went, where it has
-the least load), and moves on to the next when that one has no room or does not answer.
+the least load), and moves on to the next when that one has no room, does not answer, or
+refuses for a reason of its own (``MOVE_ON``).
 
 A reservation lives in the registry that granted it: its release and its relocation go
 there (``of``). Registries share nothing, so engine ids must be unique across them.
@@ -22,6 +23,7 @@ from typing import Callable, Sequence
 
 import grpc
 
+from kvpush import log
 from kvpush.client.control_plane import ControlPlaneClient
 from kvpush.client.reserve_stream import ReserveRefused, StreamReserver
 from kvpush.contract.v1 import scheduler_pb2, types_pb2
@@ -32,11 +34,20 @@ DOWN_S = 2.0
 # ... and one that had no room (or quota) for this long: the next requests try the others
 # first, and it is asked again soon, as its engines free blocks all the time.
 FULL_S = 0.5
-# Refusals another registry may answer otherwise: no room (or quota) there, or no answer.
-# Any other (a malformed ask, a bad token) would be the same everywhere.
-MOVE_ON = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE,
-                     grpc.StatusCode.DEADLINE_EXCEEDED})
-_NOT_ANSWERED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# ... and one that does not know this client (a token or tenant missing there, a pool not
+# allowed: registries keep their own tenants) for this long: a setup error, said in the log
+# each time, while the others serve.
+REFUSED_S = 10.0
+# Refusals another registry may answer otherwise: no room (or quota) there; no answer; its
+# own state (FAILED_PRECONDITION: its prefill engine unavailable, its engines' layouts unable
+# to take the prefill's); this client unknown there. A malformed ask (INVALID_ARGUMENT)
+# would be the same everywhere. Each with how long the registry is then asked last.
+ASIDE_S = {grpc.StatusCode.RESOURCE_EXHAUSTED: FULL_S, grpc.StatusCode.FAILED_PRECONDITION: FULL_S,
+           grpc.StatusCode.UNAVAILABLE: DOWN_S, grpc.StatusCode.DEADLINE_EXCEEDED: DOWN_S,
+           grpc.StatusCode.UNAUTHENTICATED: REFUSED_S, grpc.StatusCode.PERMISSION_DENIED: REFUSED_S}
+MOVE_ON = frozenset(ASIDE_S)
+_NOT_KNOWN = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
+_log = log.get("registries")
 
 
 @dataclasses.dataclass(eq=False)
@@ -123,10 +134,12 @@ class Registries:
                     raise
                 # (No answer within a short slice, the end of a timeout others used up,
                 # says little about a registry: it is set aside only after a fair share.)
-                if exc.code not in _NOT_ANSWERED:
-                    reg.aside_until = time.monotonic() + FULL_S
-                elif exc.code == grpc.StatusCode.UNAVAILABLE or given >= timeout / 4:
-                    reg.aside_until = time.monotonic() + DOWN_S
+                if exc.code != grpc.StatusCode.DEADLINE_EXCEEDED or given >= timeout / 4:
+                    reg.aside_until = time.monotonic() + ASIDE_S[exc.code]
+                if exc.code in _NOT_KNOWN and len(self.all) > 1:
+                    _log.error("a registry refuses this client: its requests go to the others meanwhile "
+                               "(is the tenant and its token created there?)", registry=reg.name,
+                               code=exc.code.name, details=exc.details, asked_last_for_s=ASIDE_S[exc.code])
                 continue
             reg.aside_until = 0.0
             if observe is not None:

@@ -79,6 +79,23 @@ async def test_a_refusal_every_registry_would_give_is_not_asked_again_elsewhere(
     assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and b.asked == [] and not f.all[0].aside()
 
 
+async def test_a_registry_that_does_not_know_this_client_or_cannot_take_the_ask_is_passed_over():
+    # Registries keep their own tenants and engines: a token unknown in one, or its prefill
+    # engine unavailable there, says nothing of the next.
+    a = Reserver("a", grpc.StatusCode.UNAUTHENTICATED)
+    b = Reserver("b", grpc.StatusCode.FAILED_PRECONDITION)
+    c = Reserver("c")
+    f = fleet(a, b, c)
+    reg, _ = await f.reserve(ask, 1.0, f.order(), keep_s=30)
+    assert reg.name == "c"
+    ra, rb = f.all[0], f.all[1]
+    # The one that refused this client is asked last far longer than one whose state refused.
+    assert ra.aside_until - time.monotonic() > regs.DOWN_S and 0 < rb.aside_until - time.monotonic() <= regs.FULL_S
+    assert [r.name for r in f.order()] == ["c", "a", "b"]
+    rb.aside_until = 0.0   # (b's moment over: a, refusing this client, stays last)
+    assert [r.name for r in f.order()] == ["b", "c", "a"]
+
+
 async def test_the_timeout_is_shared_a_hung_registry_leaving_time_for_the_next():
     # Each registry but the last is given half of what is left: a hung one does not eat
     # the whole timeout, and the next grants within it.

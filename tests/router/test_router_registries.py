@@ -196,6 +196,48 @@ async def test_a_registry_down_sends_its_requests_to_the_other(two):
     assert health["registries"][a.address]["ready"]
 
 
+async def test_a_registry_that_does_not_know_the_routers_tenant_is_passed_over(two):
+    """Registries keep their own tenants. A token unknown in one from the start: its engines
+    are never seen there, and every request is served through the other, pushed. A tenant
+    deleted in one while the router runs: its Reserves there are refused (UNAUTHENTICATED),
+    moved to the other and still pushed, not served without push; that registry is then
+    asked last for a while."""
+    from kvpush.client import registries
+    from kvpush.contract.v1 import admin_pb2
+    a, b, url, session = two
+    cfg = RouterConfig(controlplane=b.address, token=b.token,
+                       more_registries=((a.address, "kvp_not_a_tenant_of_a_0123456789"),),
+                       model="tiny", prefill_urls=(), decode=(), max_model_len=1000)
+    other = TestServer(build_app(cfg, WordTokenizer()), handler_cancellation=True)
+    await other.start_server()
+    try:
+        other_url = str(other.make_url("")).rstrip("/")
+        health = await _health(session, other_url, lambda h: len(h["decode"]) == 1 and len(h["prefill"]) == 1)
+        assert set(health["decode"]) == {"decode-b"} and not health["registries"][a.address]["ready"]
+        await _ask(session, other_url, 3)
+        assert len(b.pushed()) == 3 and a.pushed() == []
+    finally:
+        await other.close()
+
+    await _health(session, url, lambda h: len(h["decode"]) == 2 and len(h["prefill"]) == 2)
+    admin = ControlPlaneClient(a.address, ADMIN_TOKEN)
+    try:
+        await admin.admin.DeleteTenant(admin_pb2.DeleteTenantRequest(name="router"), metadata=admin.metadata,
+                                       timeout=10)
+    finally:
+        await admin.close()
+    refused = grants(a, "unauthenticated")
+    fallbacks = metrics.REGISTRY.get_sample_value("kvpush_router_fallbacks_total", {"reason": "unauthenticated"})
+    await _ask(session, url, 4)
+    # Taken in turn, a is asked for one of them at least; each is pushed through b.
+    assert len(b.pushed()) == 3 + 4 and a.pushed() == []
+    assert grants(a, "unauthenticated") - refused >= 1
+    assert metrics.REGISTRY.get_sample_value("kvpush_router_fallbacks_total", {"reason": "unauthenticated"}) \
+        == fallbacks
+    await _health(session, url, lambda h: h["registries"][a.address]["aside"])
+    assert registries.REFUSED_S > registries.DOWN_S  # (asked last longer than one that did not answer)
+
+
 def test_the_cli_says_what_is_wrong_with_several_registries(monkeypatch):
     import pytest
     from kvpush.app import cli
