@@ -72,7 +72,7 @@ class Front:
 async def _tenant_everywhere(fronts_planes: list[Plane], token: str) -> None:
     """Wait until every replica's view has the tenant (it was created through the first): a
     lookup of an id that does not exist answers NOT_FOUND once the token is known. (Not
-    ListEngines: its exact counts make a replica follow every slot for a while.)"""
+    ListEngines, which answers from the free summary on a replica whose view lacks them.)"""
     for plane in fronts_planes:
         client = ControlPlaneClient(plane.address, token)
         for _ in range(200):

@@ -26,6 +26,21 @@ def engine_proto(view: View, rec: EngineRecord) -> types_pb2.Engine:
     return msg
 
 
+def engine_summary_proto(view: View, rec: EngineRecord) -> types_pb2.Engine:
+    """``engine_proto`` where this view follows the engine; else its free blocks as its
+    owner last told the others (free_summary.py), when it has."""
+    if view.followed(keys.slot_of(rec.engine_id)):
+        return engine_proto(view, rec)
+    msg = rec.to_proto()
+    for summary in view.free_elsewhere.values():
+        free = summary.get(rec.engine_id)
+        if free is not None:
+            msg.free_blocks = free
+            msg.reserved_blocks = max(rec.num_blocks - free, 0)
+            break
+    return msg
+
+
 def _listed(view: View, rec: EngineRecord) -> types_pb2.Engine:
     msg = engine_proto(view, rec)
     msg.ClearField("nixl_metadata")  # up to 1 MiB an engine, and no router needs it

@@ -10,8 +10,9 @@ never reach it. On top of those it follows what its own clients need while they 
 * a Reserve for a tenant with a quota: that tenant's part of the request index, which
   holds its usage (request_index.py), for ``LINGER_S`` after its last such Reserve (a
   replica that serves the tenant nothing never follows it);
-* what no single slot answers: a tenant's reservation watch, the exact counts of
-  ``ListEngines``, ``DeleteTenant``: every slot. (``GetEngine`` takes its engine's slot.)
+* what no single slot answers: a tenant's reservation watch, ``ListEngines`` asked for
+  exact counts, ``DeleteTenant``: every slot. (``GetEngine`` takes its engine's slot;
+  ``ListEngines`` by default gives the others' engines from their owners' free summary.)
 
 Needs linger ``LINGER_S`` after they end, so a sidecar reconnecting does not make the
 replica drop a slot and read it again. ``--follow all`` makes a replica follow every slot

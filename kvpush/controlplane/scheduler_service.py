@@ -11,7 +11,7 @@ import structlog
 from kvpush.controlplane import errors, metrics, validation as v
 from kvpush.controlplane.api import streaming, unary
 from kvpush.controlplane.auth import Auth
-from kvpush.controlplane.engine_events import engine_events, engine_proto
+from kvpush.controlplane.engine_events import engine_events, engine_proto, engine_summary_proto
 from kvpush.controlplane.lifecycle import Lifecycle
 from kvpush.contract.states import State
 from kvpush.controlplane.records import ReservationRecord, now_ms
@@ -212,11 +212,15 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def ListEngines(self, request, context) -> scheduler_pb2.ListEnginesResponse:
         tenant = self._auth.tenant(context)
         v.text(request.model, "model", v.MAX_MODEL, v.PRINTABLE, required=False)
+        def listed(as_proto) -> list:
+            return sorted((as_proto(self.view, e.record) for e in self.view.engines.values()
+                           if e.record.is_decode and tenant.allows(e.record.pool)
+                           and (not request.model or e.record.model == request.model)),
+                          key=lambda e: e.engine_id)
+        if not request.exact:  # (the others' engines as their owners last told)
+            return scheduler_pb2.ListEnginesResponse(engines=listed(engine_summary_proto))
         async with self._following.needing([ALL]):  # exact counts for every engine listed
-            engines = [engine_proto(self.view, e.record) for e in self.view.engines.values()
-                       if e.record.is_decode and tenant.allows(e.record.pool)
-                       and (not request.model or e.record.model == request.model)]
-        return scheduler_pb2.ListEnginesResponse(engines=sorted(engines, key=lambda e: e.engine_id))
+            return scheduler_pb2.ListEnginesResponse(engines=listed(engine_proto))
 
     @streaming
     async def WatchEngines(self, request, context):

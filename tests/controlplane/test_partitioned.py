@@ -181,3 +181,48 @@ async def test_a_quota_counted_by_partitioned_replicas_is_never_overrun(etcd):
         assert {t.name: t.reserved_blocks for t in listed.tenants}["capped"] == 10
         report = await settle(etcd.endpoint)
         assert report.tenant_usage["capped"] == 10
+
+
+async def test_list_engines_tells_the_others_engines_from_their_owners_summary_without_following_them(etcd):
+    """ListEngines through a replica owning one engine and not the other: its own exact, the
+    other's free blocks as its owner last told (free_summary.py), and the replica keeps to
+    its own slots; asked for exact counts, it follows every slot and gives them all."""
+    async with two_replicas(etcd) as (planes, addr, clients, engines):
+        a, b = planes
+        await eventually(lambda: all(p.view.following is not None and len(p.view.following) < keys.SLOTS
+                                     for p in planes))
+        admin = ControlPlaneClient(addr[0], ADMIN_TOKEN)
+        engine_client = ControlPlaneClient(addr[0], ENGINE_TOKEN)
+        clients += [admin, engine_client]
+        mine, theirs = engine_owned_by("a"), engine_owned_by("b")
+        for engine_id in (mine, theirs):
+            engines.append(SimulatedEngine(engine_client, engine_id, num_blocks=64))
+            await engines[-1].register()
+        tenant_a = await make_tenant(admin, addr[0], "acme")
+        tenant_b = ControlPlaneClient(addr[1], tenant_a.metadata[0][1].split()[1])
+        clients += [tenant_a, tenant_b]
+        await eventually(lambda: b.view.tenant("acme") is not None and theirs in b.view.pool_fences)
+        held = [await reserve(tenant_b, f"req-{i}", 40) for i in range(2)]  # through b, on its own engine
+        assert {r.engine_id for r in held} == {theirs}
+        exact_free = b.view.free_blocks(theirs)
+        assert exact_free < 64
+
+        following = set(a.view.following)
+
+        async def listed(exact: bool = False) -> dict:
+            answer = await tenant_a.scheduler.ListEngines(scheduler_pb2.ListEnginesRequest(exact=exact),
+                                                          metadata=tenant_a.metadata, timeout=10)
+            return {e.engine_id: e for e in answer.engines}
+        deadline = asyncio.get_running_loop().time() + 5
+        while (got := await listed())[theirs].free_blocks != exact_free:  # (told every 0.5 s)
+            assert asyncio.get_running_loop().time() < deadline, got[theirs]
+            await asyncio.sleep(0.1)
+        assert got[theirs].reserved_blocks == 64 - exact_free and got[theirs].live_reservations == 0
+        assert got[mine].free_blocks == 64 and got[mine].num_blocks == 64
+        await asyncio.sleep(0.3)
+        assert a.view.following == following  # nothing more followed for it
+
+        got = await listed(exact=True)
+        assert got[theirs].free_blocks == exact_free and got[theirs].live_reservations == 2
+        # Every slot (None: all), while it answered and for a while after.
+        assert a.view.following is None or len(a.view.following) == keys.SLOTS
