@@ -127,7 +127,7 @@ class Dispatcher(PushPath, AlonePath, Reserving):
                 # run at once: the reservation names the prefill engine, whose sidecar
                 # hears it by watch while its connector holds the request.
                 reserving = asyncio.create_task(self.reserve(request_id, ask, prefill_url, keys, reg=reg,
-                                                             timeout=self.first_share_s))
+                                                             timeout=self.first_share_s(reg)))
                 response = await self._first_token(ask, request_id, prefill_url, request, timings, held,
                                                    reserving=reserving, reg=reg, keys=keys)
             else:

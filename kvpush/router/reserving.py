@@ -31,12 +31,12 @@ class Reserving:
         """How long a grant's registry is remembered: past its deadline nothing is asked of it."""
         return self.cfg.deadline_ms / 1000 + 60
 
-    @property
-    def first_share_s(self) -> float:
-        """The time a Reserve in one registry is given when its refusal would be asked again
-        in another (``reserve_elsewhere``): half the timeout, so a registry that does not
-        answer leaves time for the next; all of it with one registry."""
-        return self.cfg.reserve_timeout_s / (2 if len(self.registries.all) > 1 else 1)
+    def first_share_s(self, reg: Registry) -> float:
+        """The time a Reserve in ``reg`` is given when its refusal would be asked again in
+        another (``reserve_elsewhere``): half the timeout, so a registry that does not answer
+        leaves time for the next; all of it when no other registry has a prefill engine."""
+        others = any(r is not reg and self.engines.prefill_urls(r) for r in self.registries.all)
+        return self.cfg.reserve_timeout_s / (2 if others else 1)
 
     async def reserve(self, request_id: str, ask: asks.Ask, prefill_url: str, keys=(), preferred: str = "",
                       reg: Registry | None = None, move_on: bool = False, timeout: float | None = None,
