@@ -238,6 +238,47 @@ async def test_a_registry_that_does_not_know_the_routers_tenant_is_passed_over(t
     assert registries.REFUSED_S > registries.DOWN_S  # (asked last longer than one that did not answer)
 
 
+async def test_a_turn_guessed_for_an_engine_of_a_registry_set_aside_is_not_sent_ahead_elsewhere(two):
+    """A conversation's next turn, guessed decode alone on the engine that served the turn
+    it extends, while that engine's registry is set aside: it is reserved in another
+    registry, so it is not sent ahead to that engine nor named as preferred there (which the
+    other registry would refuse, INVALID_ARGUMENT, and the turn be served without push)."""
+    import time
+    from kvpush.router.app import REGISTRIES
+    a, b, _, session = two
+    cfg = RouterConfig(controlplane=a.address, token=a.token, more_registries=((b.address, b.token),),
+                       model="tiny", prefill_urls=(), decode=(), max_model_len=1000, prefix_block_size=16,
+                       local_prefill_tokens=20)
+    app = build_app(cfg, WordTokenizer())
+    router = TestServer(app, handler_cancellation=True)
+    await router.start_server()
+    try:
+        url = str(router.make_url("")).rstrip("/")
+        await _health(session, url, lambda h: len(h["decode"]) == 2 and len(h["prefill"]) == 2)
+        prompt = list(range(100, 164))  # 64 tokens: 4 blocks, more than a's decode engine holds
+        async with session.post(url + "/v1/completions", json={"model": "tiny", "prompt": prompt,
+                                                              "max_tokens": 3}) as r:
+            assert r.status == 200, await r.text()
+        assert len(b.pushed()) == 1 and a.pushed() == []  # (a refused it for room: b served it)
+        # The next turn adds 2 tokens to the prompt and its answer: guessed decode alone on
+        # decode-b. b is set aside: the turn is reserved in a first.
+        b_reg = next(r for r in app[REGISTRIES].all if r.name == b.address)
+        b_reg.aside_until = time.monotonic() + 60
+        invalid = metrics.REGISTRY.get_sample_value("kvpush_router_fallbacks_total",
+                                                    {"reason": "invalid_argument"}) or 0.0
+        decode_b = len(b.decode.bodies)
+        async with session.post(url + "/v1/completions", json={"model": "tiny", "prompt": prompt + [7, 8, 9, 10, 11],
+                                                              "max_tokens": 3}) as r:
+            assert r.status == 200, await r.text()
+        # a has no room: b, asked last, takes it, and it is pushed; nothing was sent ahead.
+        assert (metrics.REGISTRY.get_sample_value("kvpush_router_fallbacks_total", {"reason": "invalid_argument"})
+                or 0.0) == invalid
+        assert len(b.pushed()) == 2 and a.pushed() == []
+        assert len(b.decode.bodies) == decode_b + 1  # (its load, and no withdrawn request before it)
+    finally:
+        await router.close()
+
+
 def test_the_cli_says_what_is_wrong_with_several_registries(monkeypatch):
     import pytest
     from kvpush.app import cli
