@@ -40,12 +40,17 @@ FULL_S = 0.5
 REFUSED_S = 10.0
 # Refusals another registry may answer otherwise: no room (or quota) there; no answer; its
 # own state (FAILED_PRECONDITION: its prefill engine unavailable, its engines' layouts unable
-# to take the prefill's); this client unknown there. A malformed ask (INVALID_ARGUMENT)
-# would be the same everywhere. Each with how long the registry is then asked last.
+# to take the prefill's); this client unknown there. Each with how long the registry is then
+# asked last.
 ASIDE_S = {grpc.StatusCode.RESOURCE_EXHAUSTED: FULL_S, grpc.StatusCode.FAILED_PRECONDITION: FULL_S,
            grpc.StatusCode.UNAVAILABLE: DOWN_S, grpc.StatusCode.DEADLINE_EXCEEDED: DOWN_S,
            grpc.StatusCode.UNAUTHENTICATED: REFUSED_S, grpc.StatusCode.PERMISSION_DENIED: REFUSED_S}
-MOVE_ON = frozenset(ASIDE_S)
+# INVALID_ARGUMENT moves on too, the registry not set aside: it names what that registry
+# lacks as often as a malformed ask (each registry is asked about its own prefill engine; a
+# preferred engine, a model may be registered in one only), and a malformed ask costs one
+# refusal per registry before the last is raised. Never ALREADY_EXISTS: that registry holds
+# the request id's live reservation, and another must not make a second.
+MOVE_ON = frozenset(ASIDE_S) | {grpc.StatusCode.INVALID_ARGUMENT}
 _NOT_KNOWN = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
 _log = log.get("registries")
 
@@ -134,7 +139,8 @@ class Registries:
                     raise
                 # (No answer within a short slice, the end of a timeout others used up,
                 # says little about a registry: it is set aside only after a fair share.)
-                if exc.code != grpc.StatusCode.DEADLINE_EXCEEDED or given >= timeout / 4:
+                short = exc.code == grpc.StatusCode.DEADLINE_EXCEEDED and given < timeout / 4
+                if exc.code in ASIDE_S and not short:
                     reg.aside_until = time.monotonic() + ASIDE_S[exc.code]
                 if exc.code in _NOT_KNOWN and len(self.all) > 1:
                     _log.error("a registry refuses this client: its requests go to the others meanwhile "

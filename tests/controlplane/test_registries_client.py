@@ -1,7 +1,7 @@
 """The client SDK over several registries (``kvpush.client.registries``), with stand-in
-reservers: the order registries are asked in, moving on for room or no answer (never for
-a refusal every registry would give), the shared time budget, and which registry holds a
-grant. The router's test over two real registries is tests/router/test_router_registries.py."""
+reservers: the order registries are asked in, moving on for a refusal another registry
+may answer otherwise (never for a request id live in the one asked), the shared time budget,
+and which registry holds a grant. The router's test over two real registries is tests/router/test_router_registries.py."""
 
 from __future__ import annotations
 
@@ -71,12 +71,27 @@ async def test_a_registry_without_room_or_answer_is_passed_for_the_next_and_aske
     assert not f.all[1].aside()
 
 
-async def test_a_refusal_every_registry_would_give_is_not_asked_again_elsewhere():
+async def test_an_invalid_argument_is_asked_elsewhere_and_a_live_request_id_is_not():
+    # INVALID_ARGUMENT may name what one registry lacks (its prefill engine gone, a model it
+    # does not serve): the next is asked, and the first is not set aside for it.
     a, b = Reserver("a", grpc.StatusCode.INVALID_ARGUMENT), Reserver("b")
+    f = fleet(a, b)
+    reg, _ = await f.reserve(ask, 1.0, f.order(), keep_s=30)
+    assert reg.name == "b" and not f.all[0].aside()
+    # Refused everywhere (a malformed ask): the last refusal, one ask per registry.
+    a, b = Reserver("a", grpc.StatusCode.INVALID_ARGUMENT), Reserver("b", grpc.StatusCode.INVALID_ARGUMENT)
     f = fleet(a, b)
     with pytest.raises(ReserveRefused) as refused:
         await f.reserve(ask, 1.0, f.order(), keep_s=30)
-    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and b.asked == [] and not f.all[0].aside()
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and len(a.asked) == len(b.asked) == 1
+    assert not any(r.aside() for r in f.all)
+    # ALREADY_EXISTS: that registry holds the request id's live reservation; another must
+    # not make a second.
+    a, b = Reserver("a", grpc.StatusCode.ALREADY_EXISTS), Reserver("b")
+    f = fleet(a, b)
+    with pytest.raises(ReserveRefused) as refused:
+        await f.reserve(ask, 1.0, f.order(), keep_s=30)
+    assert refused.value.code == grpc.StatusCode.ALREADY_EXISTS and b.asked == []
 
 
 async def test_a_registry_that_does_not_know_this_client_or_cannot_take_the_ask_is_passed_over():
