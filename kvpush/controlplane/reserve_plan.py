@@ -120,7 +120,17 @@ class Plan:
     async def attach_records(self, leases: LeaseBuckets) -> None:
         """Add the reservation and request-index puts, bound to their deadline lease."""
         for ask, rec in zip(self.asks, self.records):
+            lease = await leases.for_deadline(rec.deadline_ms)
+            value = rec.encode()
+            req_key, entry = keys.request(rec.tenant, rec.request_id), RequestEntry(rec.id, rec.num_blocks).encode()
+            self.ops += record_puts(rec, value, lease)
+            self.ops.append(op_put(req_key, entry, lease))
+            self.writes.append((keys.reservation(rec.id), value, lease, rec))
+            self.writes.append((req_key, entry, lease, None))
             if ask.moving is not None:
+                # After its successor: watchers (the prefill sidecar) hear the successor
+                # first, so a push that begins between the two events goes into it rather
+                # than being refused for a reservation that has just ended.
                 old = ask.moving
                 tombstone = await leases.tombstone() if old.state.live else 0
                 compares, ops, write = move_writes(old, ask.moving_revision, rec.id,
@@ -129,13 +139,6 @@ class Plan:
                 self.ops += ops
                 self.writes.append(write)
                 self.moved_live += old.state.live
-            lease = await leases.for_deadline(rec.deadline_ms)
-            value = rec.encode()
-            req_key, entry = keys.request(rec.tenant, rec.request_id), RequestEntry(rec.id, rec.num_blocks).encode()
-            self.ops += record_puts(rec, value, lease)
-            self.ops.append(op_put(req_key, entry, lease))
-            self.writes.append((keys.reservation(rec.id), value, lease, rec))
-            self.writes.append((req_key, entry, lease, None))
         for op, write in self._fences:
             self.ops.append(op)
             self.writes.append(write)
