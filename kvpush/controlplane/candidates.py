@@ -110,10 +110,7 @@ class RoomElsewhere:
         shape = (model, tenant.name, tuple(tenant.allowed_pools), layout)
         found = self._by_shape.get(shape)
         if found is None:
-            told: dict[str, int] = {}
-            for summary in view.free_elsewhere.values():
-                for eid, free in summary.items():
-                    told[eid] = min(free, told.get(eid, free))
+            told = view.free_told()
             engines = [eng for eng in (entry.record for entry in view.engines.values())
                        if eng.engine_id in told and eng.engine_id not in view.pool_fences and eng.is_decode
                        and not eng.unavailable and eng.model == model and tenant.allows(eng.pool)

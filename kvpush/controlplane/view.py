@@ -94,6 +94,7 @@ class View:
         self.replicas_version = 0
         self.free_elsewhere: dict[str, dict[str, int]] = {}  # replica -> its engines' free blocks (free_summary.py)
         self.free_elsewhere_version = 0
+        self._free_told: tuple[int, dict[str, int]] = (-1, {})  # (version, free_told())
         # The parts whose keys are kept (None: all): slots (int) and tenants' request indexes (str).
         self.following: frozenset[int | str] | None = None
         self.request_progress: Callable[[], None] = lambda: None  # set by the follow: a waiter wants the revision
@@ -397,6 +398,18 @@ class View:
 
     def followed(self, slot: int) -> bool:
         return self.following is None or slot in self.following
+
+    def free_told(self) -> dict[str, int]:
+        """Engine id -> the free blocks its owner last told the others (free_summary.py); the
+        least where two replicas told of one (ownership moving). Rebuilt when a summary changes."""
+        cached = self._free_told
+        if cached[0] != self.free_elsewhere_version:
+            told: dict[str, int] = {}
+            for summary in self.free_elsewhere.values():
+                for eid, free in summary.items():
+                    told[eid] = min(free, told.get(eid, free))
+            cached = self._free_told = (self.free_elsewhere_version, told)
+        return cached[1]
 
     def take_slot(self, slot: int, kvs: list[KV]) -> None:
         """Start keeping ``slot``: ``kvs`` is everything under it at some revision; the
