@@ -103,14 +103,14 @@ class RoomElsewhere:
         """(free fraction, engine id) of the roomiest such engine with room for ``num_tokens``;
         (-1.0, "") when there is none."""
         view = self._view
-        versions = (view.engines_version, view.free_elsewhere_version)
+        versions = (view.engines_version, view.free_told.version)
         if versions != self._versions:
             self._by_shape.clear()
             self._versions = versions
         shape = (model, tenant.name, tuple(tenant.allowed_pools), layout)
         found = self._by_shape.get(shape)
         if found is None:
-            told = view.free_told()
+            told = view.free_told.merged()
             engines = [eng for eng in (entry.record for entry in view.engines.values())
                        if eng.engine_id in told and eng.engine_id not in view.pool_fences and eng.is_decode
                        and not eng.unavailable and eng.model == model and tenant.allows(eng.pool)

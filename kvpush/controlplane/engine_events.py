@@ -32,7 +32,7 @@ def engine_summary_proto(view: View, rec: EngineRecord) -> types_pb2.Engine:
     if view.followed(keys.slot_of(rec.engine_id)):
         return engine_proto(view, rec)
     msg = rec.to_proto()
-    free = view.free_told().get(rec.engine_id)
+    free = view.free_told.merged().get(rec.engine_id)
     if free is not None:
         msg.free_blocks = free
         msg.reserved_blocks = max(rec.num_blocks - free, 0)

@@ -25,11 +25,12 @@ from kvpush.controlplane.etcd import KV
 from kvpush.contract.states import State
 from kvpush.contract.engine import EngineRecord
 from kvpush.controlplane.free_counts import FreeCounts
+from kvpush.controlplane.free_told import FreeTold
 from kvpush.controlplane.prefill_copies import PrefillCopies
 from kvpush.controlplane.request_index import RequestIndex
 from kvpush.controlplane.view_waiters import ViewWaiters
 from kvpush.controlplane.prefixes import PrefixIndex
-from kvpush.controlplane.records import ReplicaRecord, ReservationRecord, TenantRecord, decode_free, now_ms
+from kvpush.controlplane.records import ReplicaRecord, ReservationRecord, TenantRecord, now_ms
 from kvpush import log
 
 _log = log.get("view")
@@ -92,9 +93,7 @@ class View:
         self.cursors: dict[str, int] = {}            # engine -> next-fit allocation cursor
         self.replicas: dict[str, ReplicaRecord] = {}  # live control-plane replicas (ownership.py)
         self.replicas_version = 0
-        self.free_elsewhere: dict[str, dict[str, int]] = {}  # replica -> its engines' free blocks (free_summary.py)
-        self.free_elsewhere_version = 0
-        self._free_told: tuple[int, dict[str, int]] = (-1, {})  # (version, free_told())
+        self.free_told = FreeTold()                  # the other replicas' engines' free blocks (free_told.py)
         # The parts whose keys are kept (None: all): slots (int) and tenants' request indexes (str).
         self.following: frozenset[int | str] | None = None
         self.request_progress: Callable[[], None] = lambda: None  # set by the follow: a waiter wants the revision
@@ -240,12 +239,7 @@ class View:
         elif key.startswith(keys.PREFIXES):
             self.prefixes.apply_value(keys.name_of(key, keys.PREFIXES), None if deleted else kv.value)
         elif key.startswith(keys.FREE):
-            name = keys.name_of(key, keys.FREE)
-            if deleted:
-                self.free_elsewhere.pop(name, None)
-            else:
-                self.free_elsewhere[name] = decode_free(kv.value)
-            self.free_elsewhere_version += 1
+            self.free_told.apply(keys.name_of(key, keys.FREE), None if deleted else kv.value)
         elif key.startswith(keys.REPLICAS):
             name = keys.name_of(key, keys.REPLICAS)
             if deleted:
@@ -399,18 +393,6 @@ class View:
     def followed(self, slot: int) -> bool:
         return self.following is None or slot in self.following
 
-    def free_told(self) -> dict[str, int]:
-        """Engine id -> the free blocks its owner last told the others (free_summary.py); the
-        least where two replicas told of one (ownership moving). Rebuilt when a summary changes."""
-        cached = self._free_told
-        if cached[0] != self.free_elsewhere_version:
-            told: dict[str, int] = {}
-            for summary in self.free_elsewhere.values():
-                for eid, free in summary.items():
-                    told[eid] = min(free, told.get(eid, free))
-            cached = self._free_told = (self.free_elsewhere_version, told)
-        return cached[1]
-
     def take_slot(self, slot: int, kvs: list[KV]) -> None:
         """Start keeping ``slot``: ``kvs`` is everything under it at some revision; the
         watch from the next revision follows. (Reservations it holds are announced as
@@ -499,11 +481,11 @@ class View:
         engine_listeners, request_progress = self._engine_listeners, self.request_progress
         expired, cursors, ended = self._expired_ids, self.cursors, self.ended
         version, replicas_version = self.engines_version, self.replicas_version
-        free_version = self.free_elsewhere_version
+        free_version = self.free_told.version
         self.__init__(self.quarantine_ms)
         self._listeners, self.waiters, self.ready = listeners, waiters, ready
         self._engine_listeners, self.request_progress = engine_listeners, request_progress
         self._expired_ids, self.cursors, self.ended = expired, cursors, ended
         self.engines_version = version + 1  # a new FreeCounts: every cached slot is stale
         self.replicas_version = replicas_version + 1
-        self.free_elsewhere_version = free_version + 1
+        self.free_told = FreeTold(free_version + 1)
