@@ -87,6 +87,21 @@ async def _tenant_everywhere(fronts_planes: list[Plane], token: str) -> None:
         await client.close()
 
 
+async def lifecycles_open_loop(meter: CpuMeter, rate: float, sent: list[Front]) -> tuple[float, dict]:
+    """One lifecycle through each of ``sent`` (a Front per request) at ``rate``/s, open loop:
+    (wall seconds, each process's CPU in cores meanwhile)."""
+    tasks = set()
+    meter.start()
+    t0 = time.perf_counter()
+    async for i, scheduled in paced(rate, len(sent)):
+        task = asyncio.create_task(sent[i].lifecycle(scheduled))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    await asyncio.gather(*tasks)
+    wall = time.perf_counter() - t0
+    return wall, {k: v / wall for k, v in meter.stop().items()}
+
+
 QUOTA = 1 << 30   # blocks: counted and fenced, never reached
 
 
@@ -122,16 +137,8 @@ async def point(etcd: EmbeddedEtcd, follow: str, replicas: int, per_replica: flo
         meter.start()
         await asyncio.sleep(3.0)
         idle = {k: v / 3.0 for k, v in meter.stop().items()}
-        tasks = set()
-        meter.start()
-        t0 = time.perf_counter()
-        async for i, scheduled in paced(rate, int(rate * seconds)):
-            task = asyncio.create_task(fronts[i % replicas].lifecycle(scheduled))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        await asyncio.gather(*tasks)
-        wall = time.perf_counter() - t0
-        busy = {k: v / wall for k, v in meter.stop().items()}
+        wall, busy = await lifecycles_open_loop(meter, rate, [fronts[i % replicas]
+                                                              for i in range(int(rate * seconds))])
         for engine in engines:
             await engine.crash()
         report = await check(etcd.endpoint, allow_orphans=True)

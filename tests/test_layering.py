@@ -22,7 +22,7 @@ UNITS = ("kvpush", *(f"kvpush.{p}" for p in SUBPACKAGES), "bench")
 ALLOWED = {
     "kvpush": set(),
     "kvpush.client": {"kvpush"},
-    "kvpush.controlplane": {"kvpush"},
+    "kvpush.controlplane": {"kvpush", "kvpush.client"},  # a replica forwards to its peers as a client
     "kvpush.channel": {"kvpush"},
     "kvpush.router": {"kvpush", "kvpush.client"},
     "kvpush.connector": {"kvpush", "kvpush.channel"},

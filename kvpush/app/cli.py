@@ -82,6 +82,10 @@ def cmd_controlplane(args) -> None:
         sys.exit("kvpush controlplane: --etcd-cert and --etcd-key go together")
     if not 5 <= args.tombstone_ttl <= 86_400:
         sys.exit(f"kvpush controlplane: --tombstone-ttl must be in [5, 86400] seconds, got {args.tombstone_ttl}")
+    if args.advertise and not args.advertise.rpartition(":")[2].isdigit():
+        sys.exit(f"kvpush controlplane: --advertise must be host:port, got {args.advertise!r}")
+    if args.peer_tls_ca and not args.tls_cert:
+        sys.exit("kvpush controlplane: --peer-tls-ca needs --tls-cert and --tls-key (the certificate it dials with)")
     from kvpush.controlplane.etcd import EtcdSecurity, parse_endpoints
     security = EtcdSecurity(ca=args.etcd_ca, cert=args.etcd_cert, key=args.etcd_key, user=args.etcd_user,
                             password=password, server_name=args.etcd_server_name)
@@ -95,6 +99,8 @@ def cmd_controlplane(args) -> None:
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca, max_batch=max_batch or 60, group_commit=not args.no_group_commit,
         default_deadline_ms=args.default_deadline_ms, replica_id=args.replica_id, follow_all=args.follow == "all",
+        forward=not args.no_forward, advertise=args.advertise, peer_tls_ca=args.peer_tls_ca,
+        peer_tls_server_name=args.peer_tls_server_name,
         quarantine_ms=args.quarantine_ms, tombstone_ttl_s=args.tombstone_ttl)
     from kvpush import aio
     try:
@@ -277,6 +283,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--follow", choices=("owned", "all"), default="owned",
                    help="which requests this replica's view follows: those of the engines it owns and of its "
                         "clients' needs (owned: replicas add throughput), or every one (all)")
+    p.add_argument("--advertise", default="",
+                   help="host:port the other replicas reach this one at, to forward Reserves for its engines "
+                        "(default: --listen's; a wildcard host is never forwarded to)")
+    p.add_argument("--no-forward", action="store_true",
+                   help="commit a Reserve for another replica's engine here (following its slot a while) rather "
+                        "than forwarding it to that engine's owner")
+    p.add_argument("--peer-tls-ca", default="",
+                   help="with --tls-cert: the CA of the other replicas' certificates; without it Reserves are not "
+                        "forwarded (this replica dials them with its own certificate)")
+    p.add_argument("--peer-tls-server-name", default="",
+                   help="the name the other replicas' certificates carry, when it is not their --advertise host "
+                        "(as a client's --tls-server-name)")
     p.add_argument("--ready-file", default=None, help="write the bound port here once serving")
     p.add_argument("--log-level", default=None)
     p.set_defaults(fn=cmd_controlplane)

@@ -5,8 +5,8 @@ never reach it. On top of those it follows what its own clients need while they 
 
 * a sidecar's reservation stream: that engine's slot (a decode engine's reservations
   live there; a prefill engine's are copied there, keys.push);
-* a Reserve that found no room on the engines it follows, while others of the model
-  exist: their slots, for ``LINGER_S`` after the last such Reserve;
+* a Reserve that belongs on engines it does not follow and could not be forwarded to
+  their owner (elsewhere.py): their slots, for ``LINGER_S`` after the last such Reserve;
 * a Reserve for a tenant with a quota: that tenant's part of the request index, which
   holds its usage (request_index.py), for ``LINGER_S`` after its last such Reserve (a
   replica that serves the tenant nothing never follows it);

@@ -4,7 +4,9 @@ free_summary.py puts each replica's summary under ``keys.FREE/<replica id>``; th
 applies them here. ``version`` moves with every summary so the candidates' caches
 (candidates.py) know when to look again; ``merged()`` is the one place two summaries
 naming one engine (ownership moving between replicas) are reconciled: the lesser count,
-since a summary only steers and too much room would steer a Reserve into a refusal.
+since a summary only steers and too much room would steer a Reserve into a refusal. Blocks
+this replica had reserved through an engine's owner (forwarding.py) since the owner last
+told are counted off.
 """
 
 from __future__ import annotations
@@ -17,13 +19,23 @@ class FreeTold:
         self.by_replica: dict[str, dict[str, int]] = {}  # replica -> its engines' free blocks
         self.version = version
         self._merged: tuple[int, dict[str, int]] = (-1, {})
+        self._spent: dict[str, int] = {}  # engine -> blocks reserved through its owner since it told
 
     def apply(self, replica: str, value: bytes | None) -> None:
         """A replica's summary was put (``value``) or went with its lease (None)."""
         if value is None:
             self.by_replica.pop(replica, None)
         else:
-            self.by_replica[replica] = decode_free(value)
+            summary = self.by_replica[replica] = decode_free(value)
+            for eid in summary:
+                self._spent.pop(eid, None)
+        self.version += 1
+
+    def spent(self, engine_id: str, blocks: int) -> None:
+        """This replica just had ``blocks`` of ``engine_id`` reserved by its owner (a forwarded
+        Reserve, forwarding.py): count them off until the owner tells again, or a burst of
+        Reserves would all see the room the last summary told and all go there."""
+        self._spent[engine_id] = self._spent.get(engine_id, 0) + blocks
         self.version += 1
 
     def merged(self) -> dict[str, int]:
@@ -35,5 +47,8 @@ class FreeTold:
             for summary in self.by_replica.values():
                 for eid, free in summary.items():
                     merged[eid] = min(free, merged.get(eid, free))
+            for eid, blocks in self._spent.items():
+                if eid in merged:
+                    merged[eid] = max(merged[eid] - blocks, 0)
             self._merged = (self.version, merged)
         return merged

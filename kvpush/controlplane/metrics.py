@@ -40,12 +40,21 @@ RESERVE_OWNER = Counter("kvpush_reserve_engine_owner_total",
 FOLLOWED_SLOTS = Gauge("kvpush_followed_slots", "Slots whose requests this replica's view follows (of "
                        "kvpush.controlplane.keys.SLOTS): those it owns and those its clients need")
 RESERVE_WIDENED = Counter("kvpush_reserve_widened_total",
-                          "Reserves planned again over more slots than this replica follows: none of its engines had "
-                          "room")
+                          "Reserves planned again over more slots than this replica follows: its engines were not "
+                          "the place (no room, clearly less than another's, not the one preferred) and the owner "
+                          "could not be asked (kvpush/controlplane/elsewhere.py)")
+RESERVE_FORWARDED = Counter("kvpush_reserve_forwarded_total",
+                            "Reserves this replica sent on to the owner of the engine they should go to "
+                            "(kvpush/controlplane/elsewhere.py), by the owner's answer: OK, or the gRPC code after "
+                            "which this replica committed the Reserve itself", ["code"])
 # (labels() takes a lock and builds a key: once, not per Reserve)
 RESERVED_ON_OWN, RESERVED_ON_OTHER = RESERVE_OWNER.labels(owner="own"), RESERVE_OWNER.labels(owner="other")
 
 _RESULT_CHILDREN: dict = {}
+
+
+def forwarded(code: str) -> None:
+    RESERVE_FORWARDED.labels(code=code).inc()  # (a detour, rare: no cached child)
 
 
 def reserve_answered(seconds: float, code: str) -> None:

@@ -113,18 +113,20 @@ class Ownership:
             cached = self._masks[id(cands)] = (cands, mask)
         return cached[1]
 
-    def prefer(self, cands, fits: np.ndarray, score: np.ndarray) -> np.ndarray:
+    def prefer(self, cands, fits: np.ndarray, score: np.ndarray, only_own: bool = False) -> np.ndarray:
         """The candidates a Reserve should choose among: those that fit and that this replica
         owns, while the best of them scores within OWN_SLACK of the best that fits (the
         score: free fraction plus the share of the prompt held, reserver.py); else every one
         that fits. Without the slack a replica owning few engines would pile its whole share
         of the requests on them; with it, the engines' free fractions stay within OWN_SLACK
         of each other. KV-aware routing goes through the same rule: an engine elsewhere
-        holding enough more of the prompt to score OWN_SLACK higher wins."""
+        holding enough more of the prompt to score OWN_SLACK higher wins. ``only_own``: a
+        Reserve forwarded here because another replica's summary of these engines said so
+        (elsewhere.py) takes its own engines whatever the slack, else it would go on again."""
         if len(self.members) == 1:
             return fits
         own = fits & self.mask(cands)
-        if not own.any() or score[own].max() < score[fits].max() - OWN_SLACK:
+        if not own.any() or (not only_own and score[own].max() < score[fits].max() - OWN_SLACK):
             return fits
         return own
 

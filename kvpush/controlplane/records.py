@@ -188,6 +188,13 @@ class ReplicaRecord:
     def encode(self) -> bytes:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":")).encode()
 
+    @property
+    def reachable(self) -> str:
+        """Its address as another replica can dial it; "" when it listens on every interface
+        and advertised none (--advertise)."""
+        host = self.address.rpartition(":")[0].strip("[]")
+        return "" if host in ("", "0.0.0.0", "::") else self.address
+
     @classmethod
     def decode(cls, raw: bytes) -> "ReplicaRecord":
         fields = json.loads(raw)

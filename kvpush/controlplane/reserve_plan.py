@@ -46,6 +46,8 @@ class ReserveAsk:
     local_prefill_tokens: int = 0
     future: asyncio.Future | None = None
     widened: bool = False                 # planned again once over more slots than the replica's own
+    may_forward: bool = False             # may be sent on to another replica (elsewhere.py); once at most
+    forwarded: bool = False               # sent here by another replica: never elsewhere again
 
     def same_params(self, rec: ReservationRecord) -> bool:
         return rec.num_tokens == self.num_tokens and rec.model == self.model

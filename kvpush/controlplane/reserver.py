@@ -19,7 +19,8 @@ import numpy as np
 
 from kvpush.controlplane import errors, keys, metrics
 from kvpush.controlplane.allocator import allocate
-from kvpush.controlplane.candidates import CandidateCache, RoomElsewhere
+from kvpush.controlplane.candidates import CandidateCache
+from kvpush.controlplane.elsewhere import Elsewhere
 from kvpush.controlplane.etcd import KV, EtcdClient, EtcdLeaseNotFound, EtcdUnavailable, compared
 from kvpush.controlplane.leases import LeaseBuckets
 from kvpush.controlplane.following import Following
@@ -49,15 +50,14 @@ class Reserver:
         self._leases = leases
         self._ownership = ownership
         self._following = following
-        self._widening: set[asyncio.Task] = set()
         self.max_batch = max_batch
         # Operations (and compares) in one transaction: etcd's default --max-txn-ops (128), or
         # what --max-batch asks for (etcd configured to match, as the embedded one is).
         self.max_ops = max(128, 2 * max_batch + 8)
         self._candidates = CandidateCache(view)
-        self._elsewhere = RoomElsewhere(view)
         self._alone_load: dict[str, tuple[float, float]] = {}  # engine id -> (decayed count, as of)
         self._queue: asyncio.Queue[ReserveAsk] = asyncio.Queue()
+        self._elsewhere = Elsewhere(view, self._queue.put_nowait, ownership, following)
         self._task: asyncio.Task | None = None
         self.batch_all_of_queue = True  # False: one transaction per reservation (the baseline)
 
@@ -68,8 +68,7 @@ class Reserver:
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        for task in list(self._widening):
-            task.cancel()
+        self._elsewhere.stop()
         while not self._queue.empty():
             ask = self._queue.get_nowait()
             if not ask.future.done():
@@ -262,77 +261,19 @@ class Reserver:
             if found is not None and not ask.future.done():
                 self._answer_existing(ask, ReservationRecord.decode(found.value))
 
-    def _widen(self, ask: ReserveAsk, tenant: TenantRecord, slots: set[int] | None = None) -> bool:
-        """The engines this replica follows are not where ``ask`` should go (none has room,
-        another's summary says it has clearly more, the router prefers another): follow
-        ``slots`` (default: those of every engine that could take it; following.py keeps
-        them a while) and plan it again once they are in the view. False when there are
-        none, or it was widened once already."""
-        view = self._view
-        if self._following is None or view.following is None or ask.widened:
-            return False
-        if slots is None:
-            slots = {keys.slot_of(eid) for eid, entry in view.engines.items()
-                     if entry.record.is_decode and entry.record.model == ask.model
-                     and tenant.allows(entry.record.pool) and not entry.record.unavailable}
-        slots = slots - view.following
-        if not slots:
-            return False
-        ask.widened = True
-        metrics.RESERVE_WIDENED.inc()
-        self._following.borrow(slots)
-        self._replan_when_covered(ask, slots)
-        return True
-
-    def _usage_unknown(self, ask: ReserveAsk, tenant: TenantRecord) -> bool:
-        """Whether ``tenant``'s quota cannot be counted here yet: this replica does not follow
-        its part of the request index (following.py takes it on while the tenant's Reserves
-        come here); ``ask`` is then planned again once it does, or refused."""
-        following = self._view.following
-        if following is None:
-            return False
-        if tenant.name in following:
-            if self._following is not None:
-                self._following.keep(tenant.name)
-            return False
-        if self._following is None:
-            raise errors.unavailable(f"this replica does not count tenant {tenant.name!r}'s usage")
-        self._following.borrow([tenant.name])
-        self._replan_when_covered(ask, {tenant.name}, required=True)
-        return True
-
-    def _replan_when_covered(self, ask: ReserveAsk, needs: set[int | str], required: bool = False) -> None:
-        async def replan() -> None:
-            try:
-                covered = await self._following.until_covered(needs)
-            except asyncio.CancelledError:
-                if not ask.future.done():
-                    ask.future.set_exception(errors.unavailable("control plane is shutting down"))
-                raise
-            if ask.future.done():
-                return
-            if covered or not required:
-                self._queue.put_nowait(ask)
-            else:
-                ask.future.set_exception(errors.unavailable(
-                    "this control-plane replica could not follow the tenant's usage in time; retry"))
-        task = asyncio.create_task(replan())
-        self._widening.add(task)
-        task.add_done_callback(self._widening.discard)
-
     def _choose(self, ask: ReserveAsk, tenant: TenantRecord, batch: "BatchState"
                 ) -> tuple[EngineRecord, list[int], int] | DecodeAlone | None:
-        """The engine and blocks for ``ask``; None when it was handed to ``_widen`` or waits for
-        its tenant's usage (``_usage_unknown``)."""
+        """The engine and blocks for ``ask``; None when it was sent elsewhere (elsewhere.py:
+        forwarded, or planned again over more slots) or waits for its tenant's usage."""
         view = self._view
-        if tenant.quota_blocks and self._usage_unknown(ask, tenant):
+        if tenant.quota_blocks and self._elsewhere.usage_unknown(ask, tenant):
             return None
         cands = self._candidates.get(ask.model, tenant, ask.prefill_layout)
-        if ask.preferred_engine_id and ask.preferred_engine_id not in cands.index and \
-                ask.preferred_engine_id in view.engines and \
-                self._widen(ask, tenant, {keys.slot_of(ask.preferred_engine_id)}):
+        preferred = ask.preferred_engine_id
+        if preferred and preferred not in cands.index and preferred in view.engines and \
+                self._elsewhere.send(ask, tenant, preferred, {keys.slot_of(preferred)}):
             return None
-        if not cands.engines and self._widen(ask, tenant):
+        if not cands.engines and self._elsewhere.send(ask, tenant, self._elsewhere.room(ask, tenant)[1]):
             return None
         if not cands.engines:
             if cands.unmappable:  # no room will ever make it fit: not worth a retry
@@ -371,7 +312,7 @@ class Reserver:
                 raise errors.exhausted(f"tenant {tenant.name!r} quota of {tenant.quota_blocks} blocks "
                                        f"reached ({tenant.quota_blocks - quota_left} reserved)")
             fits = within
-        if not fits.any() and self._widen(ask, tenant):
+        if not fits.any() and self._elsewhere.send(ask, tenant, self._elsewhere.room(ask, tenant)[1]):
             return None
         if not fits.any():
             if ask.moving is not None:
@@ -385,14 +326,13 @@ class Reserver:
         # This replica's own engines first (ownership.py: replicas serving at once then do not
         # collide on the same engine's fence); a move takes any engine of its geometry.
         score = self._score(ask, cands, free, cached)
-        if self._following is not None and view.following is not None and ask.moving is None \
-                and not ask.widened and not ask.preferred_engine_id:
+        if self._elsewhere.partitioned and ask.moving is None and not ask.widened and not ask.preferred_engine_id:
             # Another replica's engine with clearly more room (its owner's summary) beats ours.
-            there, engine_id = self._elsewhere.best(ask.model, tenant, ask.prefill_layout, ask.num_tokens)
+            there, engine_id = self._elsewhere.room(ask, tenant)
             if there > float(score[fits].max()) + OWN_SLACK and \
-                    self._widen(ask, tenant, {keys.slot_of(engine_id)}):
+                    self._elsewhere.send(ask, tenant, engine_id, {keys.slot_of(engine_id)}):
                 return None
-        eligible = (self._ownership.prefer(cands, fits, score)
+        eligible = (self._ownership.prefer(cands, fits, score, only_own=ask.forwarded)
                     if self._ownership is not None and ask.moving is None else fits)
         chosen = cands.index.get(ask.preferred_engine_id) if ask.preferred_engine_id else None
         while True:

@@ -10,7 +10,7 @@ import structlog
 
 from kvpush.controlplane import errors, metrics, validation as v
 from kvpush.controlplane.api import streaming, unary
-from kvpush.controlplane.auth import Auth
+from kvpush.controlplane.auth import Auth, bearer
 from kvpush.controlplane.engine_events import engine_events, engine_proto, engine_summary_proto
 from kvpush.controlplane.lifecycle import Lifecycle
 from kvpush.contract.states import State
@@ -19,6 +19,7 @@ from kvpush.controlplane.reserve_plan import ReserveAsk
 from kvpush.controlplane.reserver import Reserver
 from kvpush.controlplane.tagged_stream import outcome, serve_tagged
 from kvpush.controlplane.following import ALL, Following
+from kvpush.controlplane.forwarding import Forwarded, Forwarder
 from kvpush.controlplane.view import ReservationChange, View
 from kvpush.controlplane.watch_queue import WatchQueue
 from kvpush.contract.layout import KvLayout, LayoutError
@@ -29,11 +30,12 @@ DEFAULT_DEADLINE_MS = 30_000
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, view: View, auth: Auth, reserver: Reserver, lifecycle: Lifecycle, etcd,
-                 following: Following, default_deadline_ms: int = DEFAULT_DEADLINE_MS) -> None:
+                 following: Following, forwarder: Forwarder, default_deadline_ms: int = DEFAULT_DEADLINE_MS) -> None:
         self.view = view
         self._following = following
         self._auth = auth
         self._reserver = reserver
+        self._forwarder = forwarder
         self._lifecycle = lifecycle
         self._etcd = etcd
         self._default_deadline_ms = default_deadline_ms
@@ -46,8 +48,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             tenant = self._auth.tenant(context)
             structlog.contextvars.bind_contextvars(tenant=tenant.name, request_id=request.request_id[:256])
             ask = self._validate_reserve(request, tenant)
-            rec = await self._reserver.reserve(ask)
-            if isinstance(rec, ReservationRecord):  # (a DecodeAlone answer reserved nothing)
+            self._forwarder.mark(ask, self._forwarder.arrived_forwarded(context))
+            rec = await self._forwarder.reserve(ask, request, bearer(context))
+            if isinstance(rec, (ReservationRecord, Forwarded)):  # (a DecodeAlone answer reserved nothing)
                 structlog.contextvars.bind_contextvars(reservation_id=rec.id)
             return rec.to_proto()
         except errors.ApiError as exc:
@@ -60,9 +63,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def ReserveStream(self, request_iterator, context):
         tenant = self._auth.tenant(context)
         structlog.contextvars.bind_contextvars(tenant=tenant.name)
+        forwarded, token = self._forwarder.arrived_forwarded(context), bearer(context)
 
         def start(ask_msg, _i: int) -> asyncio.Future:
-            return self._reserver.submit(self._validate_reserve(ask_msg.reserve, tenant))
+            ask = self._validate_reserve(ask_msg.reserve, tenant)
+            self._forwarder.mark(ask, forwarded)
+            return self._forwarder.reserve(ask, ask_msg.reserve, token)
 
         def answer(ask_msg, fut: asyncio.Future, started: float):
             rec, api = outcome(fut)

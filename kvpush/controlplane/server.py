@@ -28,6 +28,7 @@ from kvpush.controlplane.reserver import Reserver
 from kvpush.controlplane.scheduler_service import DEFAULT_DEADLINE_MS, SchedulerService
 from kvpush.controlplane.follow import follow
 from kvpush.controlplane.following import Following
+from kvpush.controlplane.forwarding import Forwarder, PeerTls
 from kvpush.controlplane.view import QUARANTINE_MS, View
 from kvpush import log
 from kvpush.aio import tune_gc, until_signalled, write_ready_file
@@ -58,6 +59,10 @@ class ControlPlaneConfig:
     default_deadline_ms: int = DEFAULT_DEADLINE_MS
     replica_id: str = ""
     follow_all: bool = False  # follow every slot, not just those owned and needed (following.py)
+    forward: bool = True      # send a Reserve for another replica's engine to its owner (elsewhere.py)
+    advertise: str = ""       # host:port the other replicas reach this one at (default: --listen's)
+    peer_tls_ca: str = ""     # with TLS: the CA that signed the other replicas' certificates (forwarding)
+    peer_tls_server_name: str = ""  # the name their certificates carry, when not their advertised host
     sweep_interval_s: float = 2.0
     quarantine_ms: int = QUARANTINE_MS    # blocks of unconsumed endings stay unused this long
     tombstone_ttl_s: int = 120            # an ended reservation stays readable this long (docs/SCALING.md)
@@ -97,6 +102,21 @@ def server_credentials(cfg: ControlPlaneConfig) -> grpc.ServerCredentials | None
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
 
 
+def peer_tls(cfg: ControlPlaneConfig) -> tuple[bool, PeerTls | None]:
+    """(whether Reserves may be forwarded to other replicas, how to dial them over TLS).
+    With TLS a replica dials its peers presenting its own certificate (what mTLS asks of
+    any client) and trusts --peer-tls-ca; without that CA it does not forward."""
+    if not cfg.forward:
+        return False, None
+    if not cfg.tls_cert:
+        return True, None
+    if not cfg.peer_tls_ca:
+        _log.info("Reserves are not forwarded to their engines' owners: TLS is on and no --peer-tls-ca "
+                  "says whom to trust; a replica commits them itself (docs/SCALING.md)")
+        return False, None
+    return True, PeerTls(cfg.peer_tls_ca, cfg.tls_cert, cfg.tls_key, cfg.peer_tls_server_name)
+
+
 class ControlPlane:
     def __init__(self, cfg: ControlPlaneConfig) -> None:
         self.cfg = cfg
@@ -110,6 +130,8 @@ class ControlPlane:
         self.reserver = Reserver(self.etcd, self.view, self.leases, max_batch=cfg.max_batch, ownership=self.ownership,
                                  following=self.following)
         self.reserver.batch_all_of_queue = cfg.group_commit
+        forward, tls = peer_tls(cfg)
+        self.forwarder = Forwarder(self.view, self.replica_id, self.reserver, tls, enabled=forward)
         self.reaper = Reaper(self.view, self.lifecycle, cfg.sweep_interval_s)
         self.auth = Auth(self.view, cfg.admin_token, cfg.engine_token or None)
         self.server: grpc.aio.Server | None = None
@@ -134,7 +156,7 @@ class ControlPlane:
         ])
         add_service(self.server, scheduler_pb2_grpc.add_SchedulerServicer_to_server,
                     SchedulerService(self.view, self.auth, self.reserver, self.lifecycle, self.etcd,
-                                     self.following, self.cfg.default_deadline_ms))
+                                     self.following, self.forwarder, self.cfg.default_deadline_ms))
         self.registry = RegistryService(self.view, self.auth, self.etcd, self.lifecycle, self.following)
         add_service(self.server, registry_pb2_grpc.add_RegistryServicer_to_server, self.registry)
         add_service(self.server, admin_pb2_grpc.add_AdminServicer_to_server,
@@ -169,8 +191,10 @@ class ControlPlane:
                   replica_id=self.replica_id, tls=creds is not None, metrics_port=self.cfg.metrics_port)
 
     def _advertised(self) -> str:
-        """The listen address with the port bound, as its membership record says it (for
-        operators: nothing reads it yet; a replica listening on 0.0.0.0 says so)."""
+        """The address its membership record gives: --advertise, else the listen address with
+        the port bound (a replica listening on 0.0.0.0 says so, and is not forwarded to)."""
+        if self.cfg.advertise:
+            return self.cfg.advertise
         host = self.cfg.listen.rpartition(":")[0] or "127.0.0.1"
         return f"{host}:{self.port}"
 
@@ -199,6 +223,7 @@ class ControlPlane:
             self.registry.shutting_down = True  # a rolling restart must not kill the engines
         if self.server is not None:
             await self.server.stop(grace)
+        await self.forwarder.close()
         await self.reserver.stop()
         await self.reaper.stop()
         if self._member is not None:

@@ -26,11 +26,13 @@ OWNERS = assign(["a", "b"])
 
 
 @contextlib.asynccontextmanager
-async def two_replicas(etcd):
-    """Replicas a and b in this process, started and ready: (planes, their addresses, and the
-    lists of clients and engines a test adds to, all stopped at the end)."""
+async def two_replicas(etcd, **config):
+    """Replicas a and b in this process (``config``: ControlPlaneConfig's fields), started and
+    ready: (planes, their addresses, and the lists of clients and engines a test adds to, all
+    stopped at the end)."""
     planes = [ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd.endpoint, admin_token=ADMIN_TOKEN,
-                                              engine_token=ENGINE_TOKEN, replica_id=rid, sweep_interval_s=0.5))
+                                              engine_token=ENGINE_TOKEN, replica_id=rid, sweep_interval_s=0.5,
+                                              **config))
               for rid in ("a", "b")]
     clients: list[ControlPlaneClient] = []
     engines: list[SimulatedEngine] = []
@@ -49,7 +51,8 @@ def engine_owned_by(replica: str, skip: int = 0) -> str:
 
 
 async def test_two_replicas_follow_their_own_slots_and_serve_everything(etcd):
-    async with two_replicas(etcd) as (planes, addr, clients, engines):
+    # Not forwarding (test_forwarding.py does): a commits the other's engines' Reserves itself.
+    async with two_replicas(etcd, forward=False) as (planes, addr, clients, engines):
         a, b = planes
         await eventually(lambda: all(p.view.following is not None and len(p.view.following) < keys.SLOTS
                                      for p in planes))
