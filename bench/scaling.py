@@ -209,9 +209,10 @@ async def main() -> None:
     args = parser.parse_args()
     if args.replicas:
         from bench.scaling_replicas import replicas
-        points = [("owned", 1, 100.0, False), ("owned", 2, 100.0, True)] if args.quick else \
-            [(mode, n, 100.0, quota) for mode, quota in (("all", False), ("owned", False), ("owned", True))
-             for n in (1, 2, 4)] + [("owned", 1, rate, False) for rate in (300.0, 600.0, 1200.0)]
+        points = [("owned", 1, 100.0, ""), ("owned", 2, 100.0, "shares")] if args.quick else \
+            [(mode, n, 100.0, quota) for mode, quota in (("all", ""), ("owned", ""), ("owned", "shares"),
+                                                        ("owned", "fenced"))
+             for n in (1, 2, 4)] + [("owned", 1, rate, "") for rate in (300.0, 600.0, 1200.0)]
         await replicas(points, seconds=2.0 if args.quick else 6.0, write=not args.quick)
         return
     grid = [(10, 1_000), (100, 1_000), (1_000, 1_000), (10, 100_000), (100, 100_000), (1_000, 100_000)]

@@ -105,10 +105,15 @@ async def lifecycles_open_loop(meter: CpuMeter, rate: float, sent: list[Front]) 
 QUOTA = 1 << 30   # blocks: counted and fenced, never reached
 
 
+QUOTA_MODES = {"": "", "shares": ", quota", "fenced": ", quota, --no-quota-shares"}
+
+
 async def point(etcd: EmbeddedEtcd, follow: str, replicas: int, per_replica: float, seconds: float,
-                quota: bool = False) -> dict:
+                quota: str = "") -> dict:
+    """``quota``: "" (the tenant has none), "shares" (it has one; the replicas hold shares of it,
+    the default) or "fenced" (it has one, and every Reserve is fenced: --no-quota-shares)."""
     rate = per_replica * replicas
-    extra = ("--follow", follow)
+    extra = ("--follow", follow) + (("--no-quota-shares",) if quota == "fenced" else ())
     planes = [Plane(etcd.endpoint, group_commit=True, extra=extra) for _ in range(replicas)]
     passive = Plane(etcd.endpoint, group_commit=True, extra=extra)
     names = {f"r{i}": psutil.Process(p.proc.pid) for i, p in enumerate(planes)}
@@ -154,7 +159,7 @@ async def point(etcd: EmbeddedEtcd, follow: str, replicas: int, per_replica: flo
     await wipe_registry(etcd)
     total = sum(served)
     per_request = [(busy[f"r{i}"] - idle[f"r{i}"]) * wall / served[i] for i in range(replicas)]
-    row = dict(follow=follow + (", quota" if quota else ""), replicas=replicas, offered=rate, rate=total / wall, errors=errors, p50=pct(lat, 50) * 1e3, p99=pct(lat, 99) * 1e3,
+    row = dict(follow=follow + QUOTA_MODES[quota], replicas=replicas, offered=rate, rate=total / wall, errors=errors, p50=pct(lat, 50) * 1e3, p99=pct(lat, 99) * 1e3,
                per_request_ms=[x * 1e3 for x in per_request],
                follow_ms=(busy["passive"] - idle["passive"]) * wall / total * 1e3,
                busy=busy, idle=idle, invariants=report.ok)
@@ -167,7 +172,7 @@ async def point(etcd: EmbeddedEtcd, follow: str, replicas: int, per_replica: flo
 
 
 async def replicas(points: list[tuple[str, int, float, bool]], seconds: float, write: bool) -> None:
-    """``points``: (--follow mode, serving replicas, lifecycles/s on each, the tenant has a quota)."""
+    """``points``: (--follow mode, serving replicas, lifecycles/s on each, the quota mode: point())."""
     etcd = EmbeddedEtcd(max_txn_ops=4096).start()
     rows = []
     try:
@@ -200,7 +205,7 @@ async def replicas(points: list[tuple[str, int, float, bool]], seconds: float, w
         return f" (carrying {r['rate']:.0f} of {r['offered']:.0f}/s offered)" if short else ""
 
     lines = []
-    for follow in ("all", "owned", "owned, quota"):
+    for follow in ("all", "owned", *(f"owned{label}" for label in list(QUOTA_MODES.values())[1:])):
         grow = same_rate(follow)
         if len(grow) > 1:
             first = mean(grow[0])
@@ -229,9 +234,11 @@ reserve on their own). Every process shares this machine's 2 cores.
 {chr(10).join(lines)}
 - With a quota, each of the tenant's Reserves is counted against the tenant's usage, which a replica follows
   in the tenant's part of the request index while the tenant's Reserves come to it (the replica serving
-  nothing follows none of it), and every batch is fenced on the tenant's one usage key: the serving replicas'
-  batches for that tenant take turns, and one that lost a turn plans again. That, not the follow, is what
-  limits a single quota tenant spread over many replicas.
+  nothing follows none of it). With `--no-quota-shares` every batch is fenced on the tenant's one usage key:
+  the serving replicas' batches for that tenant take turns, and one that lost a turn plans again (how every
+  quota was served before shares). By default each serving replica holds a share of the quota
+  (kvpush/controlplane/quota_shares.py) and commits within it without the fence; only a batch that
+  outgrows its share is fenced.
 - Invariants checked in etcd after every point: {'all hold' if all(r['invariants'] for r in rows) else 'VIOLATED'}.
 """
     update_section("scaling-replicas", text)

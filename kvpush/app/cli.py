@@ -99,7 +99,7 @@ def cmd_controlplane(args) -> None:
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca, max_batch=max_batch or 60, group_commit=not args.no_group_commit,
         default_deadline_ms=args.default_deadline_ms, replica_id=args.replica_id, follow_all=args.follow == "all",
-        forward=not args.no_forward, advertise=args.advertise, peer_tls_ca=args.peer_tls_ca,
+        forward=not args.no_forward, quota_shares=not args.no_quota_shares, advertise=args.advertise, peer_tls_ca=args.peer_tls_ca,
         peer_tls_server_name=args.peer_tls_server_name,
         quarantine_ms=args.quarantine_ms, tombstone_ttl_s=args.tombstone_ttl)
     from kvpush import aio
@@ -289,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-forward", action="store_true",
                    help="commit a Reserve for another replica's engine here (following its slot a while) rather "
                         "than forwarding it to that engine's owner")
+    p.add_argument("--no-quota-shares", action="store_true",
+                   help="fence every Reserve of a tenant with a quota on its usage key, rather than letting each "
+                        "replica serving it hold a share of the quota (the replicas then take turns)")
     p.add_argument("--peer-tls-ca", default="",
                    help="with --tls-cert: the CA of the other replicas' certificates; without it Reserves are not "
                         "forwarded (this replica dials them with its own certificate)")

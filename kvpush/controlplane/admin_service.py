@@ -9,7 +9,8 @@ import grpc
 from kvpush.controlplane import errors, keys, validation as v
 from kvpush.controlplane.api import unary
 from kvpush.controlplane.auth import Auth, new_token
-from kvpush.controlplane.etcd import KV, EtcdClient, EtcdUnavailable, cmp_create, cmp_mod, op_delete, op_put
+from kvpush.controlplane.etcd import (KV, EtcdClient, EtcdUnavailable, cmp_create, cmp_mod, op_delete,
+                                     op_delete_prefix, op_put)
 from kvpush.controlplane.lifecycle import Lifecycle
 from kvpush.contract.states import State
 from kvpush.controlplane.following import ALL, Following
@@ -100,8 +101,9 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         key = keys.tenant(rec.name)
         self.view.apply(KV(key, rec.encode(), revision, created, 0), False, revision)
 
-    async def _replace(self, entry, rec: TenantRecord) -> None:
-        result = await self._txn([cmp_mod(keys.tenant(rec.name), entry.mod_revision)], self._tenant_writes(rec))
+    async def _replace(self, entry, rec: TenantRecord, more_ops: tuple = ()) -> None:
+        result = await self._txn([cmp_mod(keys.tenant(rec.name), entry.mod_revision)],
+                                 self._tenant_writes(rec) + list(more_ops))
         if not result.succeeded:
             raise errors.ApiError(grpc.StatusCode.ABORTED, f"tenant {rec.name!r} changed concurrently; retry")
         self._applied(rec, result.revision, created=0)
@@ -114,7 +116,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         v.in_range(request.quota_blocks, "quota_blocks", 0, v.MAX_QUOTA)
         rec = dataclasses.replace(entry.record, quota_blocks=request.quota_blocks,
                                   allowed_pools=self._pools(request.allowed_pools))
-        await self._replace(entry, rec)
+        # The replicas' shares of the old quota go (quota_shares.py): none may outlive it.
+        await self._replace(entry, rec, (op_delete_prefix(keys.shares(rec.name)),))
         return rec.to_proto((await self._used(rec.name)).get(rec.name, 0))
 
     @unary
@@ -132,7 +135,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         entry = self._existing(request.name)
         # Delete first so no new reservation can be made, then end the live ones.
         result = await self._txn([cmp_mod(keys.tenant(request.name), entry.mod_revision)],
-                                 [op_delete(keys.tenant(request.name))])
+                                 [op_delete(keys.tenant(request.name)), op_delete_prefix(keys.shares(request.name))])
         if not result.succeeded:
             raise errors.ApiError(grpc.StatusCode.ABORTED, f"tenant {request.name!r} changed concurrently; retry")
         await self.view.wait_for_revision(result.revision, 2.0)

@@ -118,10 +118,16 @@ class RoomElsewhere:
             found = self._by_shape[shape] = (
                 [e.engine_id for e in engines], np.array([told[e.engine_id] for e in engines], dtype=np.int64),
                 np.array([max(e.num_blocks, 1) for e in engines], dtype=np.int64),
-                np.array([e.layout.block_size for e in engines], dtype=np.int64))
-        ids, free, num_blocks, block_size = found
+                np.array([e.layout.block_size for e in engines], dtype=np.int64),
+                {e.engine_id: i for i, e in enumerate(engines)})
+        ids, free, num_blocks, block_size, index = found
         if not ids:
             return -1.0, ""
+        if spent := view.free_told.spent:  # (forwarded since the owners told: free_told.py)
+            free = free.copy()
+            for eid, blocks in spent.items():
+                if (i := index.get(eid)) is not None:
+                    free[i] = max(free[i] - blocks, 0)
         fraction = np.where(free >= -(-num_tokens // block_size), free / num_blocks, -1.0)
         i = int(fraction.argmax())
         return float(fraction[i]), ids[i]

@@ -10,9 +10,11 @@ never reach it. On top of those it follows what its own clients need while they 
 * a Reserve for a tenant with a quota: that tenant's part of the request index, which
   holds its usage (request_index.py), for ``LINGER_S`` after its last such Reserve (a
   replica that serves the tenant nothing never follows it);
-* what no single slot answers: a tenant's reservation watch, ``ListEngines`` asked for
-  exact counts, ``DeleteTenant``: every slot. (``GetEngine`` takes its engine's slot;
-  ``ListEngines`` by default gives the others' engines from their owners' free summary.)
+* what no single slot answers: ``ListEngines`` asked for exact counts, ``DeleteTenant``,
+  and a tenant's reservation watch where the peers cannot be reached: every slot.
+  (``GetEngine`` takes its engine's slot; ``ListEngines`` by default gives the others'
+  engines from their owners' free summary; a tenant's watch is gathered from every replica,
+  watch_gather.py.)
 
 Needs linger ``LINGER_S`` after they end, so a sidecar reconnecting does not make the
 replica drop a slot and read it again. ``--follow all`` makes a replica follow every slot

@@ -85,7 +85,8 @@ class Forwarder:
         self.enabled = enabled
         self._reserver = reserver
         self._tls = tls
-        self._streams: dict[tuple[str, str], tuple[ControlPlaneClient, _ForwardStream]] = {}
+        self._clients: dict[tuple[str, str], ControlPlaneClient] = {}         # (address, token) ->
+        self._reserve_streams: dict[tuple[str, str], _ForwardStream] = {}     # (address, token) ->
         self._tasks: set[asyncio.Task] = set()
         self._aside: dict[str, float] = {}  # replica -> monotonic time it may be asked again
 
@@ -172,28 +173,36 @@ class Forwarder:
                        code=code.name, reason=exc.details)
             return None
         metrics.forwarded("OK")
-        self._view.free_told.spent(msg.engine_id, len(msg.block_ids))
+        self._view.free_told.count_spent(msg.engine_id, len(msg.block_ids))
         return Forwarded(msg)
 
     def _stream(self, address: str, token: str) -> _ForwardStream:
-        found = self._streams.get((address, token))
-        if found is None:
-            self._forget({r.address for r in self._view.replicas.values()})
-            tls = dataclasses.asdict(self._tls) if self._tls is not None else {}
-            client = ControlPlaneClient(address, token, **tls)
-            client.metadata += ((FORWARDED_BY, self.replica_id),)
-            found = self._streams[(address, token)] = (client, _ForwardStream(client))
-        return found[1]
+        stream = self._reserve_streams.get((address, token))
+        if stream is None:
+            stream = self._reserve_streams[(address, token)] = _ForwardStream(self.client(address, token))
+        return stream
 
-    def _forget(self, live_addresses: set[str]) -> None:
-        """Close the streams to replicas no longer live (restarted on another port, gone)."""
-        for key in [k for k in self._streams if k[0] not in live_addresses]:
-            client, stream = self._streams.pop(key)
-            self._spawn(self._close(client, stream))
+    def client(self, address: str, token: str) -> ControlPlaneClient:
+        """A client of the replica at ``address`` with a caller's ``token``, kept while both live."""
+        client = self._clients.get((address, token))
+        if client is None:
+            self._forget()
+            tls = dataclasses.asdict(self._tls) if self._tls is not None else {}
+            client = self._clients[(address, token)] = ControlPlaneClient(address, token, **tls)
+            client.metadata += ((FORWARDED_BY, self.replica_id),)
+        return client
+
+    def _forget(self) -> None:
+        """Close the clients of replicas no longer live (restarted on another port, gone) and
+        those of tokens no longer valid (rotated, the tenant deleted)."""
+        live = {r.address for r in self._view.replicas.values()}
+        for key in [k for k in self._clients if k[0] not in live or self._view.tenant_for_token(k[1]) is None]:
+            self._spawn(self._close(self._clients.pop(key), self._reserve_streams.pop(key, None)))
 
     @staticmethod
-    async def _close(client: ControlPlaneClient, stream: _ForwardStream) -> None:
-        await stream.close()
+    async def _close(client: ControlPlaneClient, stream: _ForwardStream | None) -> None:
+        if stream is not None:
+            await stream.close()
         await client.close()
 
     def _spawn(self, coro) -> asyncio.Task:
@@ -206,6 +215,7 @@ class Forwarder:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for client, stream in self._streams.values():
-            await self._close(client, stream)
-        self._streams.clear()
+        for key, client in self._clients.items():
+            await self._close(client, self._reserve_streams.get(key))
+        self._clients.clear()
+        self._reserve_streams.clear()

@@ -17,9 +17,10 @@ from kvpush.controlplane.records import decode_free
 class FreeTold:
     def __init__(self, version: int = 0) -> None:
         self.by_replica: dict[str, dict[str, int]] = {}  # replica -> its engines' free blocks
-        self.version = version
+        self.version = version                           # moves with every summary
         self._merged: tuple[int, dict[str, int]] = (-1, {})
-        self._spent: dict[str, int] = {}  # engine -> blocks reserved through its owner since it told
+        # engine -> blocks reserved through its owner since it told (few: a summary clears its own)
+        self.spent: dict[str, int] = {}
 
     def apply(self, replica: str, value: bytes | None) -> None:
         """A replica's summary was put (``value``) or went with its lease (None)."""
@@ -28,15 +29,15 @@ class FreeTold:
         else:
             summary = self.by_replica[replica] = decode_free(value)
             for eid in summary:
-                self._spent.pop(eid, None)
+                self.spent.pop(eid, None)
         self.version += 1
 
-    def spent(self, engine_id: str, blocks: int) -> None:
+    def count_spent(self, engine_id: str, blocks: int) -> None:
         """This replica just had ``blocks`` of ``engine_id`` reserved by its owner (a forwarded
-        Reserve, forwarding.py): count them off until the owner tells again, or a burst of
-        Reserves would all see the room the last summary told and all go there."""
-        self._spent[engine_id] = self._spent.get(engine_id, 0) + blocks
-        self.version += 1
+        Reserve, forwarding.py): counted off until the owner tells again, or a burst of
+        Reserves would all see the room the last summary told and all go there. (Not a new
+        version: the candidates' arrays stay, and take these off as they are read.)"""
+        self.spent[engine_id] = self.spent.get(engine_id, 0) + blocks
 
     def merged(self) -> dict[str, int]:
         """Engine id -> the free blocks its owner last told; the least where two told of
@@ -47,8 +48,10 @@ class FreeTold:
             for summary in self.by_replica.values():
                 for eid, free in summary.items():
                     merged[eid] = min(free, merged.get(eid, free))
-            for eid, blocks in self._spent.items():
-                if eid in merged:
-                    merged[eid] = max(merged[eid] - blocks, 0)
             self._merged = (self.version, merged)
         return merged
+
+    def estimate(self, engine_id: str) -> int | None:
+        """The free blocks told of ``engine_id``, less what was spent since; None if untold."""
+        told = self.merged().get(engine_id)
+        return None if told is None else max(told - self.spent.get(engine_id, 0), 0)

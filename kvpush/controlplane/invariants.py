@@ -90,7 +90,7 @@ async def check(etcd: EtcdClient | str, quiet: bool = False, allow_orphans: bool
                 misplaced.append(f"key {kv.key!r} belongs at {right!r}")
         elif kv.key.startswith(keys.REQUESTS):
             tenant, request_id = keys.split_request(kv.key)
-            if request_id:  # (not the tenant's usage fence)
+            if request_id and not request_id.startswith(keys.SHARE_MARK):  # (not its usage fence, nor a share)
                 requests[(tenant, request_id)] = RequestEntry.decode(kv.value)
         elif kv.key.startswith(keys.TENANTS):
             rec = TenantRecord.decode(kv.value)

@@ -99,6 +99,20 @@ def tenant_requests(tenant_name: str) -> bytes:
     return REQUESTS + tenant_name.encode() + b"/"
 
 
+SHARE_MARK = "\x00"  # no request id holds it (validation.py): what follows is a replica's id
+
+
+def share(tenant_name: str, replica_id: str) -> bytes:
+    """A replica's share of a tenant's quota (quota_shares.py), inside the tenant's part of the
+    request index so that the watcher bringing its entries brings it too."""
+    return tenant_requests(tenant_name) + (SHARE_MARK + replica_id).encode()
+
+
+def shares(tenant_name: str) -> bytes:
+    """The prefix of every replica's share of ``tenant_name``'s quota."""
+    return tenant_requests(tenant_name) + SHARE_MARK.encode()
+
+
 def split_request(key: bytes) -> tuple[str, str]:
     """(tenant, request id) of a request index key; the request id is empty for the fence."""
     tenant, _, request_id = key[len(REQUESTS):].decode().partition("/")

@@ -43,6 +43,11 @@ RESERVE_WIDENED = Counter("kvpush_reserve_widened_total",
                           "Reserves planned again over more slots than this replica follows: its engines were not "
                           "the place (no room, clearly less than another's, not the one preferred) and the owner "
                           "could not be asked (kvpush/controlplane/elsewhere.py)")
+RESERVE_IN_SHARE = Counter("kvpush_reserve_in_share_total",
+                           "Reserves for a quota tenant committed within this replica's share of the quota, without "
+                           "the tenant's usage fence (kvpush/controlplane/quota_shares.py)")
+QUOTA_SHARES_SHRUNK = Counter("kvpush_quota_shares_shrunk_total",
+                              "Shares of a tenant's quota this replica gave back, unused (quota_shares.py)")
 RESERVE_FORWARDED = Counter("kvpush_reserve_forwarded_total",
                             "Reserves this replica sent on to the owner of the engine they should go to "
                             "(kvpush/controlplane/elsewhere.py), by the owner's answer: OK, or the gRPC code after "

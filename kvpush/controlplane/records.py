@@ -165,17 +165,22 @@ class TenantRecord:
 @dataclasses.dataclass(frozen=True)
 class RequestEntry:
     """A request index value (keys.request): the live reservation a tenant's request id has,
-    and its blocks, so that a tenant's usage is the sum over its index alone (request_index.py)."""
+    and its blocks, so that a tenant's usage is the sum over its index alone (request_index.py);
+    and the replica whose share of the tenant's quota it was counted in, if any (quota_shares.py)."""
     reservation_id: str
     num_blocks: int
+    share: str = ""
 
     def encode(self) -> bytes:
+        if self.share:
+            return b"%s %d %s" % (self.reservation_id.encode(), self.num_blocks, self.share.encode())
         return b"%s %d" % (self.reservation_id.encode(), self.num_blocks)
 
     @classmethod
     def decode(cls, raw: bytes) -> "RequestEntry":
-        res_id, _, blocks = raw.decode().partition(" ")
-        return cls(res_id, int(blocks or 0))
+        res_id, _, rest = raw.decode().partition(" ")
+        blocks, _, share = rest.partition(" ")
+        return cls(res_id, int(blocks or 0), share)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,6 +48,8 @@ class ReserveAsk:
     widened: bool = False                 # planned again once over more slots than the replica's own
     may_forward: bool = False             # may be sent on to another replica (elsewhere.py); once at most
     forwarded: bool = False               # sent here by another replica: never elsewhere again
+    share: str = ""                       # the replica whose share of the quota counts it (quota_shares.py)
+    in_share: bool = False                # committed within that share, the usage fence left alone
 
     def same_params(self, rec: ReservationRecord) -> bool:
         return rec.num_tokens == self.num_tokens and rec.model == self.model
@@ -68,7 +70,12 @@ class BatchState:
     """What a batch has taken so far, before it is committed."""
     bitmaps: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)   # engine -> working copy
     free: np.ndarray | None = None                      # the view's free counts less what the batch took, by slot
-    used: dict[str, int] = dataclasses.field(default_factory=dict)             # tenant -> blocks
+    used: dict[str, int] = dataclasses.field(default_factory=dict)             # tenant -> blocks, fenced
+    share_used: dict[str, int] = dataclasses.field(default_factory=dict)       # tenant -> blocks, in this replica's share
+    reclaim: set[str] = dataclasses.field(default_factory=set)                 # tenants whose others' shares it takes back
+
+
+SHARE_SLACK = 8  # other replicas' shares of a quota one transaction may take back (quota_shares.py)
 
 
 @dataclasses.dataclass
@@ -81,6 +88,7 @@ class Plan:
     writes: list = dataclasses.field(default_factory=list)   # (key, value, lease, record) for the view
     moved_live: int = 0                                      # live reservations a move ends FAILED
     moves: int = 0                                           # asks that move a reservation
+    share_puts: dict = dataclasses.field(default_factory=dict)  # share key -> (its op, its write): quota_shares.py
     _fenced: set = dataclasses.field(default_factory=set)
     # The fences' bumps, written after the records they guard (attach_records): a view part way
     # through applying the transaction (follow.py applies a big one in slices) then holds the
@@ -92,10 +100,24 @@ class Plan:
         """Whether one more ask surely fits: at most 7 more operations (three puts: record,
         prefill copy, request key; an engine's and a tenant's fence; a move's end and its
         copy) and 6 more compares."""
-        return (len(self.ops) + len(self._fences) + 3 * len(self.records) + 2 * self.moves + 7 <= max_ops
-                and len(self.compares) + self.moves + 6 <= max_ops)
+        # (per fenced quota tenant: its share grown, and up to SHARE_SLACK others' taken back)
+        shares = sum(kind == "q" for kind, _ in self._fenced) * (1 + SHARE_SLACK)
+        return (len(self.ops) + len(self._fences) + 3 * len(self.records) + 2 * self.moves + shares + 7 <= max_ops
+                and len(self.compares) + self.moves + shares + 6 <= max_ops)
 
-    def add(self, ask: ReserveAsk, rec: ReservationRecord, tenant: TenantRecord, view: View) -> None:
+    def fenced(self, what: tuple) -> bool:
+        """Whether ``what`` (a kind and a name) is compared in this transaction for the first time."""
+        if what in self._fenced:
+            return False
+        self._fenced.add(what)
+        return True
+
+    def fence_usage(self, tenant: str, revision: int) -> None:
+        """Compare ``tenant``'s usage fence with ``revision`` and bump it, after the records."""
+        self.compares.append(cmp_mod(keys.usage(tenant), revision))
+        self._fences.append((op_put(keys.usage(tenant), b""), (keys.usage(tenant), b"", 0, None)))
+
+    def add(self, ask: ReserveAsk, rec: ReservationRecord, tenant: TenantRecord, view: View, quota) -> None:
         self.asks.append(ask)
         self.records.append(rec)
         self.moves += ask.moving is not None
@@ -109,22 +131,22 @@ class Plan:
             self.compares.append(cmp_mod(keys.pool(rec.engine_id), view.pool_fences[rec.engine_id]))
             self._fences.append((op_touch(keys.pool(rec.engine_id)),
                                  (keys.pool(rec.engine_id), b"", view.engines[rec.engine_id].lease, None)))
-        if ("t", rec.tenant) not in self._fenced:
-            self._fenced.add(("t", rec.tenant))
+        if self.fenced(("t", rec.tenant)):
             self.compares.append(cmp_mod(keys.tenant(rec.tenant), view.tenants[rec.tenant].mod_revision))
-            # The usage fence guards a quota only: without one, replicas reserving for the same
-            # tenant at once would fail each other's transactions for nothing. (Setting a quota
-            # changes the tenant record, which the compare above catches.)
-            if tenant.quota_blocks:
-                self.compares.append(cmp_mod(keys.usage(rec.tenant), view.requests.fences.get(rec.tenant, 0)))
-                self._fences.append((op_put(keys.usage(rec.tenant), b""), (keys.usage(rec.tenant), b"", 0, None)))
+        # The usage fence (or this replica's share, quota_shares.py: ``quota``) guards a quota
+        # only: without one, replicas reserving for the same tenant at once would fail each
+        # other's transactions for nothing. (Setting a quota changes the tenant record, which
+        # the compare above catches.)
+        if tenant.quota_blocks:
+            quota.fence(self, ask)
 
     async def attach_records(self, leases: LeaseBuckets) -> None:
         """Add the reservation and request-index puts, bound to their deadline lease."""
         for ask, rec in zip(self.asks, self.records):
             lease = await leases.for_deadline(rec.deadline_ms)
             value = rec.encode()
-            req_key, entry = keys.request(rec.tenant, rec.request_id), RequestEntry(rec.id, rec.num_blocks).encode()
+            req_key = keys.request(rec.tenant, rec.request_id)
+            entry = RequestEntry(rec.id, rec.num_blocks, ask.share).encode()
             self.ops += record_puts(rec, value, lease)
             self.ops.append(op_put(req_key, entry, lease))
             self.writes.append((keys.reservation(rec.id), value, lease, rec))

@@ -25,6 +25,7 @@ from kvpush.controlplane.etcd import KV, EtcdClient, EtcdLeaseNotFound, EtcdUnav
 from kvpush.controlplane.leases import LeaseBuckets
 from kvpush.controlplane.following import Following
 from kvpush.controlplane.ownership import OWN_SLACK, Ownership
+from kvpush.controlplane.quota_shares import QuotaShares
 from kvpush.controlplane.reserve_plan import BatchState, Plan, ReserveAsk, new_reservation_id
 from kvpush.contract.states import State
 from kvpush.contract.engine import EngineRecord
@@ -44,12 +45,14 @@ ALONE_HALF_LIFE_S = 1.0
 
 class Reserver:
     def __init__(self, etcd: EtcdClient, view: View, leases: LeaseBuckets, max_batch: int = 60,
-                 ownership: Ownership | None = None, following: Following | None = None) -> None:
+                 ownership: Ownership | None = None, following: Following | None = None,
+                 quota: QuotaShares | None = None) -> None:
         self._etcd = etcd
         self._view = view
         self._leases = leases
         self._ownership = ownership
         self._following = following
+        self._quota = quota or QuotaShares(view, "", lambda: 0, lambda: 1)  # (alone: no shares)
         self.max_batch = max_batch
         # Operations (and compares) in one transaction: etcd's default --max-txn-ops (128), or
         # what --max-batch asks for (etcd configured to match, as the embedded one is).
@@ -129,9 +132,13 @@ class Reserver:
                 return
             except EtcdLeaseNotFound:
                 self._leases.forget()
+                if plan.share_puts:  # (or the membership lease a share was put on)
+                    self._quota.lease_failed()
                 continue
             if result.succeeded:
                 metrics.BATCH_SIZE.observe(len(plan.records))
+                if in_share := sum(ask.in_share for ask in plan.asks):
+                    metrics.RESERVE_IN_SHARE.inc(in_share)
                 if plan.moved_live:
                     metrics.TRANSITIONS.labels(to=State.FAILED.name).inc(plan.moved_live)
                 self._apply_own_writes(plan, result.revision)
@@ -187,6 +194,7 @@ class Reserver:
         plan = Plan()
         batch = BatchState()
         seen_requests: set[tuple[str, str]] = set()
+        quota_tenants: dict[str, TenantRecord] = {}
         for ask in asks:
             if ask.future.done():
                 continue
@@ -218,7 +226,9 @@ class Reserver:
                 continue
             engine, blocks, cached = chosen
             seen_requests.add(req)
-            plan.add(ask, self._record(ask, engine, blocks, cached), tenant, view)
+            plan.add(ask, self._record(ask, engine, blocks, cached), tenant, view, self._quota)
+            quota_tenants[tenant.name] = tenant
+        self._quota.grow(plan, batch, quota_tenants)
         return plan
 
     @staticmethod
@@ -304,14 +314,9 @@ class Reserver:
             # Given back in the same transaction (its index key is the successor's now); counted
             # while live whatever its engine's state, as the tenant's usage counts it.
             credit = old.num_blocks if old.state.live else 0
-        if tenant.quota_blocks:
-            quota_left = (tenant.quota_blocks - view.requests.used.get(tenant.name, 0) - batch.used.get(tenant.name, 0)
-                          + credit)
-            within = fits & (need <= quota_left)
-            if fits.any() and not within.any():
-                raise errors.exhausted(f"tenant {tenant.name!r} quota of {tenant.quota_blocks} blocks "
-                                       f"reached ({tenant.quota_blocks - quota_left} reserved)")
-            fits = within
+        ask.in_share, ask.share = False, ""
+        if tenant.quota_blocks:  # (quota_shares.py: within this replica's share, or fenced)
+            fits = self._quota.room(ask, tenant, fits, need, batch, credit)
         if not fits.any() and self._elsewhere.send(ask, tenant, self._elsewhere.room(ask, tenant)[1]):
             return None
         if not fits.any():
@@ -353,7 +358,10 @@ class Reserver:
         blocks, view.cursors[eid] = allocate(batch.bitmaps[eid], cands.need_on(need, chosen),
                                              view.cursors.get(eid, 0))
         batch.free[cands.slots[chosen]] -= len(blocks)
-        batch.used[tenant.name] = batch.used.get(tenant.name, 0) + len(blocks)
+        taken = batch.share_used if ask.in_share else batch.used
+        taken[tenant.name] = taken.get(tenant.name, 0) + len(blocks)
+        if tenant.quota_blocks:
+            self._quota.taken(tenant.name, len(blocks))
         if self._ownership is not None:
             (metrics.RESERVED_ON_OWN if self._ownership.owns(eid) else metrics.RESERVED_ON_OTHER).inc()
         return engine, blocks, int(cached[chosen]) if cached is not None else 0

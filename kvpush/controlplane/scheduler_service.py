@@ -20,7 +20,9 @@ from kvpush.controlplane.reserver import Reserver
 from kvpush.controlplane.tagged_stream import outcome, serve_tagged
 from kvpush.controlplane.following import ALL, Following
 from kvpush.controlplane.forwarding import Forwarded, Forwarder
+from kvpush.controlplane.ownership import Ownership
 from kvpush.controlplane.view import ReservationChange, View
+from kvpush.controlplane.watch_gather import gather, peer_events
 from kvpush.controlplane.watch_queue import WatchQueue
 from kvpush.contract.layout import KvLayout, LayoutError
 from kvpush.contract.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2
@@ -30,9 +32,11 @@ DEFAULT_DEADLINE_MS = 30_000
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, view: View, auth: Auth, reserver: Reserver, lifecycle: Lifecycle, etcd,
-                 following: Following, forwarder: Forwarder, default_deadline_ms: int = DEFAULT_DEADLINE_MS) -> None:
+                 following: Following, forwarder: Forwarder, ownership: Ownership,
+                 default_deadline_ms: int = DEFAULT_DEADLINE_MS) -> None:
         self.view = view
         self._following = following
+        self._ownership = ownership
         self._auth = auth
         self._reserver = reserver
         self._forwarder = forwarder
@@ -209,10 +213,34 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     @streaming
     async def WatchReservations(self, request, context):
         tenant = self._auth.tenant(context)
+        peers = self._peers()
+        if request.owned_only or peers is not None:  # (watch_gather.py)
+            view, ownership, started = self.view, self._ownership, self.view.replicas_version
+            if not await self._following.until_covered(ownership.owned):
+                raise errors.unavailable("this control-plane replica could not follow its own engines in time; retry")
+            sources = [watch_events(view, lambda rec: rec.tenant == tenant.name and ownership.owns(rec.engine_id),
+                                    request.include_snapshot)]
+            if not request.owned_only:
+                token = bearer(context)
+                sources += [peer_events(self._forwarder.client(address, token), address, request.include_snapshot)
+                            for address in peers]
+            async for event in gather(sources, request.include_snapshot, lambda: view.replicas_version != started):
+                yield event
+            return
         async with self._following.needing([ALL]):  # a tenant's reservations are on every slot
             async for event in watch_events(self.view, lambda rec: rec.tenant == tenant.name,
                                             request.include_snapshot):
                 yield event
+
+    def _peers(self) -> list[str] | None:
+        """The other live replicas' addresses, to gather a tenant's watch from; None when this
+        replica follows every slot anyway, or cannot reach them all (then it follows every slot)."""
+        if self.view.following is None or not self._forwarder.enabled:
+            return None
+        others = [self.view.replicas.get(r) for r in self._ownership.members if r != self._ownership.replica_id]
+        if not others or not all(rec is not None and rec.reachable for rec in others):
+            return None
+        return [rec.reachable for rec in others]
 
     @unary
     async def ListEngines(self, request, context) -> scheduler_pb2.ListEnginesResponse:

@@ -29,6 +29,7 @@ from kvpush.controlplane.scheduler_service import DEFAULT_DEADLINE_MS, Scheduler
 from kvpush.controlplane.follow import follow
 from kvpush.controlplane.following import Following
 from kvpush.controlplane.forwarding import Forwarder, PeerTls
+from kvpush.controlplane.quota_shares import QuotaShares
 from kvpush.controlplane.view import QUARANTINE_MS, View
 from kvpush import log
 from kvpush.aio import tune_gc, until_signalled, write_ready_file
@@ -60,6 +61,7 @@ class ControlPlaneConfig:
     replica_id: str = ""
     follow_all: bool = False  # follow every slot, not just those owned and needed (following.py)
     forward: bool = True      # send a Reserve for another replica's engine to its owner (elsewhere.py)
+    quota_shares: bool = True  # hold shares of quota tenants' quotas (quota_shares.py)
     advertise: str = ""       # host:port the other replicas reach this one at (default: --listen's)
     peer_tls_ca: str = ""     # with TLS: the CA that signed the other replicas' certificates (forwarding)
     peer_tls_server_name: str = ""  # the name their certificates carry, when not their advertised host
@@ -127,8 +129,12 @@ class ControlPlane:
         self.lifecycle = Lifecycle(self.etcd, self.view, self.leases, group_commit=cfg.group_commit)
         self.ownership = Ownership(self.view, self.replica_id)
         self.following = Following(self.view, self.ownership, follow_all=cfg.follow_all)
+        self._membership: Membership | None = None
+        self.quota_shares = QuotaShares(self.view, self.replica_id,
+                                        lambda: self._membership.lease if self._membership is not None else 0,
+                                        lambda: len(self.ownership.members), enabled=cfg.quota_shares)
         self.reserver = Reserver(self.etcd, self.view, self.leases, max_batch=cfg.max_batch, ownership=self.ownership,
-                                 following=self.following)
+                                 following=self.following, quota=self.quota_shares)
         self.reserver.batch_all_of_queue = cfg.group_commit
         forward, tls = peer_tls(cfg)
         self.forwarder = Forwarder(self.view, self.replica_id, self.reserver, tls, enabled=forward)
@@ -156,7 +162,7 @@ class ControlPlane:
         ])
         add_service(self.server, scheduler_pb2_grpc.add_SchedulerServicer_to_server,
                     SchedulerService(self.view, self.auth, self.reserver, self.lifecycle, self.etcd,
-                                     self.following, self.forwarder, self.cfg.default_deadline_ms))
+                                     self.following, self.forwarder, self.ownership, self.cfg.default_deadline_ms))
         self.registry = RegistryService(self.view, self.auth, self.etcd, self.lifecycle, self.following)
         add_service(self.server, registry_pb2_grpc.add_RegistryServicer_to_server, self.registry)
         add_service(self.server, admin_pb2_grpc.add_AdminServicer_to_server,
@@ -184,7 +190,8 @@ class ControlPlane:
         self._member = asyncio.gather(
             asyncio.create_task(self._membership.run(self._stop), name="membership"),
             asyncio.create_task(free_summary.publish(self.etcd, self.view, self.ownership, self._membership,
-                                                     self._stop), name="free-summary"))
+                                                     self._stop), name="free-summary"),
+            asyncio.create_task(self.quota_shares.run(self.etcd, self._stop), name="quota-shares"))
         asyncio.create_task(self._serving_when_ready(names + [""]))
         self._version_check = asyncio.create_task(self._check_etcd_versions(), name="etcd-versions")
         _log.info("control plane listening", listen=self.cfg.listen, port=self.port, etcd=self.cfg.etcd,

@@ -16,6 +16,7 @@ class WatchQueue:
     def __init__(self, behind: str, limit: int = WATCH_QUEUE) -> None:
         """``behind``: what the cut-off watcher is told to do."""
         self._queue: asyncio.Queue = asyncio.Queue(limit)
+        self.limit = limit
         self._behind = behind
         self.overflow = False
 
