@@ -4,8 +4,8 @@ A replica follows only its own slots (following.py). A Reserve that should go to
 it does not follow (none of its own has room, another replica's summary shows clearly more
 room, the router prefers an engine in another slot) goes one of two ways:
 
-* **forwarded** to the engine's owner, which commits it on its exact view
-  (forwarding.py sends it, once, with the engine named as preferred). Only the service
+* **forwarded** to the engine's owner, which commits it among its own engines on its exact
+  view (forwarding.py sends it, once, as it came). Only the service
   layer can do that, so the ask ends here with ``Forward`` and comes back, marked not to
   be forwarded again, if the owner cannot take it (gone, slow, or its room was taken);
 * **widened**: this replica follows the engines' slots for a while (following.py) and

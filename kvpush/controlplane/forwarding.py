@@ -153,11 +153,11 @@ class Forwarder:
     async def _ask_owner(self, fwd: Forward, request, token: str) -> Forwarded | None:
         """The owner's grant; None when it could not give one (the ask is then committed
         here); ALREADY_EXISTS raised as the owner said it."""
-        # As it came: the owner chooses among its own engines on its exact view (the summary
-        # that sent it there is up to EVERY_S old), keeping the caller's own preference.
         if self._aside.get(fwd.replica, 0.0) > time.monotonic():
             metrics.forwarded("SET_ASIDE")
             return None
+        # As it came: the owner chooses among its own engines on its exact view (the summary
+        # that sent it there is up to EVERY_S old), keeping the caller's own preference.
         try:
             msg = await self._stream(fwd.address, token).reserve(request, timeout=TIMEOUT_S)
         except ReserveRefused as exc:

@@ -51,7 +51,6 @@ class Reserver:
         self._view = view
         self._leases = leases
         self._ownership = ownership
-        self._following = following
         self._quota = quota or QuotaShares(view, "", lambda: 0, lambda: 1)  # (alone: no shares)
         self.max_batch = max_batch
         # Operations (and compares) in one transaction: etcd's default --max-txn-ops (128), or
@@ -227,7 +226,8 @@ class Reserver:
             engine, blocks, cached = chosen
             seen_requests.add(req)
             plan.add(ask, self._record(ask, engine, blocks, cached), tenant, view, self._quota)
-            quota_tenants[tenant.name] = tenant
+            if tenant.quota_blocks:
+                quota_tenants[tenant.name] = tenant
         self._quota.grow(plan, batch, quota_tenants)
         return plan
 
