@@ -94,6 +94,7 @@ class View:
         self.replicas: dict[str, ReplicaRecord] = {}  # live control-plane replicas (ownership.py)
         self.replicas_version = 0
         self.free_told = FreeTold()                  # the other replicas' engines' free blocks (free_told.py)
+        self.free_moved = asyncio.Event()            # set as blocks are taken or given back (free_summary.py)
         # The parts whose keys are kept (None: all): slots (int) and tenants' request indexes (str).
         self.following: frozenset[int | str] | None = None
         self.request_progress: Callable[[], None] = lambda: None  # set by the follow: a waiter wants the revision
@@ -259,6 +260,7 @@ class View:
         for start, count in extents:
             bitmap[start:start + count] = taken
             self.free_count[engine_id] -= count if taken else -count
+        self.free_moved.set()
 
     def _contribute(self, rec: ReservationRecord, sign: int) -> None:
         if self.counts(rec):
@@ -333,6 +335,7 @@ class View:
         self.allocated.pop(engine_id, None)
         self.free_count.pop(engine_id, None)
         self.engines_version += 1
+        self.free_moved.set()
         new = None if deleted else EngineRecord.decode(kv.value)
         if new is None or (old_entry is not None and old_entry.record.incarnation != new.incarnation):
             self.prefixes.drop(engine_id)  # a new life's cache is empty until it reports
