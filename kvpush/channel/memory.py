@@ -26,8 +26,6 @@ from typing import Callable
 
 import numpy as np
 
-from kvpush.channel.pool import PoolDescription
-
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "kvpush"
 # kvpush-<tag>-<pid>-<started>-<nonce>, read from the right: the tag may hold "-" (engine ids do).
