@@ -13,7 +13,8 @@ replica owning few engines piles its requests on them until the next summary). S
 summary is put as soon as an engine came or went or one engine's free blocks moved
 ``MOVED`` of its size (half the slack) from what was told, at most every ``SOONER_S``;
 smaller changes are put every ``EVERY_S`` (each put costs every other replica a decode
-and a new candidates' list: see bench/scaling_replicas.py). Waking is driven by the view's ``free_moved``, never by polling.
+and a new candidates' list: see bench/scaling_replicas.py). Waking is driven by the
+view's ``free_moved``, never by polling.
 """
 
 from __future__ import annotations
