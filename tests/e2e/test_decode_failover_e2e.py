@@ -169,7 +169,8 @@ def test_a_decode_engine_killed_mid_push_costs_no_second_prefill(system):
     # (The survivor's sidecar reports CONSUMED on its own stream, group-committed: it may
     # land a moment after the client has its last token.)
     successor = asyncio.run(_reservation(stack, moved.moved_to, until=_consumed))
-    assert successor.state == State.CONSUMED and successor.engine_id == survivor
+    assert successor.state == State.CONSUMED and successor.engine_id == survivor, \
+        (successor.state, successor.reason, successor.engine_id)  # (who ended it, if not consumed)
     settled(stack, timeout=60)
 
 
@@ -252,5 +253,6 @@ def test_on_the_push_path_a_decode_engine_killed_mid_push_costs_no_second_prefil
     # (The survivor's sidecar reports CONSUMED on its own stream, group-committed: it may
     # land a moment after the client has its last token.)
     successor = asyncio.run(_reservation(stack, moved.moved_to, until=_consumed))
-    assert successor.state == State.CONSUMED and successor.engine_id == survivor
+    assert successor.state == State.CONSUMED and successor.engine_id == survivor, \
+        (successor.state, successor.reason, successor.engine_id)  # (who ended it, if not consumed)
     settled(stack, timeout=60)
