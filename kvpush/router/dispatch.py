@@ -20,8 +20,8 @@ No reservation (no room, quota, control plane down or slow) never fails the
 request: it goes to a decode engine without kvpush params and decode prefills it
 itself (counted as a fallback), and so does a first-token request whose prefill
 engine failed. Every answer that is not a success, a prefill token that ends the
-request, and a client that goes away release the reservation at once: nothing
-waits for its deadline.
+request, and a client that goes away before decode has finished release the
+reservation at once: nothing waits for its deadline.
 """
 
 from __future__ import annotations
@@ -163,7 +163,10 @@ class Dispatcher(PushPath, AlonePath, Reserving):
             # Client gone or an engine failed: give the blocks back now, not at the deadline.
             if sent is not None:
                 await asyncio.shield(sent.withdraw())
-            if held:
+            # (Not once decode has finished: it had the KV, so its sidecar ends the reservation
+            # CONSUMED, and a release would race that report: a client that closes on [DONE]
+            # cancels this handler while it reads the end of decode's body.)
+            if held and "decode_done" not in timings:
                 await asyncio.shield(self.release(held[0].id, "client disconnected or an engine failed"))
             raise
         if guess is not None:

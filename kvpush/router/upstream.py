@@ -76,6 +76,7 @@ class Upstream:
                         metrics.TTFT.labels(path=path).observe(timings["first_chunk"] - sent.started)
                         first = False
                     await out.write(chunk)
+                timings["decode_done"] = time.perf_counter()
                 await out.write_eof()
                 return out
         finally:

@@ -29,6 +29,7 @@ class FakeEngine:
         self.pushes = True      # what the prefill answer's push report says
         self.handover = None    # async (router's request id) -> reservation id, for awaited reservations
         self.chunk_delay = 0.0  # seconds between streamed token chunks (token_ids mode)
+        self.linger = 0.0       # seconds between [DONE] and the end of the body (token_ids mode)
         self.chunks, self.chunk_bytes = 3, 0  # the plain stream: how many chunks, each of this much text
         # Requests guessed decode alone (kvpush "alone") wait for this, as a connector holds
         # one whose prompt its prefix cache lacks.
@@ -92,6 +93,8 @@ class FakeEngine:
                 await asyncio.sleep(self.chunk_delay)
         usage = {"prompt_tokens": 4, "completion_tokens": body["max_tokens"]}
         await resp.write(f"data: {json.dumps(dict(base, choices=[], usage=usage))}\n\ndata: [DONE]\n\n".encode())
+        if self.linger:
+            await asyncio.sleep(self.linger)
         return resp
 
     def app(self) -> web.Application:
