@@ -1,21 +1,24 @@
 """The router's CPU per streamed token, beside the engines', and what one router worker
 can stream when no engine is the limit.
 
-    .venv/bin/python bench/router_cpu.py --report   # ~8 minutes on 2 cores; writes the
+    .venv/bin/python bench/router_cpu.py --report   # ~3 minutes on 2 cores; writes the
                                                     # "Router CPU" section of docs/BENCHMARKS.md
 
 engines   one stack, real parts (etcd, a control plane, a prefill and a decode vLLM engine
           with their sidecars, the router): 16 concurrent streamed requests of 200 tokens
-          each (greedy, ignore_eos) through the router (the first-token path), then the
-          same 16 straight to the decode engine; each process's CPU over each phase divided
-          by the tokens the clients received. Then TTFT, sequential and interleaved:
+          each (greedy, ignore_eos) through the router (the first-token path), through the
+          baseline router, through a bare TCP relay in front of the decode engine (the
+          limit: bench/tcp_relay.py, what any proxy on the token path pays per event), and
+          straight to the decode engine; each process's CPU over each phase divided by the
+          tokens the clients received. Then TTFT, sequential and interleaved:
           through the router, and the prefill engine alone (max_tokens=1, its floor).
 fake      the router alone in front of a stand-in engine process that answers the prefill
           request at once and writes decode's whole stream (200 events as vLLM writes them)
           in one go, and a simulated decode engine registered with the control plane (so
           every request is reserved and takes the first-token path): concurrent clients
-          for a fixed time, with 1 and 2 router workers. Tokens/s, and the router's CPU
-          per token (its workers together). On 2 cores the stand-in and the clients share
+          for a fixed time, with 1 and 2 router workers, and through the bare TCP relay
+          straight to the stand-in (the limit). Tokens/s, and the router's CPU per token
+          (its workers together). On 2 cores the stand-in and the clients share
           the cores with the router, so 2 workers cannot double what 1 does here.
 """
 
@@ -25,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -49,6 +53,8 @@ TOKENS = 200
 CONCURRENT = 16
 REPS = 3
 PROMPT = 64
+LIMIT = "straight to decode through a bare TCP relay (the limit)"
+FAKE_LIMIT = "bare TCP relay straight to the stand-in (the limit)"
 
 
 def say(msg: str) -> None:
@@ -111,6 +117,22 @@ def other_router(stack: Stack, name: str, checkout: str, extra: tuple[str, ...])
     return proc, f"http://127.0.0.1:{port}"
 
 
+def tcp_relay(port: int) -> tuple[subprocess.Popen, str]:
+    """A bare TCP relay (``tcp_relay.py``) in front of 127.0.0.1:``port``, accepting once it answers."""
+    mine = free_port()
+    proc = subprocess.Popen([python(), os.path.join(os.path.dirname(os.path.abspath(__file__)), "tcp_relay.py"),
+                             str(mine), f"127.0.0.1:{port}"])
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", mine), timeout=1).close()
+            return proc, f"http://127.0.0.1:{mine}"
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the TCP relay did not start (exit {proc.poll()})")
+            time.sleep(0.1)
+
+
 def per_token_ms(cpu: dict[str, float], tokens: int) -> dict[str, float]:
     return {k: 1e3 * v / max(tokens, 1) for k, v in cpu.items()}
 
@@ -120,23 +142,26 @@ def engines_part(model: str, logs: str, baseline: str) -> dict:
     os.makedirs(logs, exist_ok=True)
     stack = Stack(StackSpec(model_dir=model, log_dir=logs, max_num_seqs=CONCURRENT, decode_blocks=2048,
                             engine_env=dict(engines.PD_PAIR_ENV)), progress=say)
-    base_proc = None
+    base_proc = relay = None
     try:
         stack.start()
         decode_url = stack.urls["decode-0"]
         prefill_url = stack.prefill_url
         base_proc, base_url = other_router(stack, "router-baseline", baseline_checkout(baseline), (
             "--prefill", f"prefill-0={prefill_url}", "--decode", f"decode-0={decode_url}"))
+        relay, relay_url = tcp_relay(int(decode_url.rsplit(":", 1)[1]))
         procs = {p.name: psutil.Process(p.pid) for p in stack.procs}
         procs["router-baseline"] = psutil.Process(base_proc.pid)
+        procs["tcp relay"] = psutil.Process(relay.pid)
         groups = {"decode vLLM": [n for n in procs if n.startswith("vllm-decode")],
                   "prefill vLLM": [n for n in procs if n.startswith("vllm-prefill")],
                   "sidecars + control plane + etcd": [n for n in procs if n.startswith(("sidecar", "controlplane"))]}
-        for url in (stack.router_url, base_url, decode_url):
+        for url in (stack.router_url, base_url, relay_url, decode_url):
             asyncio.run(many(url, 4, 16, "warm"))
         out = {}
         phases = (("through the router", stack.router_url, "router"),
                   (f"through the baseline router ({baseline})", base_url, "router-baseline"),
+                  (LIMIT, relay_url, "tcp relay"),
                   ("straight to decode", decode_url, None))
         for rep in range(REPS):  # interleaved, so that a busier moment of the machine hits each
             for phase, url, router in phases:
@@ -179,6 +204,9 @@ def engines_part(model: str, logs: str, baseline: str) -> dict:
         say("TTFT p50: " + ", ".join(f"{k} {v['p50']:.1f} ms" for k, v in out["ttft_ms"].items()))
         return out
     finally:
+        if relay is not None:
+            relay.terminate()
+            relay.wait(10)
         if base_proc is not None:
             base_proc.stop()
         stack.stop()
@@ -328,13 +356,16 @@ def fake_part(model: str, logs: str, seconds: float, clients: int, workers_list:
                                      "--model", model, "--pace-ms", str(pace_ms)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         up = f"http://127.0.0.1:{port}"
         engine_args = ("--prefill", up, "--decode", f"sim-decode={up}", "--deadline-ms", "3000")
-        for workers in [0, *workers_list]:   # 0: the baseline router (one process)
-            name = f"router-w{workers}" if workers else "router-baseline"
-            if workers:
+        # 0: the baseline router (one process); -1: the bare TCP relay straight to the stand-in (the limit)
+        for workers in [0, *workers_list, -1]:
+            name = f"router-w{workers}" if workers > 0 else "router-baseline" if workers == 0 else "tcp-relay"
+            if workers > 0:
                 url = stack.add_router(name, discover=True, extra=(*engine_args, "--workers", str(workers)))
                 proc = stack.process(name)
-            else:
+            elif workers == 0:
                 proc, url = other_router(stack, name, baseline_checkout(baseline), engine_args)
+            else:
+                proc, url = tcp_relay(port)
             router = psutil.Process(proc.pid)
             asyncio.run(drive(url, clients, 2.0, TOKENS))  # warm (connections, first reservations)
             meters = CpuMeter({"router+": router, "upstream": psutil.Process(upstream.pid),
@@ -348,12 +379,17 @@ def fake_part(model: str, logs: str, seconds: float, clients: int, workers_list:
             got.update(wall_s=wall, cpu_s=cpu, tokens_per_s=got["tokens"] / wall,
                        router_ms_per_token=1e3 * cpu["router"] / max(got["tokens"], 1),
                        tokens_per_router_core_s=got["tokens"] / max(cpu["router"], 1e-9))
-            got["router_metrics"] = asyncio.run(router_counts(url))
-            out[workers or f"baseline ({baseline})"] = got
+            if workers >= 0:
+                got["router_metrics"] = asyncio.run(router_counts(url))
+            out[workers if workers > 0 else f"baseline ({baseline})" if workers == 0 else FAKE_LIMIT] = got
             say(f"fake upstream, {name}: {got['tokens_per_s']:.0f} tokens/s, router "
                 f"{got['router_ms_per_token'] * 1e3:.1f} us/token ({got['tokens_per_router_core_s']:.0f} tokens per "
                 f"router CPU second), errors {len(got['errors'])}, cpu {cpu}")
-            proc.stop()
+            if workers >= 0:
+                proc.stop()
+            else:
+                proc.terminate()
+                proc.wait(10)
         sim.stop()
         return out
     finally:
@@ -372,7 +408,7 @@ def report(eng: dict | None, fake: dict | None, clients: int, seconds: float) ->
         lines += [f"**Engines** ({CONCURRENT} concurrent streamed requests of {TOKENS} tokens, greedy, real vLLM "
                   f"engines, one OpenMP thread each; {REPS} runs of each path, interleaved: the router's figure is "
                   "all of them together, then each):", "",
-                  "| path | tokens | wall s | router ms/token | decode vLLM ms/token | prefill vLLM ms/token | "
+                  "| path | tokens | wall s | router (or relay) ms/token | decode vLLM ms/token | prefill vLLM ms/token | "
                   "sidecars + control plane ms/token |", "|---|---:|---:|---:|---:|---:|---:|"]
         for name, p in eng.items():
             if name == "ttft_ms":
@@ -382,6 +418,11 @@ def report(eng: dict | None, fake: dict | None, clients: int, seconds: float) ->
             router = f"**{m['router']:.3f}** ({each})" if p["cpu_s"].get("router") else "-"
             lines.append(f"| {name} | {p['tokens']} | {p['wall_s']:.1f} | {router} | {m['decode vLLM']:.3f} | "
                          f"{m['prefill vLLM']:.3f} | {m['sidecars + control plane + etcd']:.3f} |")
+        mine = eng["through the router"]["ms_per_token"]["router"]
+        base = next(p for n, p in eng.items() if n.startswith("through the baseline"))["ms_per_token"]["router"]
+        if LIMIT in eng:
+            lines += ["", f"Same run: the router's CPU per token is **{mine / eng[LIMIT]['ms_per_token']['router']:.2f}x** "
+                          f"the bare TCP relay's (the limit) and **{mine / base:.2f}x** the baseline router's."]
         t = eng["ttft_ms"]
         alone = t["prefill alone"]["p50"]
         lines += ["", f"TTFT (sequential, interleaved, n={t['router']['n']} each), p50 / p90: through the router "
