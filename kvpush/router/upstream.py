@@ -19,6 +19,7 @@ class Upstream:
         self.session = session
         self.write_timeout_s = write_timeout_s  # a client must take each streamed write within this
         self.outstanding: dict[str, int] = {}  # engine URL -> requests the router has on it
+        self._reusing: set[asyncio.Task] = set()
 
     async def post(self, url: str, endpoint: str, body: dict, timings: dict) -> tuple[int, bytes]:
         """POST and read the whole answer: (status, body)."""
@@ -32,6 +33,20 @@ class Upstream:
                 return resp.status, payload
         finally:
             self.outstanding[url] -= 1
+
+    def reuse(self, resp: aiohttp.ClientResponse) -> None:
+        """Decode's answer read to its end in the background (``reuse_connection``): the
+        client has its whole answer, so its handler ends now, and a client that closes on
+        ``[DONE]`` does not cut this read short (which would close decode's connection)."""
+        task = asyncio.ensure_future(reuse_connection(resp))
+        self._reusing.add(task)
+        task.add_done_callback(self._reusing.discard)
+
+    async def close(self) -> None:
+        """Stop the background reads (the session is closing)."""
+        for task in list(self._reusing):
+            task.cancel()
+        await asyncio.gather(*self._reusing, return_exceptions=True)
 
     def answering(self, url: str) -> Answering:
         """Count a continuation on ``url`` until its ``done()``."""
@@ -139,7 +154,7 @@ def path_of(endpoint: str) -> str:
     return "chat/completions" if endpoint == "chat" else "completions"
 
 
-async def reuse(resp: aiohttp.ClientResponse) -> None:
+async def reuse_connection(resp: aiohttp.ClientResponse) -> None:
     """Decode's answer read to its end (after ``[DONE]`` only the body's last chunk is
     left), so that its connection goes back to the pool: a new one per request costs the
     router a connect, and the engine an accept, on every request."""
