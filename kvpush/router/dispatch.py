@@ -165,8 +165,9 @@ class Dispatcher(PushPath, AlonePath, Reserving):
             if sent is not None:
                 await asyncio.shield(sent.withdraw())
             # (Not once decode has finished: it had the KV, so its sidecar ends the reservation
-            # CONSUMED, and a release would race that report: a client that closes on [DONE]
-            # cancels this handler while it reads the end of decode's body.)
+            # CONSUMED, and a release would race that report: a client that closes as its
+            # last events are written. Once won in CI, when the handler still read the end of
+            # decode's body after the client had [DONE].)
             if held and "decode_done" not in timings:
                 await asyncio.shield(self.release(held[0].id, "client disconnected or an engine failed"))
             raise
