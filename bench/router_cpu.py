@@ -117,20 +117,21 @@ def other_router(stack: Stack, name: str, checkout: str, extra: tuple[str, ...])
     return proc, f"http://127.0.0.1:{port}"
 
 
-def tcp_relay(port: int) -> tuple[subprocess.Popen, str]:
-    """A bare TCP relay (``tcp_relay.py``) in front of 127.0.0.1:``port``, accepting once it answers."""
+def tcp_relay(stack: Stack, port: int) -> tuple[ManagedProcess, str]:
+    """A bare TCP relay (``tcp_relay.py``) in front of 127.0.0.1:``port``, once it accepts."""
     mine = free_port()
-    proc = subprocess.Popen([python(), os.path.join(os.path.dirname(os.path.abspath(__file__)), "tcp_relay.py"),
-                             str(mine), f"127.0.0.1:{port}"])
-    deadline = time.monotonic() + 30
-    while True:
+    proc = ManagedProcess("tcp-relay", [python(), os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                               "tcp_relay.py"), str(mine), f"127.0.0.1:{port}"],
+                          os.path.join(stack.spec.log_dir, "tcp-relay.log"))
+
+    def accepts() -> bool:
         try:
             socket.create_connection(("127.0.0.1", mine), timeout=1).close()
-            return proc, f"http://127.0.0.1:{mine}"
+            return True
         except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the TCP relay did not start (exit {proc.poll()})")
-            time.sleep(0.1)
+            return False
+    proc.wait_until(accepts, 30, "accepting", say)
+    return proc, f"http://127.0.0.1:{mine}"
 
 
 def per_token_ms(cpu: dict[str, float], tokens: int) -> dict[str, float]:
@@ -149,7 +150,7 @@ def engines_part(model: str, logs: str, baseline: str) -> dict:
         prefill_url = stack.prefill_url
         base_proc, base_url = other_router(stack, "router-baseline", baseline_checkout(baseline), (
             "--prefill", f"prefill-0={prefill_url}", "--decode", f"decode-0={decode_url}"))
-        relay, relay_url = tcp_relay(int(decode_url.rsplit(":", 1)[1]))
+        relay, relay_url = tcp_relay(stack, int(decode_url.rsplit(":", 1)[1]))
         procs = {p.name: psutil.Process(p.pid) for p in stack.procs}
         procs["router-baseline"] = psutil.Process(base_proc.pid)
         procs["tcp relay"] = psutil.Process(relay.pid)
@@ -205,8 +206,7 @@ def engines_part(model: str, logs: str, baseline: str) -> dict:
         return out
     finally:
         if relay is not None:
-            relay.terminate()
-            relay.wait(10)
+            relay.stop()
         if base_proc is not None:
             base_proc.stop()
         stack.stop()
@@ -365,7 +365,7 @@ def fake_part(model: str, logs: str, seconds: float, clients: int, workers_list:
             elif workers == 0:
                 proc, url = other_router(stack, name, baseline_checkout(baseline), engine_args)
             else:
-                proc, url = tcp_relay(port)
+                proc, url = tcp_relay(stack, port)
             router = psutil.Process(proc.pid)
             asyncio.run(drive(url, clients, 2.0, TOKENS))  # warm (connections, first reservations)
             meters = CpuMeter({"router+": router, "upstream": psutil.Process(upstream.pid),
@@ -385,11 +385,7 @@ def fake_part(model: str, logs: str, seconds: float, clients: int, workers_list:
             say(f"fake upstream, {name}: {got['tokens_per_s']:.0f} tokens/s, router "
                 f"{got['router_ms_per_token'] * 1e3:.1f} us/token ({got['tokens_per_router_core_s']:.0f} tokens per "
                 f"router CPU second), errors {len(got['errors'])}, cpu {cpu}")
-            if workers >= 0:
-                proc.stop()
-            else:
-                proc.terminate()
-                proc.wait(10)
+            proc.stop()
         sim.stop()
         return out
     finally:
