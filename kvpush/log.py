@@ -37,7 +37,9 @@ def configure(component: str, level: str | None = None) -> None:
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level_name)),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # (WriteLogger writes a line and its newline in one call, so one system call a
+        # line: PrintLogger's print makes two on a non-interactive stderr.)
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.bind_contextvars(component=component, pid=os.getpid())
