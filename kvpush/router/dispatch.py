@@ -58,6 +58,9 @@ from kvpush.router.tokens import TokenCounter
 
 _log = log.get("router")
 ENGINES_WAIT_S = 5.0
+# A request's timings once decode has streamed a token (the first-token path's second
+# token, the push path's first bytes, the end): decode has the KV by then.
+_DECODE_STREAMED = frozenset(("second_token", "first_chunk", "decode_done"))
 
 
 class Dispatcher(PushPath, AlonePath, Reserving):
@@ -164,11 +167,12 @@ class Dispatcher(PushPath, AlonePath, Reserving):
             # Client gone or an engine failed: give the blocks back now, not at the deadline.
             if sent is not None:
                 await asyncio.shield(sent.withdraw())
-            # (Not once decode has finished: it had the KV, so its sidecar ends the reservation
-            # CONSUMED, and a release would race that report: a client that closes as its
-            # last events are written. Once won in CI, when the handler still read the end of
-            # decode's body after the client had [DONE].)
-            if held and "decode_done" not in timings:
+            # (Not once decode has streamed a token: it loaded the KV before its first step, so
+            # its sidecar ends the reservation CONSUMED, and a release would race that report,
+            # held 50 ms before it is sent: a release that won would end a consumed reservation
+            # RELEASED and keep its blocks out of use for the quarantine. Clients often go away
+            # mid-stream; once, in CI, one that closed on [DONE] won that race.)
+            if held and not _DECODE_STREAMED.intersection(timings):
                 await asyncio.shield(self.release(held[0].id, "client disconnected or an engine failed"))
             raise
         if guess is not None:

@@ -8,7 +8,7 @@ import grpc
 
 from kvpush.client.control_plane import ControlPlaneClient
 from kvpush.controlplane.invariants import check
-from kvpush.contract.v1 import admin_pb2, scheduler_pb2
+from kvpush.contract.v1 import admin_pb2, scheduler_pb2, types_pb2
 
 
 async def make_tenant(admin: ControlPlaneClient, address: str, name: str, quota_blocks: int = 0,
@@ -29,6 +29,16 @@ async def reserve(client: ControlPlaneClient, request_id: str, num_tokens: int, 
 async def release(client: ControlPlaneClient, res_id: str, consumed: bool = False):
     return await client.scheduler.Release(scheduler_pb2.ReleaseRequest(reservation_id=res_id, consumed=consumed),
                                           metadata=client.metadata, timeout=10)
+
+
+async def stays_reserved(client: ControlPlaneClient, res_id: str, checks: int = 5, every_s: float = 0.1) -> None:
+    """``res_id`` is RESERVED at each of ``checks`` looks, ``every_s`` apart: nothing ended it
+    (where only its decode engine, a stand-in that never consumes, was to)."""
+    for _ in range(checks):
+        res = await client.scheduler.GetReservation(scheduler_pb2.GetReservationRequest(reservation_id=res_id),
+                                                    metadata=client.metadata, timeout=10)
+        assert res.state == types_pb2.RESERVED, (types_pb2.ReservationState.Name(res.state), res.reason)
+        await asyncio.sleep(every_s)
 
 
 async def expect_code(code: grpc.StatusCode, coro) -> str:
