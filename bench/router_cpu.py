@@ -1,7 +1,7 @@
 """The router's CPU per streamed token, beside the engines', and what one router worker
 can stream when no engine is the limit.
 
-    .venv/bin/python bench/router_cpu.py --report   # ~3 minutes on 2 cores; writes the
+    .venv/bin/python bench/router_cpu.py --report   # ~4 minutes on 2 cores; writes the
                                                     # "Router CPU" section of docs/BENCHMARKS.md
 
 engines   one stack, real parts (etcd, a control plane, a prefill and a decode vLLM engine
@@ -12,14 +12,18 @@ engines   one stack, real parts (etcd, a control plane, a prefill and a decode v
           straight to the decode engine; each process's CPU over each phase divided by the
           tokens the clients received. Then TTFT, sequential and interleaved:
           through the router, and the prefill engine alone (max_tokens=1, its floor).
-fake      the router alone in front of a stand-in engine process that answers the prefill
-          request at once and writes decode's whole stream (200 events as vLLM writes them)
-          in one go, and a simulated decode engine registered with the control plane (so
-          every request is reserved and takes the first-token path): concurrent clients
-          for a fixed time, with 1 and 2 router workers, and through the bare TCP relay
-          straight to the stand-in (the limit). Tokens/s, and the router's CPU per token
-          (its workers together). On 2 cores the stand-in and the clients share
-          the cores with the router, so 2 workers cannot double what 1 does here.
+fake      the router alone in front of a stand-in engine process (bench/stand_in.py) that
+          answers the prefill request at once and writes decode's whole stream (200 events
+          as vLLM writes them) in one go, and a simulated decode engine registered with the
+          control plane (so every request is reserved and takes the first-token path):
+          concurrent clients for a fixed time, with 1 and 2 router workers, and through the
+          bare TCP relay straight to the stand-in (the limit). Tokens/s, and the router's
+          CPU per token (its workers together). On 2 cores the stand-in and the clients
+          share the cores with the router, so 2 workers cannot double what 1 does here.
+          Then paced: the router and the relay in front of a stand-in that streams one
+          event every 5 ms, answers of 200 and of 20 tokens; each one's CPU per request
+          fitted as R (per request) + E (per event) x events, to say where the router's
+          CPU above the relay's goes.
 """
 
 from __future__ import annotations
@@ -32,7 +36,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import aiohttp
@@ -41,6 +44,7 @@ import psutil
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import CpuMeter, pct, update_section  # noqa: E402
+from bench.stand_in import SimulatedDecode, drive, prompt_ids, stream  # noqa: E402
 from kvpush.app import engines  # noqa: E402
 from kvpush.app.etcd_server import free_port  # noqa: E402
 from kvpush.app.procs import ManagedProcess, file_exists, python  # noqa: E402
@@ -52,36 +56,18 @@ BASELINE = "daaff16"  # main before issue #31: the router re-made every token's 
 TOKENS = 200
 CONCURRENT = 16
 REPS = 3
-PROMPT = 64
+TTFT_ROUNDS = 30  # (at 10 the p50 ratios of two runs differed by 0.1x: noise, not the router)
+PACE_MS = 5.0            # the paced part: one event every 5 ms, as an engine streams
+PACED_TOKENS = (200, 20)  # ... answers of two lengths, to split per request from per event
+PACED_S = 8.0
+PACED_ROUNDS = 2        # (one round's E moved by 5 us between runs)
 LIMIT = "straight to decode through a bare TCP relay (the limit)"
+PACED = "paced"
 FAKE_LIMIT = "bare TCP relay straight to the stand-in (the limit)"
 
 
 def say(msg: str) -> None:
     print(f"[router-cpu {time.monotonic() - T0:6.1f}s] {msg}", flush=True)
-
-
-def prompt_ids(i: int, n: int = PROMPT) -> list[int]:
-    return [100 + (i * 7 + k * 13) % 800 for k in range(n)]
-
-
-async def stream(session: aiohttp.ClientSession, url: str, body: dict) -> dict:
-    """One streamed request: TTFT (s) and the content events received (one per token
-    here: greedy, one token a step)."""
-    started = time.perf_counter()
-    ttft, events, pending = None, 0, b""
-    async with session.post(url + "/v1/completions", json=body) as r:
-        if r.status != 200:
-            return {"error": f"{r.status}: {(await r.read())[:200]!r}"}
-        async for data in r.content.iter_any():
-            if ttft is None:
-                ttft = time.perf_counter() - started
-            *whole, pending = (pending + data).split(b"\n\n")
-            for e in whole:
-                if b'"text":' in e:
-                    # (one event may carry several tokens: vLLM merges outputs its server is late for)
-                    events += len(json.loads(e[6:])["choices"][0]["token_ids"]) if b'"token_ids":[' in e else 1
-    return {"ttft": ttft, "tokens": events, "error": None}
 
 
 async def many(url: str, count: int, tokens: int, tag: str) -> list[dict]:
@@ -117,21 +103,39 @@ def other_router(stack: Stack, name: str, checkout: str, extra: tuple[str, ...])
     return proc, f"http://127.0.0.1:{port}"
 
 
-def tcp_relay(stack: Stack, port: int) -> tuple[ManagedProcess, str]:
-    """A bare TCP relay (``tcp_relay.py``) in front of 127.0.0.1:``port``, once it accepts."""
-    mine = free_port()
-    proc = ManagedProcess("tcp-relay", [python(), os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                               "tcp_relay.py"), str(mine), f"127.0.0.1:{port}"],
-                          os.path.join(stack.spec.log_dir, "tcp-relay.log"))
-
+def accepting(port: int):
+    """Whether 127.0.0.1:``port`` accepts a connection (for ``wait_until``)."""
     def accepts() -> bool:
         try:
-            socket.create_connection(("127.0.0.1", mine), timeout=1).close()
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
             return True
         except OSError:
             return False
-    proc.wait_until(accepts, 30, "accepting", say)
+    return accepts
+
+
+def bench_process(stack: Stack, name: str, script: str, *args: str) -> tuple[ManagedProcess, int]:
+    """``bench/<script>`` serving on a free port (its first argument), once it accepts."""
+    port = free_port()
+    proc = ManagedProcess(name, [python(), os.path.join(os.path.dirname(os.path.abspath(__file__)), script),
+                                 str(port), *args], os.path.join(stack.spec.log_dir, f"{name}.log"))
+    proc.wait_until(accepting(port), 30, "accepting", say)
+    return proc, port
+
+
+def tcp_relay(stack: Stack, port: int) -> tuple[ManagedProcess, str]:
+    """A bare TCP relay (``tcp_relay.py``) in front of 127.0.0.1:``port``."""
+    proc, mine = bench_process(stack, "tcp-relay", "tcp_relay.py", f"127.0.0.1:{port}")
     return proc, f"http://127.0.0.1:{mine}"
+
+
+def stand_in(stack: Stack, model: str, pace_ms: float,
+             name: str = "stand-in") -> tuple[ManagedProcess, int, tuple[str, ...]]:
+    """A stand-in engine (``stand_in.py``), and the router arguments that put it behind a
+    router as its prefill engine and the simulated decode engine's URL."""
+    proc, port = bench_process(stack, name, "stand_in.py", "--model", model, "--pace-ms", str(pace_ms))
+    up = f"http://127.0.0.1:{port}"
+    return proc, port, ("--prefill", up, "--decode", f"sim-decode={up}", "--deadline-ms", "3000")
 
 
 def per_token_ms(cpu: dict[str, float], tokens: int) -> dict[str, float]:
@@ -193,7 +197,7 @@ def engines_part(model: str, logs: str, baseline: str) -> dict:
                 f"; router each run {[round(x, 3) for x in got['router_ms_per_token_each']]}")
         modes = {"router": (stack.router_url, 8), "baseline router": (base_url, 8), "prefill alone": (prefill_url, 1)}
         ttft: dict[str, list[float]] = {m: [] for m in modes}
-        for i in range(10):
+        for i in range(TTFT_ROUNDS):
             order = list(modes)[i % 3:] + list(modes)[:i % 3]
             for mode in order:
                 url, n = modes[mode]
@@ -213,122 +217,6 @@ def engines_part(model: str, logs: str, baseline: str) -> dict:
 
 
 # -- fake upstream --------------------------------------------------------------------------------
-def fake_upstream(port: int, model: str, pace_ms: float = 0.0) -> None:
-    from aiohttp import web
-    web.run_app(stand_in_app(model, pace_ms), host="127.0.0.1", port=port, access_log=None, print=None)
-
-
-def stand_in_app(model: str, pace_ms: float = 0.0, handover=None):
-    """A stand-in engine: prefill answers (one token, its ids, the push report) at once;
-    decode's continuation is written whole, as vLLM writes its events, in one write.
-    ``handover``: async (the router's request id) -> the reservation id, for a prefill
-    request sent before its Reserve answered (as the prefill sidecar hears it by watch)."""
-    from aiohttp import web
-    from tokenizers import Tokenizer
-    from tokenizers.decoders import DecodeStream
-    from kvpush.contract.transfer_params import push_report
-    tok = Tokenizer.from_file(os.path.join(model, "tokenizer.json"))
-    text = " ".join(["Push each layer while the next one is still being computed, and decode starts at once."] * 40)
-    out_ids = tok.encode(text, add_special_tokens=False).ids
-    streams: dict[tuple[int, int], bytes] = {}
-
-    def rendered(n: int, prompt_len: int) -> bytes:
-        key = (n, prompt_len)
-        if key not in streams:
-            ds = DecodeStream(ids=out_ids[:1], skip_special_tokens=True)
-            parts = []
-            for i, t in enumerate(out_ids[1:n + 1]):
-                choice = {"index": 0, "text": ds.step(tok, t) or "", "logprobs": None,
-                          "finish_reason": "length" if i == n - 1 else None, "stop_reason": None,
-                          "prompt_token_ids": list(range(prompt_len)) if i == 0 else None, "token_ids": [t]}
-                parts.append(b"data: " + json.dumps({"id": "cmpl-fake", "object": "text_completion", "created": 1,
-                                                     "model": "tiny", "choices": [choice]},
-                                                    ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n")
-            usage = {"prompt_tokens": prompt_len, "total_tokens": prompt_len + n, "completion_tokens": n}
-            parts.append(b"data: " + json.dumps({"id": "cmpl-fake", "object": "text_completion", "created": 1,
-                                                 "model": "tiny", "choices": [], "usage": usage},
-                                                separators=(",", ":")).encode() + b"\n\ndata: [DONE]\n\n")
-            streams[key] = b"".join(parts)
-        return streams[key]
-
-    async def handle(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        prompt = body["prompt"]
-        if not body.get("stream"):
-            kv = (body.get("kv_transfer_params") or {}).get("kvpush") or {}
-            choice = {"index": 0, "text": tok.decode(out_ids[:1]), "logprobs": None, "finish_reason": "length",
-                      "stop_reason": None, "prompt_token_ids": prompt, "token_ids": out_ids[:1]}
-            answer = {"id": "cmpl-fake-p", "object": "text_completion", "created": 1, "model": "tiny",
-                      "choices": [choice], "usage": {"prompt_tokens": len(prompt), "completion_tokens": 1,
-                                                     "total_tokens": len(prompt) + 1}}
-            if "await" in kv and handover is not None:
-                kv = {"reservation_id": await handover(kv["await"]["request_id"], kv["await"]["wait_ms"] / 1e3)}
-            if kv.get("reservation_id"):
-                answer["kv_transfer_params"] = push_report(kv["reservation_id"], True)
-            return web.json_response(answer)
-        resp = web.StreamResponse()
-        resp.content_type = "text/event-stream"
-        await resp.prepare(request)
-        whole = rendered(int(body["max_tokens"]), len(prompt))
-        if not pace_ms:
-            await resp.write(whole)
-            return resp
-        for event in whole.split(b"\n\n")[:-1]:   # one event a step, as an engine streams them
-            await resp.write(event + b"\n\n")
-            await asyncio.sleep(pace_ms / 1e3)
-        return resp
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", handle)
-    app.router.add_post("/{engine}/v1/completions", handle)   # (one stand-in serving several engines' URLs)
-    return app
-
-
-class SimulatedDecode:
-    """A decode engine registered with the control plane (blocks to reserve), no engine behind it."""
-
-    def __init__(self, controlplane: str, token: str) -> None:
-        self.controlplane, self.token = controlplane, token
-        self.loop = asyncio.new_event_loop()
-        self.ready = threading.Event()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(30)
-
-    async def _start(self) -> None:
-        from kvpush.app.simulated import SimulatedEngine
-        from kvpush.client.control_plane import ControlPlaneClient
-        self.client = ControlPlaneClient(self.controlplane, self.token)
-        self.engine = SimulatedEngine(self.client, "sim-decode", num_blocks=200_000, model="tiny")
-        await self.engine.register()
-
-    def stop(self) -> None:
-        async def stop():
-            await self.engine.stop()
-            await self.client.close()
-        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-
-
-async def drive(url: str, clients: int, seconds: float, tokens: int) -> dict:
-    """``clients`` loops, each streaming one request after another, for ``seconds``."""
-    body = {"model": "tiny", "max_tokens": tokens, "stream": True}
-    stop_at = time.monotonic() + seconds
-    results: list[dict] = []
-
-    async def client(i: int, s: aiohttp.ClientSession) -> None:
-        n = 0
-        while time.monotonic() < stop_at:
-            results.append(await stream(s, url, dict(body, prompt=prompt_ids(i * 1000 + n))))
-            n += 1
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
-        await asyncio.gather(*(client(i, s) for i in range(clients)))
-    return {"requests": len(results), "tokens": sum(r.get("tokens", 0) for r in results),
-            "errors": [r["error"] for r in results if r["error"]] +
-                      [f"{r['tokens']} tokens, not {tokens}" for r in results if not r["error"] and r["tokens"] != tokens],
-            "ttft_ms_p50": pct([r["ttft"] * 1e3 for r in results if r.get("ttft")], 50)}
-
-
 async def router_counts(url: str) -> dict[str, float]:
     """What the router says it did: paths, fallbacks, decode events passed or made."""
     import re
@@ -351,11 +239,7 @@ def fake_part(model: str, logs: str, seconds: float, clients: int, workers_list:
     try:
         stack.start()
         sim = SimulatedDecode(stack.controlplane, stack.engine_token)
-        port = free_port()
-        upstream = subprocess.Popen([python(), os.path.abspath(__file__), "--fake-upstream", str(port),
-                                     "--model", model, "--pace-ms", str(pace_ms)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        up = f"http://127.0.0.1:{port}"
-        engine_args = ("--prefill", up, "--decode", f"sim-decode={up}", "--deadline-ms", "3000")
+        upstream, port, engine_args = stand_in(stack, model, pace_ms)
         # 0: the baseline router (one process); -1: the bare TCP relay straight to the stand-in (the limit)
         for workers in [0, *workers_list, -1]:
             name = f"router-w{workers}" if workers > 0 else "router-baseline" if workers == 0 else "tcp-relay"
@@ -386,13 +270,57 @@ def fake_part(model: str, logs: str, seconds: float, clients: int, workers_list:
                 f"{got['router_ms_per_token'] * 1e3:.1f} us/token ({got['tokens_per_router_core_s']:.0f} tokens per "
                 f"router CPU second), errors {len(got['errors'])}, cpu {cpu}")
             proc.stop()
+        out[PACED] = paced_part(stack, model, clients)
         sim.stop()
         return out
     finally:
         if upstream is not None:
-            upstream.terminate()
-            upstream.wait(10)
+            upstream.stop()
         stack.stop()
+
+
+def paced_part(stack: Stack, model: str, clients: int) -> dict:
+    """The router (one worker) and the bare TCP relay in front of a stand-in that streams
+    one event every PACE_MS, with answers of each of PACED_TOKENS tokens (one event a
+    token), alternating: CPU per request = R + E x events, fitted on the two lengths."""
+    upstream, port, engine_args = stand_in(stack, model, PACE_MS, "stand-in-paced")
+    procs = [upstream]
+    try:
+        router_url = stack.add_router("router-paced", discover=True, extra=engine_args)
+        router = stack.process("router-paced")
+        procs.append(router)
+        relay, relay_url = tcp_relay(stack, port)
+        procs.append(relay)
+        who = {"router": (router_url, psutil.Process(router.pid)), "relay": (relay_url, psutil.Process(relay.pid))}
+        per_request: dict[str, dict[int, list[float]]] = {w: {} for w in who}
+        for url, _ in who.values():
+            asyncio.run(drive(url, clients, 2.0, PACED_TOKENS[0]))  # warm
+        for rnd in range(PACED_ROUNDS):
+            for i, tokens in enumerate(PACED_TOKENS):
+                for name in (list(who) if (rnd + i) % 2 == 0 else list(who)[::-1]):
+                    url, proc = who[name]
+                    meter = CpuMeter({"p+": proc})
+                    meter.start()
+                    got = asyncio.run(drive(url, clients, PACED_S, tokens))
+                    cpu = meter.stop()["p"]
+                    acc = per_request[name].setdefault(tokens, [0.0, 0, 0])  # CPU s, requests, errors
+                    acc[0] += cpu
+                    acc[1] += got["requests"]
+                    acc[2] += len(got["errors"])
+        out = {}
+        long_, short = PACED_TOKENS
+        for name, by in per_request.items():
+            cpr = {t: c / max(r, 1) for t, (c, r, _) in by.items()}
+            e = (cpr[long_] - cpr[short]) / (long_ - short)
+            out[name] = {"ms_per_request_at": {t: 1e3 * v for t, v in cpr.items()}, "per_event_us": 1e6 * e,
+                         "per_request_ms": 1e3 * (cpr[short] - short * e),
+                         "errors": sum(x[2] for x in by.values()), "requests": {t: x[1] for t, x in by.items()}}
+            say(f"paced, {name}: R {out[name]['per_request_ms']:.2f} ms per request, E {out[name]['per_event_us']:.1f} "
+                f"us per event ({out[name]})")
+        return out
+    finally:
+        for p in procs:
+            p.stop()
 
 
 def report(eng: dict | None, fake: dict | None, clients: int, seconds: float) -> str:
@@ -434,6 +362,8 @@ def report(eng: dict | None, fake: dict | None, clients: int, seconds: float) ->
                   "CPU s: router, stand-in engine, clients, control plane | decode events passed / made |",
                   "|---|---:|---:|---:|---:|---:|---|---|"]
         for w, g in fake.items():
+            if w == PACED:
+                continue
             c = g["cpu_s"]
             rm = g.get("router_metrics", {})
             passed = rm.get('continuation_events_total{how="passed"}')
@@ -444,7 +374,28 @@ def report(eng: dict | None, fake: dict | None, clients: int, seconds: float) ->
                          f"{g['tokens_per_router_core_s']:.0f} | {g['requests']} | {g['ttft_ms_p50']:.1f} | "
                          f"{c['router']:.1f}, {c['upstream']:.1f}, {c['bench (clients)']:.1f}, "
                          f"{c['control plane']:.1f} | {ev} |")
+        if PACED in fake:
+            lines += paced_report(fake[PACED], clients)
     return "\n".join(lines)
+
+
+def paced_report(paced: dict, clients: int) -> list[str]:
+    long_, short = PACED_TOKENS
+    lines = ["", f"**Per request and per event** ({clients} clients, the stand-in streaming one event every "
+             f"{PACE_MS:g} ms, answers of {long_} and {short} tokens, {PACED_ROUNDS} x {PACED_S:g} s each, "
+             "alternating; CPU per request fitted as R + E x events):", "",
+             f"| | R: ms per request | E: us per event | ms per {long_}-token request | ms per {short}-token request | "
+             f"requests ({long_} + {short}) | errors |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, p in paced.items():
+        at = p["ms_per_request_at"]
+        lines.append(f"| {'the router (1 worker)' if name == 'router' else 'bare TCP relay (the limit)'} | "
+                     f"{p['per_request_ms']:.2f} | {p['per_event_us']:.1f} | {at[long_]:.2f} | {at[short]:.2f} | "
+                     f"{' + '.join(str(v) for v in p['requests'].values())} | {p['errors']} |")
+    r, l = paced["router"], paced["relay"]
+    lines += ["", f"Above the relay: **{r['per_request_ms'] - l['per_request_ms']:.2f} ms per request** "
+              f"({(r['per_request_ms'] - l['per_request_ms']) * 1e3 / long_:.1f} us of a {long_}-token answer's "
+              f"per-token figure) and **{r['per_event_us'] - l['per_event_us']:.1f} us per event**."]
+    return lines
 
 
 def main() -> None:
@@ -456,14 +407,9 @@ def main() -> None:
     ap.add_argument("--baseline", default=BASELINE, help="the git ref whose router runs beside, for comparison")
     ap.add_argument("--report", action="store_true", help="write docs/BENCHMARKS.md's section")
     ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--fake-upstream", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--pace-ms", type=float, default=0.0, help="fake part: the stand-in writes one event every "
                     "this many ms (an engine's pace) instead of all at once")
     args = ap.parse_args()
-    if args.fake_upstream:
-        fake_upstream(args.fake_upstream, args.model, args.pace_ms)
-        return
     model = os.path.abspath(ensure_model(os.path.join(engines.ROOT, DEFAULT_DIR)))
     logs = tempfile.mkdtemp(prefix="router-cpu-")
     say(f"logs in {logs}")

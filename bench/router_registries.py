@@ -7,7 +7,7 @@ between registries costs a request, and what a registry without room costs.
                                                            # docs/BENCHMARKS.md
 
 Two registries, each its own etcd and control-plane process. A stand-in engine process
-(``bench/router_cpu.py``'s) registers a simulated prefill and decode engine in each, with
+(``bench/stand_in.py``'s) registers a simulated prefill and decode engine in each, with
 its own URL as theirs, and hands each awaited prefill request its reservation as a prefill
 sidecar would (it follows the prefill engine's reservations by watch). A router finds the
 engines in the registries; an open loop of short streamed requests (a 64-token prompt, 8
@@ -46,7 +46,7 @@ import psutil
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import CpuMeter, pct, update_section  # noqa: E402
-from bench.router_cpu import prompt_ids, stand_in_app, stream  # noqa: E402
+from bench.stand_in import prompt_ids, stand_in_app, stream  # noqa: E402
 from kvpush.app import engines  # noqa: E402
 from kvpush.app.etcd_server import EmbeddedEtcd, free_port  # noqa: E402
 from kvpush.app.procs import ManagedProcess, file_exists, python  # noqa: E402
