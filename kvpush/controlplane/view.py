@@ -24,6 +24,7 @@ from kvpush.controlplane import keys
 from kvpush.controlplane.etcd import KV
 from kvpush.contract.states import State
 from kvpush.contract.engine import EngineRecord
+from kvpush.controlplane.block_holds import Overlaps
 from kvpush.controlplane.free_counts import FreeCounts
 from kvpush.controlplane.free_told import FreeTold
 from kvpush.controlplane.prefill_copies import PrefillCopies
@@ -89,6 +90,7 @@ class View:
         self.tenant_by_token: dict[str, str] = {}
         self.allocated: dict[str, np.ndarray] = {}   # engine -> bool per block, live reservations
         self.free_count = FreeCounts()               # engine -> blocks not in the bitmap
+        self.overlaps = Overlaps()                   # blocks two holders hold (block_holds.py)
         self.engines_version = 0                     # bumped at every engine change (candidate caches)
         self.cursors: dict[str, int] = {}            # engine -> next-fit allocation cursor
         self.replicas: dict[str, ReplicaRecord] = {}  # live control-plane replicas (ownership.py)
@@ -257,9 +259,11 @@ class View:
         bitmap = self.allocated.get(engine_id)
         if engine is None or bitmap is None or engine.incarnation != incarnation:
             return
-        for start, count in extents:
-            bitmap[start:start + count] = taken
-            self.free_count[engine_id] -= count if taken else -count
+        for start, count in extents:  # (holds counted: block_holds.py says why)
+            if taken:
+                self.free_count[engine_id] -= self.overlaps.take(engine_id, bitmap, start, count)
+            else:
+                self.free_count[engine_id] += self.overlaps.give(engine_id, bitmap, start, count)
         self.free_moved.set()
 
     def _contribute(self, rec: ReservationRecord, sign: int) -> None:
@@ -333,6 +337,7 @@ class View:
         if old_entry is not None and old_entry.record.is_decode:
             self.decode_models[old_entry.record.model] -= 1
         self.allocated.pop(engine_id, None)
+        self.overlaps.forget(engine_id)
         self.free_count.pop(engine_id, None)
         self.engines_version += 1
         self.free_moved.set()
