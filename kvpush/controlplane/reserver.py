@@ -125,9 +125,12 @@ class Reserver:
                 finally:
                     self._view.forget_own_writes(list(own))
             except EtcdUnavailable as exc:
-                for ask in plan.asks:
-                    ask.future.set_exception(errors.unavailable(
-                        f"etcd unavailable ({exc}); the outcome is unknown: retry with the same request_id"))
+                # Every ask of the batch, those put off to its next transaction too (they
+                # would wait for their callers' deadlines): the outcome is unknown to all.
+                for ask in pending:
+                    if not ask.future.done():
+                        ask.future.set_exception(errors.unavailable(
+                            f"etcd unavailable ({exc}); the outcome is unknown: retry with the same request_id"))
                 return
             except EtcdLeaseNotFound:
                 self._leases.forget()

@@ -190,6 +190,27 @@ async def test_etcd_outage_gives_unavailable_then_recovers(cp, admin, engine_cli
     await engine.stop()
 
 
+async def test_etcd_outage_answers_every_ask_of_a_batch(cp, admin, engine_client, etcd):
+    """Asks a batch put off to its next transaction (a request id asked twice at once, one
+    past what a transaction holds) are answered UNAVAILABLE with the rest when etcd fails,
+    not left to their callers' deadlines."""
+    engine = SimulatedEngine(engine_client, "decode-0", num_blocks=64, lease_ttl_s=30)
+    await engine.register()
+    tenant = await make_tenant(admin, cp.address, "acme")
+    await reserve(tenant, "before", 16)
+    etcd.proc.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        got = await asyncio.gather(*(expect_code(grpc.StatusCode.UNAVAILABLE, reserve(tenant, f"twice-{i // 2}", 16))
+                                     for i in range(30)), return_exceptions=True)
+        assert all(isinstance(g, str) and "etcd" in g for g in got), got
+        assert time.monotonic() - started < 8   # (the callers' own timeout is 10 s)
+    finally:
+        etcd.proc.send_signal(signal.SIGCONT)
+    await tenant.close()
+    await engine.stop()
+
+
 async def test_deregister_engine(cp, admin, engine_client, etcd):
     engine = SimulatedEngine(engine_client, "decode-0", num_blocks=16)
     await engine.register()
