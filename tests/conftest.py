@@ -78,6 +78,12 @@ class ControlPlaneProcess:
             time.sleep(0.05)
         raise TimeoutError("control plane did not start")
 
+    def tail(self, size: int = 4000) -> str:
+        """The end of its log (it is removed at ``stop``)."""
+        self.log.flush()
+        with open(self.log_path, "rb") as f:
+            return f.read()[-size:].decode(errors="replace")
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()

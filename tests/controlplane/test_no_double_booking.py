@@ -14,6 +14,7 @@ import pytest
 
 from kvpush.client.control_plane import ControlPlaneClient
 from kvpush.app.simulated import SimulatedEngine
+from kvpush.controlplane.invariants import check
 from tests.conftest import ADMIN_TOKEN, ENGINE_TOKEN
 from tests.controlplane.helpers import make_tenant, release, reserve, settle
 
@@ -48,11 +49,18 @@ async def test_two_replicas_never_double_book(etcd, cp_processes, ids):
     assert set(codes) <= {"ok", "RESOURCE_EXHAUSTED"}, codes
     blocks_granted = sum(len(r.block_ids) for r in granted)
     total = sum(ENGINES.values())
+    seen = collections.Counter((r.engine_id, b) for r in granted for b in r.block_ids)
+    twice = {k for k, n in seen.items() if n > 1}
+    if twice or blocks_granted > total:  # (seen once in CI, 82 of 80: say all there is to say)
+        report = await check(etcd.endpoint)
+        holders = [(r.id, r.request_id, r.engine_id, list(r.block_ids))
+                   for r in granted if any((r.engine_id, b) in twice for b in r.block_ids)]
+        logs = "\n".join(f"--- replica {i}\n{p.tail()}" for i, p in enumerate(replicas))
+        pytest.fail(f"{blocks_granted} blocks granted of {total}, {codes}; held twice: {sorted(twice)} by "
+                    f"{holders}; etcd: {report.summary()}\n{logs}")
     # Every block handed out exactly once; a 2-block ask may be refused while
     # single blocks remain on some engine, so allow at most one per engine.
-    assert total - len(ENGINES) <= blocks_granted <= total, (blocks_granted, codes)
-    seen = collections.Counter((r.engine_id, b) for r in granted for b in r.block_ids)
-    assert max(seen.values()) == 1
+    assert total - len(ENGINES) <= blocks_granted, (blocks_granted, codes)
     report = await settle(etcd.endpoint)
     assert sum(len(e.reserved) for e in report.engines.values()) == blocks_granted
     assert len(report.live) == len(granted)
