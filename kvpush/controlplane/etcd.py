@@ -67,6 +67,7 @@ class KV(NamedTuple):
     mod_revision: int
     create_revision: int
     lease: int
+    version: int = 0  # etcd's count of puts since the key was created (0: not known)
 
 
 class WatchEvent(NamedTuple):
@@ -98,7 +99,7 @@ def watch_event(ev) -> WatchEvent:
 
 
 def _kv(msg) -> KV:
-    return KV(msg.key, msg.value, msg.mod_revision, msg.create_revision, msg.lease)
+    return KV(msg.key, msg.value, msg.mod_revision, msg.create_revision, msg.lease, msg.version)
 
 
 # Builders for transaction parts, so callers never touch raw protobufs.

@@ -18,6 +18,7 @@ from kvpush import log
 from kvpush.controlplane import keys
 from kvpush.controlplane.etcd import (EtcdClient, EtcdUnavailable, RangeWatch, WatchCompacted, prefix_end,
                                       watch_event)
+from kvpush.controlplane.pool_fences import WatchGap
 from kvpush.controlplane.view import View
 
 _log = log.get("view")
@@ -157,7 +158,7 @@ async def follow(view: View, etcd: EtcdClient, stop: asyncio.Event, interest: In
             if stop.is_set():
                 return
             continue  # (it ended to switch between all slots and some)
-        except (EtcdUnavailable, WatchCompacted) as exc:
+        except (EtcdUnavailable, WatchCompacted, WatchGap) as exc:
             _log.warning("view resync", reason=str(exc))
         except asyncio.CancelledError:
             raise

@@ -27,6 +27,7 @@ from kvpush.contract.engine import EngineRecord
 from kvpush.controlplane.block_holds import Overlaps
 from kvpush.controlplane.free_counts import FreeCounts
 from kvpush.controlplane.free_told import FreeTold
+from kvpush.controlplane.pool_fences import PoolFences
 from kvpush.controlplane.prefill_copies import PrefillCopies
 from kvpush.controlplane.request_index import RequestIndex
 from kvpush.controlplane.view_waiters import ViewWaiters
@@ -76,7 +77,7 @@ class View:
         self.revision = 0
         self.engines: dict[str, Entry] = {}
         self.decode_models: dict[str, int] = {}      # model -> registered decode engines serving it
-        self.pool_fences: dict[str, int] = {}
+        self.pool_fences = PoolFences()
         # Live reservations only (ended ones are read from etcd), one GC-tracked object
         # each: every full collection walks them all (see records.to_extents).
         self.reservations: dict[str, ReservationRecord] = {}
@@ -197,12 +198,12 @@ class View:
         for key in keys_:
             self._own_writes.pop(key, None)
 
-
     def apply(self, kv: KV, deleted: bool, revision: int, record: object = None) -> None:
         """Apply one put or delete at ``revision`` (idempotent; older ones are ignored).
         ``record``: the decoded value, when the caller wrote it and has it at hand."""
         key = kv.key
         if self._key_revs.get(key, 0) >= revision:
+            self.pool_fences.echo(key, revision, kv.version)  # (the watch's copy of its own write)
             return
         if self.following is not None and not self._kept(key):
             # A write this replica made into a part it does not follow: not even its revision
@@ -225,7 +226,7 @@ class View:
                 if deleted:
                     self.pool_fences.pop(name, None)
                 else:
-                    self.pool_fences[name] = revision
+                    self.pool_fences.put(name, revision, kv.version)
             elif kind == keys.PUSHES:  # heard by the prefill engine's stream only
                 prefill_engine_id, _, res_id = name.partition("/")
                 told = self.pushes.apply(prefill_engine_id, res_id, None if deleted else kv.value)
