@@ -36,10 +36,10 @@ class Overlaps:
 
     def give(self, engine_id: str, bitmap: np.ndarray, start: int, count: int) -> int:
         """Blocks ``start``..+``count`` held once less; returns how many are free now."""
+        bitmap[start:start + count] = False
         extra = self._extra.get(engine_id)
         still = [b for b in extra if start <= b < start + count] if extra else []
         if not still:
-            bitmap[start:start + count] = False
             return count
         for block in still:
             extra[block] -= 1
@@ -47,7 +47,6 @@ class Overlaps:
                 del extra[block]
         if not extra:
             del self._extra[engine_id]
-        bitmap[start:start + count] = False
         bitmap[still] = True
         return count - len(still)
 

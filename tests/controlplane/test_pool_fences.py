@@ -15,7 +15,7 @@ from kvpush.controlplane.follow import follow
 from kvpush.controlplane.pool_fences import PoolFences, WatchGap
 from kvpush.controlplane.view import View
 from tests.controlplane.helpers import make_tenant, reserve
-from tests.controlplane.test_follow import eventually
+from tests.polling import until
 
 
 def test_a_version_step_of_more_than_one_drops_the_fence():
@@ -63,14 +63,15 @@ async def test_a_view_that_missed_a_transaction_loads_again(cp, admin, engine_cl
     try:
         await view.ready.wait()
         await reserve(tenant, "one", 16)
-        await eventually(lambda: view.free_blocks("decode-0") == 7)
+        await until(lambda: view.free_blocks("decode-0") == 7, 10, "the first grant applied")
         lose["armed"] = True
         await reserve(tenant, "two", 16)          # lost on the way to the view
-        await eventually(lambda: not lose)
+        await until(lambda: not lose, 10, "the second grant lost")
         await reserve(tenant, "three", 16)        # seen: its version is two past the last
-        await eventually(lambda: len(loads) == 2)
+        await until(lambda: len(loads) == 2, 10, "the view loaded again")
         assert keys.pool("decode-0") in dropped and len(dropped) >= 2
-        await eventually(lambda: view.free_blocks("decode-0") == 5 and "decode-0" in view.pool_fences)
+        await until(lambda: view.free_blocks("decode-0") == 5 and "decode-0" in view.pool_fences, 10,
+                    "the view whole again")
         assert len(view.live_reservations(engine_id="decode-0")) == 3
     finally:
         stop.set()

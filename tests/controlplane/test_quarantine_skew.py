@@ -17,6 +17,7 @@ from kvpush.controlplane.invariants import check
 from kvpush.controlplane.server import ControlPlane, ControlPlaneConfig
 from tests.conftest import ADMIN_TOKEN
 from tests.controlplane.helpers import expect_code, make_tenant, release, reserve
+from tests.polling import until
 
 
 async def test_a_grant_over_blocks_another_replica_still_quarantines_survives_that_quarantine(etcd):
@@ -43,10 +44,7 @@ async def test_a_grant_over_blocks_another_replica_still_quarantines_survives_th
         await asyncio.sleep(0.5)                   # past the quick replica's quarantine only
         second = await reserve(tenant, "second", 16)
         assert list(second.block_ids) == list(first.block_ids)
-        for _ in range(100):                       # the slow replica has applied the grant
-            if second.id in slow.view.reservations:
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: second.id in slow.view.reservations, 2, "the slow replica applied the grant")
         assert slow.view.free_blocks("decode-0") == 0
         await asyncio.sleep(2.5)                   # past the slow replica's quarantine too
         assert slow.view.free_blocks("decode-0") == 0, "the slow replica freed a block the second reservation holds"
@@ -55,11 +53,7 @@ async def test_a_grant_over_blocks_another_replica_still_quarantines_survives_th
         for state in (types_pb2.LANDED, types_pb2.CONSUMED):   # consumed: free at once, on both
             await admin.registry.ReportState(registry_pb2.ReportStateRequest(reservation_id=second.id, state=state),
                                              metadata=admin.metadata, timeout=5)
-        for _ in range(100):
-            if slow.view.free_blocks("decode-0") == 1:
-                break
-            await asyncio.sleep(0.02)
-        assert slow.view.free_blocks("decode-0") == 1
+        await until(lambda: slow.view.free_blocks("decode-0") == 1, 2, "the consumed block free on the slow replica")
         report = await check(etcd.endpoint, quarantine_ms=300)
         assert report.ok, report.summary()
         await decode.stop()
