@@ -81,21 +81,35 @@ class Upstream:
                     metrics.TTFT.labels(path=path).observe(timings["decode_done"] - sent.started)
                     return web.Response(body=payload, status=upstream.status,
                                         content_type=upstream.content_type or "application/json")
-                out = BoundedStream(self.write_timeout_s, status=upstream.status)
-                out.content_type = upstream.content_type or "text/event-stream"
-                await out.prepare(request)
-                first = True
-                async for chunk in upstream.content.iter_any():
-                    if first:
-                        timings["first_chunk"] = time.perf_counter()
-                        metrics.TTFT.labels(path=path).observe(timings["first_chunk"] - sent.started)
-                        first = False
-                    await out.write(chunk)
+                # The client's answer begins with the engine's first bytes, not its headers: an
+                # engine sends those at once and may die before its first event (queued, or
+                # computing the prompt), and until then the client has nothing, so another
+                # engine can still serve it (``nothing_sent``), or it gets an error answer.
+                out = None
+                try:
+                    async for chunk in upstream.content.iter_any():
+                        if out is None:
+                            timings["first_chunk"] = time.perf_counter()
+                            metrics.TTFT.labels(path=path).observe(timings["first_chunk"] - sent.started)
+                            out = await self._begin(upstream, request)
+                        await out.write(chunk)
+                except aiohttp.ClientError as exc:
+                    if out is None:
+                        raise BrokeBeforeAnswering(f"the engine's answer broke before its first byte: {exc}") \
+                            from exc
+                    raise
                 timings["decode_done"] = time.perf_counter()
+                out = out or await self._begin(upstream, request)
                 await out.write_eof()
                 return out
         finally:
             sent.done()
+
+    async def _begin(self, upstream: aiohttp.ClientResponse, request: web.Request) -> BoundedStream:
+        out = BoundedStream(self.write_timeout_s, status=upstream.status)
+        out.content_type = upstream.content_type or "text/event-stream"
+        await out.prepare(request)
+        return out
 
 
 class Sent:
@@ -143,11 +157,16 @@ class Answering:
         self._outstanding[self.url] -= 1
 
 
+class BrokeBeforeAnswering(aiohttp.ClientPayloadError):
+    """An engine's streamed answer broke before its first byte went to the client."""
+
+
 def nothing_sent(exc: aiohttp.ClientError, ask_or_body) -> bool:
     """Whether a proxied request that failed with ``exc`` sent its client nothing yet: it
-    never reached the engine, or its answer was not streamed (sent only once whole)."""
+    never reached the engine, its stream broke before its first byte, or its answer was
+    not streamed (sent only once whole)."""
     body = ask_or_body.body if isinstance(ask_or_body, asks.Ask) else ask_or_body
-    return isinstance(exc, aiohttp.ClientConnectorError) or not body.get("stream")
+    return isinstance(exc, (aiohttp.ClientConnectorError, BrokeBeforeAnswering)) or not body.get("stream")
 
 
 def path_of(endpoint: str) -> str:

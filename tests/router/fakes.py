@@ -119,6 +119,9 @@ class FakeEngine:
                 resp.content_type = "text/event-stream"
                 await resp.prepare(request)
                 for i in range(self.chunks):
+                    if self.break_after is not None and i == self.break_after:
+                        request.transport.abort()   # the engine dies part way (at 0: after its headers)
+                        return resp
                     text = "x" * self.chunk_bytes if self.chunk_bytes else f"t{i}"
                     await resp.write(f"data: {json.dumps({'choices': [{'text': text}]})}\n\n".encode())
                     await asyncio.sleep(0.01)

@@ -399,3 +399,46 @@ async def test_a_decode_engine_that_fails_before_answering_is_replaced_by_anothe
         for router in routers:
             await router.close()
         await server.close()
+
+
+async def test_a_decode_engine_that_dies_after_its_headers_is_replaced_by_another(stack):
+    """A streamed answer whose decode engine sends its headers and dies before its first
+    event (vLLM's server sends them at once, then computes: queued, or the prompt on the
+    way to the first token) has sent the client nothing, so another decode engine serves
+    it: the client gets a whole stream, never a cut connection; and where every engine
+    that could serve it fails so, a 502 error object, not a connection closed without an
+    answer."""
+    s = stack
+    spare = FakeEngine("D2")
+    server = TestServer(spare.app(), handler_cancellation=True)
+    await server.start_server()
+    spare_url = str(server.make_url("")).rstrip("/")
+    routers = []
+    try:
+        s["prefill"].mode = ""
+        s["decode"].break_after = 0
+        for engines in ((DecodeEngine("decode-0", s["decode_url"]), DecodeEngine("decode-1", spare_url)),
+                        (DecodeEngine("decode-0", s["decode_url"]),)):
+            cfg = RouterConfig(controlplane=s["cp"].address, token=s["token"], model="tiny",
+                               prefill_urls=(s["prefill_url"],), decode=engines, max_model_len=1000)
+            router = TestServer(build_app(cfg, WhitespaceCounter()), handler_cancellation=True)
+            await router.start_server()
+            routers.append(router)
+            url = str(router.make_url("")).rstrip("/")
+            s["prefill"].break_after = None if len(engines) == 2 else 0  # (the last engine that could serve)
+            for path, body in (("/v1/completions", {"prompt": "one two"}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "one two"}]})):
+                before = len(spare.bodies)
+                async with s["session"].post(url + path, json=dict(body, model="tiny", max_tokens=3, stream=True)) as r:
+                    text = (await r.read()).decode()
+                if len(engines) == 2:
+                    assert r.status == 200 and text.endswith("data: [DONE]\n\n"), (r.status, text)
+                    assert len(spare.bodies) == before + 1
+                else:
+                    assert r.status == 502 and "engine unreachable" in json.loads(text)["error"]["message"], text
+        await settle(s["etcd"].endpoint, quiet=True)  # every reservation released, none left live
+    finally:
+        s["decode"].break_after = s["prefill"].break_after = None
+        for router in routers:
+            await router.close()
+        await server.close()
