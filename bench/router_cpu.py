@@ -6,7 +6,8 @@ can stream when no engine is the limit.
 
 engines   one stack, real parts (etcd, a control plane, a prefill and a decode vLLM engine
           with their sidecars, the router): 16 concurrent streamed requests of 200 tokens
-          each (greedy, ignore_eos) through the router (the first-token path), through the
+          each (greedy, ignore_eos), completions and then chats (a user message of 48 words),
+          through the router (the first-token path), through the
           baseline router, through a bare TCP relay in front of the decode engine (the
           limit: bench/tcp_relay.py, what any proxy on the token path pays per event), and
           straight to the decode engine; each process's CPU over each phase divided by the
@@ -56,6 +57,7 @@ BASELINE = "daaff16"  # main before issue #31: the router re-made every token's 
 TOKENS = 200
 CONCURRENT = 16
 REPS = 3
+ENDPOINTS = ("completions", "chats")  # each path measured with both, chats named so
 TTFT_ROUNDS = 30  # (at 10 the p50 ratios of two runs differed by 0.1x: noise, not the router)
 PACE_MS = 5.0            # the paced part: one event every 5 ms, as an engine streams
 PACED_TOKENS = (200, 20)  # ... answers of two lengths, to split per request from per event
@@ -70,12 +72,22 @@ def say(msg: str) -> None:
     print(f"[router-cpu {time.monotonic() - T0:6.1f}s] {msg}", flush=True)
 
 
-async def many(url: str, count: int, tokens: int, tag: str) -> list[dict]:
+WORDS = "push each layer while the next one is still being computed and decode starts at once".split()
+
+
+def chat_messages(i: int, words: int = 48) -> list[dict]:
+    return [{"role": "user", "content": " ".join(WORDS[(i * 7 + k * 5) % len(WORDS)] for k in range(words))}]
+
+
+async def many(url: str, count: int, tokens: int, tag: str, endpoint: str = "completions") -> list[dict]:
     body = {"model": "tiny", "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
             "return_token_ids": True}
+
+    def prompt(i: int) -> dict:
+        n = hash((tag, i)) % 1000
+        return {"messages": chat_messages(n)} if endpoint == "chats" else {"prompt": prompt_ids(n)}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
-        return await asyncio.gather(*(stream(s, url, dict(body, prompt=prompt_ids(hash((tag, i)) % 1000)))
-                                      for i in range(count)))
+        return await asyncio.gather(*(stream(s, url, dict(body, **prompt(i))) for i in range(count)))
 
 
 def baseline_checkout(ref: str) -> str:
@@ -162,19 +174,22 @@ def engines_part(model: str, logs: str, baseline: str) -> dict:
                   "prefill vLLM": [n for n in procs if n.startswith("vllm-prefill")],
                   "sidecars + control plane + etcd": [n for n in procs if n.startswith(("sidecar", "controlplane"))]}
         for url in (stack.router_url, base_url, relay_url, decode_url):
-            asyncio.run(many(url, 4, 16, "warm"))
+            for endpoint in ENDPOINTS:
+                asyncio.run(many(url, 4, 16, "warm", endpoint))
         out = {}
         phases = (("through the router", stack.router_url, "router"),
                   (f"through the baseline router ({baseline})", base_url, "router-baseline"),
                   (LIMIT, relay_url, "tcp relay"),
                   ("straight to decode", decode_url, None))
+        phases = [(name if endpoint == "completions" else f"{name}, {endpoint}", url, router, endpoint)
+                  for endpoint in ENDPOINTS for name, url, router in phases]
         for rep in range(REPS):  # interleaved, so that a busier moment of the machine hits each
-            for phase, url, router in phases:
+            for phase, url, router, endpoint in phases:
                 names = dict(groups, router=[router] if router else [])
                 meter = CpuMeter({f"{n}+": procs[n] for ns in names.values() for n in ns})
                 meter.start()
                 t = time.monotonic()
-                results = asyncio.run(many(url, CONCURRENT, TOKENS, f"{phase}-{rep}"))
+                results = asyncio.run(many(url, CONCURRENT, TOKENS, f"{phase}-{rep}", endpoint))
                 wall = time.monotonic() - t
                 cpu = meter.stop()
                 got = out.setdefault(phase, {"tokens": 0, "wall_s": 0.0, "errors": [], "cpu_s": {},
@@ -330,8 +345,8 @@ def report(eng: dict | None, fake: dict | None, clients: int, seconds: float) ->
              "main before issue #31 (its router re-made every token's event), run beside in the same session.", ""]
     if eng:
         lines += [f"**Engines** ({CONCURRENT} concurrent streamed requests of {TOKENS} tokens, greedy, real vLLM "
-                  f"engines, one OpenMP thread each; {REPS} runs of each path, interleaved: the router's figure is "
-                  "all of them together, then each):", "",
+                  f"engines, one OpenMP thread each; completions, and chats of a 48-word user message; {REPS} runs of "
+                  "each path, interleaved: the router's figure is all of them together, then each):", "",
                   "| path | tokens | wall s | router (or relay) ms/token | decode vLLM ms/token | prefill vLLM ms/token | "
                   "sidecars + control plane ms/token |", "|---|---:|---:|---:|---:|---:|---:|"]
         for name, p in eng.items():
@@ -342,11 +357,16 @@ def report(eng: dict | None, fake: dict | None, clients: int, seconds: float) ->
             router = f"**{m['router']:.3f}** ({each})" if p["cpu_s"].get("router") else "-"
             lines.append(f"| {name} | {p['tokens']} | {p['wall_s']:.1f} | {router} | {m['decode vLLM']:.3f} | "
                          f"{m['prefill vLLM']:.3f} | {m['sidecars + control plane + etcd']:.3f} |")
-        mine = eng["through the router"]["ms_per_token"]["router"]
-        base = next(p for n, p in eng.items() if n.startswith("through the baseline"))["ms_per_token"]["router"]
-        if LIMIT in eng:
-            lines += ["", f"Same run: the router's CPU per token is **{mine / eng[LIMIT]['ms_per_token']['router']:.2f}x** "
-                          f"the bare TCP relay's (the limit) and **{mine / base:.2f}x** the baseline router's."]
+        for endpoint in ENDPOINTS:
+            tail = "" if endpoint == "completions" else f", {endpoint}"
+            mine = eng.get(f"through the router{tail}")
+            base = next((p for n, p in eng.items() if n.startswith("through the baseline") and n.endswith(tail)
+                         and (tail or "," not in n)), None)
+            limit = eng.get(f"{LIMIT}{tail}")
+            if mine and base and limit:
+                mine, base, limit = (x["ms_per_token"]["router"] for x in (mine, base, limit))
+                lines += ["", f"Same run, {endpoint}: the router's CPU per token is **{mine / limit:.2f}x** "
+                              f"the bare TCP relay's (the limit) and **{mine / base:.2f}x** the baseline router's."]
         t = eng["ttft_ms"]
         alone = t["prefill alone"]["p50"]
         lines += ["", f"TTFT (sequential, interleaved, n={t['router']['n']} each), p50 / p90: through the router "

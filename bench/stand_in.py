@@ -34,11 +34,12 @@ def prompt_ids(i: int, n: int = PROMPT) -> list[int]:
 
 
 async def stream(session: aiohttp.ClientSession, url: str, body: dict) -> dict:
-    """One streamed request: TTFT (s) and the content events received (one per token
-    here: greedy, one token a step)."""
+    """One streamed request (a chat if ``body`` has messages): TTFT (s) and the content
+    events received (one per token here: greedy, one token a step)."""
     started = time.perf_counter()
     ttft, events, pending = None, 0, b""
-    async with session.post(url + "/v1/completions", json=body) as r:
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    async with session.post(url + path, json=body) as r:
         if r.status != 200:
             return {"error": f"{r.status}: {(await r.read())[:200]!r}"}
         async for data in r.content.iter_any():
@@ -46,9 +47,11 @@ async def stream(session: aiohttp.ClientSession, url: str, body: dict) -> dict:
                 ttft = time.perf_counter() - started
             *whole, pending = (pending + data).split(b"\n\n")
             for e in whole:
-                if b'"text":' in e:
+                if b'"token_ids":[' in e:
                     # (one event may carry several tokens: vLLM merges outputs its server is late for)
-                    events += len(json.loads(e[6:])["choices"][0]["token_ids"]) if b'"token_ids":[' in e else 1
+                    events += len(json.loads(e[6:])["choices"][0]["token_ids"])
+                elif b'"text":' in e or (b'"content":' in e and b'"role":' not in e):  # (a chat's first event: its role)
+                    events += 1
     return {"ttft": ttft, "tokens": events, "error": None}
 
 
