@@ -212,6 +212,7 @@ def cmd_router(args) -> None:
                            http_tls_cert=args.http_tls_cert, http_tls_key=args.http_tls_key,
                            body_timeout_s=args.body_timeout, write_timeout_s=args.write_timeout,
                            header_timeout_s=args.header_timeout, keepalive_timeout_s=args.keepalive_timeout,
+                           upstream_timeout_s=args.upstream_timeout,
                            relocate=not args.no_relocate, prefix_block_size=args.prefix_block_size,
                            prefix_hash=args.prefix_hash, prefix_hash_seed=args.prefix_hash_seed,
                            local_prefill_tokens=(args.local_prefill_tokens if args.local_prefill_tokens is not None
@@ -357,6 +358,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keepalive-timeout", type=float, default=75.0,
                    help="seconds a keep-alive connection may sit idle between requests before it is closed "
                         "(kvpush_router_connections_shed_total{reason=\"idle\"})")
+    p.add_argument("--upstream-timeout", type=float, default=600.0,
+                   help="seconds an engine may send nothing (before its answer begins, or between two streamed "
+                        "events) before its request fails over or the client gets a 504; not a bound on how long "
+                        "an answer that keeps streaming may take")
     p.add_argument("--no-relocate", action="store_true",
                    help="when a decode engine fails before loading a request's KV, compute the prompt on another "
                         "(the baseline) instead of moving the reservation and pushing the staged KV again")

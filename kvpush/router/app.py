@@ -41,7 +41,7 @@ def build_app(cfg: RouterConfig, counter: TokenCounter | None = None) -> web.App
                                              cfg.tls_server_name)
         app[SESSION] = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0),
-            timeout=aiohttp.ClientTimeout(total=cfg.upstream_timeout_s, sock_connect=5))
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=cfg.upstream_timeout_s))
         app[DISPATCHER] = Dispatcher(cfg, app[COUNTER], app[REGISTRIES], app[SESSION])
         app[DISPATCHER].engines.start()
 
@@ -129,10 +129,13 @@ def _failed(request: web.Request, endpoint: str, exc: Exception) -> tuple[str, w
         # Its reservation is released and decode's request closed by now; its stream
         # began, so the connection is aborted (below).
         return "client_too_slow", web.Response(status=408)
+    if isinstance(exc, asyncio.TimeoutError) or isinstance(exc.__cause__, asyncio.TimeoutError):
+        # (aiohttp's read timeout is a ClientError too; a break before the answer's first byte
+        # keeps it as its cause)
+        silent = request.app[DISPATCHER].cfg.upstream_timeout_s
+        return "upstream_error", json_error(f"the engine sent nothing for {silent:g} s (--upstream-timeout)", 504)
     if isinstance(exc, aiohttp.ClientError):
         return "upstream_error", json_error(f"engine unreachable: {exc}", 502)
-    if isinstance(exc, asyncio.TimeoutError):  # an engine request past its timeout (upstream_timeout_s)
-        return "upstream_error", json_error("an engine did not answer in time", 504)
     if isinstance(exc, web.HTTPException):  # aiohttp's refusals (405, ...)
         return ("bad_request" if exc.status < 500 else "error"), _http_error(request, exc)
     _log.exception("request failed unexpectedly", endpoint=endpoint, error=f"{type(exc).__name__}: {exc}")

@@ -34,6 +34,9 @@ class RouterConfig:
     listen_port: int = 8000
     reserve_timeout_s: float = 0.5          # past this, serve without push rather than wait
     deadline_ms: int = 30_000               # reservation lifetime
+    # How long an engine may send nothing: before its answer begins (its queue, a prompt
+    # computed whole before a non-streamed answer) or between two of a stream's events. Not
+    # a bound on an answer's length: a long generation that keeps streaming is never cut.
     upstream_timeout_s: float = 600.0
     body_timeout_s: float = 30.0            # a client's whole request body must arrive within this
     write_timeout_s: float = 30.0           # ... and it must take each streamed write within this
@@ -72,7 +75,8 @@ class RouterConfig:
         if len(set(addresses)) != len(addresses):
             raise ValueError(f"--controlplane names the same registry twice: {addresses}")
         for flag, value in (("--header-timeout", self.header_timeout_s),
-                            ("--keepalive-timeout", self.keepalive_timeout_s)):
+                            ("--keepalive-timeout", self.keepalive_timeout_s),
+                            ("--upstream-timeout", self.upstream_timeout_s)):
             if not value > 0:  # (NaN too)
                 raise ValueError(f"{flag} must be a positive number of seconds, got {value}")
         if self.local_prefill_tokens < 0:

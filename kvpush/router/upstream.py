@@ -74,7 +74,13 @@ class Upstream:
         timings = {} if timings is None else timings
         body = sent.body
         try:
-            async with await sent.answer as upstream:
+            try:
+                answer = await sent.answer
+            except aiohttp.ClientError as exc:
+                if isinstance(exc, aiohttp.ClientConnectorError):
+                    raise
+                raise BrokeBeforeAnswering(f"{type(exc).__name__}: {exc}") from exc
+            async with answer as upstream:
                 if not body.get("stream") or upstream.status != 200:
                     payload = await upstream.read()
                     timings["decode_done"] = time.perf_counter()
@@ -95,8 +101,7 @@ class Upstream:
                         await out.write(chunk)
                 except aiohttp.ClientError as exc:
                     if out is None:
-                        raise BrokeBeforeAnswering(f"the engine's answer broke before its first byte: {exc}") \
-                            from exc
+                        raise BrokeBeforeAnswering(f"{type(exc).__name__} before its first byte: {exc}") from exc
                     raise
                 timings["decode_done"] = time.perf_counter()
                 out = out or await self._begin(upstream, request)
@@ -158,7 +163,9 @@ class Answering:
 
 
 class BrokeBeforeAnswering(aiohttp.ClientPayloadError):
-    """An engine's streamed answer broke before its first byte went to the client."""
+    """An engine's answer failed before its first byte went to the client (before its
+    headers, or a stream before its first event): another engine can still serve it.
+    (Its cause is aiohttp's error: a read timeout among them.)"""
 
 
 def nothing_sent(exc: aiohttp.ClientError, ask_or_body) -> bool:

@@ -38,6 +38,7 @@ class FakeEngine:
         self.decode_text = lambda t: f" w{t}"   # decode's text for token t (WordTokenizer's)
         self.break_after: int | None = None      # decode's stream: the connection aborted after this many events
         self.error_after: int | None = None      # ... or an error event after this many
+        self.silent_after: int | None = None     # ... or nothing more after this many (a hung engine)
 
     async def _with_token_ids(self, request: web.Request, body: dict):
         base = {"id": f"cmpl-{self.name}", "created": 1, "model": "tiny"}
@@ -68,6 +69,8 @@ class FakeEngine:
             if self.break_after is not None and i == self.break_after:
                 request.transport.abort()   # the engine dies part way
                 return resp
+            if self.silent_after is not None and i == self.silent_after:
+                await asyncio.sleep(3600)   # ... or hangs (until the router closes the connection)
             if self.error_after is not None and i == self.error_after:  # ... or says it failed, as vLLM does
                 await resp.write(b'data: {"error": {"message": "engine failed", "code": 500}}\n\n')
                 return resp

@@ -160,13 +160,13 @@ async def test_on_the_push_path_an_unreachable_decode_engine_is_replaced_by_movi
         await dead_sim.stop()
 
 
-@pytest.mark.parametrize("stream, how", [(True, "break"), (False, "break"), (True, "error")])
+@pytest.mark.parametrize("stream, how", [(True, "break"), (False, "break"), (True, "error"), (True, "silent")])
 async def test_decode_dying_part_way_is_resumed_elsewhere_with_the_text_whole(stack, engine_client, stream, how):
     """Decode's stream breaks after three tokens, while its events were being passed on
     (``relay.Passthrough``), or sends an error event right behind them (one read: the
-    events before it are still the client's): another decode engine goes on from the
-    tokens received, and the client's answer is the one an unbroken stream gives, no
-    token lost or repeated."""
+    events before it are still the client's), or sends nothing more for --upstream-timeout
+    (hung): another decode engine goes on from the tokens received, and the client's
+    answer is the one an unbroken stream gives, no token lost or repeated."""
     s = stack
     other_sim = SimulatedEngine(engine_client, "decode-1", num_blocks=8, model="tiny")
     await other_sim.register()
@@ -176,13 +176,11 @@ async def test_decode_dying_part_way_is_resumed_elsewhere_with_the_text_whole(st
     for fake in (s["prefill"], s["decode"], other):
         fake.mode = "token_ids"
         fake.chunk_delay = 0.01 if how == "break" else 0.0   # events one by one, as an engine streams them
-    if how == "break":
-        s["decode"].break_after = 3
-    else:
-        s["decode"].error_after = 3
+    setattr(s["decode"], f"{how}_after", 3)
     cfg = RouterConfig(controlplane=s["cp"].address, token=s["token"], model="tiny", prefill_urls=(s["prefill_url"],),
                        max_model_len=1000, decode=(DecodeEngine("decode-0", s["decode_url"]),
-                                                   DecodeEngine("decode-1", str(other_server.make_url("")).rstrip("/"))))
+                                                   DecodeEngine("decode-1", str(other_server.make_url("")).rstrip("/"))),
+                       upstream_timeout_s=0.5)
     router = TestServer(build_app(cfg, WordTokenizer()), handler_cancellation=True)
     await router.start_server()
     try:

@@ -19,6 +19,7 @@ from kvpush.router.app import DISPATCHER, build_app, start
 from kvpush.router.body import MAX_BODY, MAX_DEPTH
 from kvpush.router.config import DecodeEngine, RouterConfig
 from kvpush.router.tokens import WhitespaceCounter
+from tests.controlplane.helpers import settle
 from tests.polling import until
 
 pytestmark = pytest.mark.timeout(60)
@@ -219,3 +220,54 @@ async def test_shedding_is_logged_at_once_then_summed_once_per_interval(monkeypa
     assert shed_total("header_timeout") == before + 1000
     guard.close()  # nothing left unlogged: no line
     assert len(logged.lines) == 2
+
+
+async def test_upstream_timeout_bounds_an_engines_silence_not_an_answers_length(stack):
+    """--upstream-timeout is how long an engine may send nothing, not how long an answer may
+    take: a stream that outlasts it while its events keep coming arrives whole (a long
+    generation is never cut); a decode engine silent that long is replaced by another
+    engine; and when every engine that could serve is silent, the client gets a 504 that
+    says so, its reservation released."""
+    s = stack
+    router = TestServer(build_app(router_cfg(s, upstream_timeout_s=0.5), WhitespaceCounter()),
+                        handler_cancellation=True)
+    await router.start_server()
+    url = str(router.make_url("")).rstrip("/") + "/v1/completions"
+    body = {"model": "tiny", "prompt": "one two", "max_tokens": 3}
+    live = len((await settle(s["etcd"].endpoint)).live)
+    try:
+        s["decode"].chunks = 80  # 10 ms apart: about 0.8 s in all
+        async with s["session"].post(url, json=dict(body, stream=True)) as r:
+            text = (await r.read()).decode()
+        assert r.status == 200 and text.count("data: {") == 80 and text.endswith("data: [DONE]\n\n"), text[-300:]
+        s["decode"].chunks = 3
+        s["decode"].stall.clear()  # decode silent: the prefill engine (a whole engine) serves alone
+        for stream in (False, True):
+            async with s["session"].post(url, json=dict(body, stream=stream)) as r:
+                text = (await r.read()).decode()
+            assert r.status == 200, text
+            assert '"engine": "P"' in text if not stream else text.endswith("data: [DONE]\n\n"), text
+        s["prefill"].stall.clear()  # and now every engine
+        for stream in (False, True):
+            before = requests_total("completions", "upstream_error")
+            async with s["session"].post(url, json=dict(body, stream=stream)) as r:
+                error = (await r.json())["error"]
+            assert r.status == 504 and "sent nothing for 0.5 s" in error["message"], error
+            assert requests_total("completions", "upstream_error") == before + 1
+        # Only the first request's reservation is live (the stand-in decode never consumes one).
+        await settle(s["etcd"].endpoint, until=lambda report: len(report.live) == live + 1)
+    finally:
+        s["decode"].chunks = 3
+        s["decode"].stall.set()
+        s["prefill"].stall.set()
+        await router.close()
+
+
+@pytest.mark.parametrize("field, flag", [("upstream_timeout_s", "--upstream-timeout"),
+                                         ("header_timeout_s", "--header-timeout"),
+                                         ("keepalive_timeout_s", "--keepalive-timeout")])
+@pytest.mark.parametrize("value", [0.0, -1.0, float("nan")])
+def test_a_timeout_that_is_not_a_positive_number_is_refused_by_name(field, flag, value):
+    cfg = RouterConfig(controlplane="127.0.0.1:1", token="t", model="tiny", prefill_urls=(), decode=())
+    with pytest.raises(ValueError, match=f"{flag} must be a positive number of seconds"):
+        dataclasses.replace(cfg, **{field: value})
