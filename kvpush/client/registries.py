@@ -52,6 +52,11 @@ ASIDE_S = {grpc.StatusCode.RESOURCE_EXHAUSTED: FULL_S, grpc.StatusCode.FAILED_PR
 # the request id's live reservation, and another must not make a second.
 MOVE_ON = frozenset(ASIDE_S) | {grpc.StatusCode.INVALID_ARGUMENT}
 _NOT_KNOWN = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
+
+
+class NotAsked(ReserveRefused):
+    """No registry was asked: each one the caller could ask did not answer lately (it is
+    resting, ``Registry.resting``), so the request is served without push at once."""
 _log = log.get("registries")
 
 
@@ -62,9 +67,21 @@ class Registry:
     cp: ControlPlaneClient
     reserver: StreamReserver
     aside_until: float = 0.0    # (monotonic) did not answer, or had no room: asked last until then
+    silent: bool = False        # its last ask timed out with nothing heard from it meanwhile
+    probing: bool = False       # ... and one ask is out to it now, to see whether it is back
 
     def aside(self, now: float | None = None) -> bool:
         return (time.monotonic() if now is None else now) < self.aside_until
+
+    def resting(self, now: float | None = None) -> bool:
+        """Not to be asked: it went silent (an ask timed out and nothing at all came from
+        it meanwhile: hung, not merely slow for one ask). Each request would otherwise wait
+        out its Reserve timeout there (all of it, with one registry) before serving without
+        push, for as long as a control plane or its etcd hangs; instead the requests meanwhile
+        are served without push at once, and once its spell aside is over one ask at a time
+        (a probe) sees whether it answers again. (A broken stream or a refused connection,
+        UNAVAILABLE, answers at once and the next ask opens a new stream: no rest.)"""
+        return self.silent and (self.probing or self.aside(now))
 
 
 class Registries:
@@ -119,27 +136,36 @@ class Registries:
         registry; one answered after its caller moved on is released (``StreamReserver``)."""
         deadline = time.monotonic() + timeout
         refused: ReserveRefused | None = None
+        resting = []
         for i, reg in enumerate(order):
             left = deadline - time.monotonic()
             if left <= 0:
                 break
+            if reg.resting():
+                resting.append(reg.name)
+                continue
             request = ask(reg)
             if request is None:
                 continue
             # Each but the last is given half of what is left: one that does not answer
             # leaves time for the next.
             given = left if i == len(order) - 1 else left / 2
+            probe = reg.probing = reg.silent
+            asked_at = time.monotonic()
             try:
                 res = await reg.reserver.reserve(request, timeout=given)
             except ReserveRefused as exc:
                 refused = exc
                 if observe is not None:
                     observe(reg, exc.code.name.lower())
-                if exc.code not in MOVE_ON:
-                    raise
                 # (No answer within a short slice, the end of a timeout others used up,
                 # says little about a registry: it is set aside only after a fair share.)
                 short = exc.code == grpc.StatusCode.DEADLINE_EXCEEDED and given < timeout / 4
+                if not short:
+                    reg.silent = exc.code == grpc.StatusCode.DEADLINE_EXCEEDED and \
+                        reg.reserver.last_heard <= asked_at
+                if exc.code not in MOVE_ON:
+                    raise
                 if exc.code in ASIDE_S and not short:
                     reg.aside_until = time.monotonic() + ASIDE_S[exc.code]
                 if exc.code in _NOT_KNOWN and len(self.all) > 1:
@@ -147,11 +173,17 @@ class Registries:
                                "(is the tenant and its token created there?)", registry=reg.name,
                                code=exc.code.name, details=exc.details, asked_last_for_s=ASIDE_S[exc.code])
                 continue
-            reg.aside_until = 0.0
+            finally:
+                if probe:
+                    reg.probing = False
+            reg.aside_until, reg.silent = 0.0, False
             if observe is not None:
                 observe(reg, "granted")
             self.granted(res.id, reg, keep_s)
             return reg, res
+        if refused is None and resting:
+            raise NotAsked(grpc.StatusCode.UNAVAILABLE,
+                           f"not asked: {', '.join(resting)} did not answer lately (asked again in turn)")
         raise refused or ReserveRefused(grpc.StatusCode.DEADLINE_EXCEEDED,
                                         "no registry was asked: none could take the request in time")
 

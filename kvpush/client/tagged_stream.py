@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 
 import grpc
 
@@ -44,6 +45,7 @@ class TaggedStream:
         self._tasks: list[asyncio.Task] = []
         self._closed = False
         self.streams_opened = 0
+        self.last_heard = 0.0  # (monotonic) when the last message came from the other side
 
     # -- what a subclass says ---------------------------------------------------------------------
     def _open_call(self):
@@ -147,6 +149,7 @@ class TaggedStream:
                 msg = await call.read()
                 if msg is grpc.aio.EOF:
                     break
+                self.last_heard = time.monotonic()
                 for answer in self._answers(msg):
                     self._deliver(answer)
         except asyncio.CancelledError:

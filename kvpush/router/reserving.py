@@ -9,7 +9,7 @@ import time
 import grpc
 
 from kvpush import log
-from kvpush.client.registries import MOVE_ON, Registry
+from kvpush.client.registries import MOVE_ON, NotAsked, Registry
 from kvpush.client.reserve_stream import ReserveRefused
 from kvpush.contract.v1 import scheduler_pb2
 from kvpush.router import ask as asks
@@ -17,7 +17,8 @@ from kvpush.router import metrics
 from kvpush.router.errors import ApiError
 
 _log = log.get("router")
-_MOVE_ON = frozenset(code.name.lower() for code in MOVE_ON)  # (reasons as ``reserve`` gives them)
+# (Reasons as ``reserve`` gives them; "registry_down": the registry was not asked, resting.)
+_MOVE_ON = frozenset(code.name.lower() for code in MOVE_ON) | {"registry_down"}
 
 
 class Reserving:
@@ -74,17 +75,22 @@ class Reserving:
         try:
             granted_in, res = await self.registries.reserve(
                 request_for, self.cfg.reserve_timeout_s if timeout is None else timeout, order, self.keep_s, observe)
+        except NotAsked:  # (no round trip: nothing to learn the Reserve's latency from)
+            return None, "registry_down", prefill_url
         except ReserveRefused as exc:
+            self._observe(time.perf_counter() - started)
             return None, exc.code.name.lower(), prefill_url
-        finally:
-            metrics.RESERVE_LATENCY.observe(elapsed := time.perf_counter() - started)
-            self.kv_aware.hold.observe(elapsed)
+        self._observe(time.perf_counter() - started)
         if self.engines.decode_url(res.engine_id) is None:
             if not res.decode_alone:  # (decode_alone: nothing is held)
                 await self.release(res.id, "router has no address for this decode engine")
             return None, "unknown_decode_engine", prefill_url
         self.kv_aware.served(keys, res.engine_id)
         return self.kv_aware.observed(res), "", picks[granted_in]
+
+    def _observe(self, elapsed: float) -> None:
+        metrics.RESERVE_LATENCY.observe(elapsed)
+        self.kv_aware.hold.observe(elapsed)
 
     async def reserve_elsewhere(self, request_id: str, ask: asks.Ask, keys, refused_in: Registry | None, why: str,
                                 left_s: float):

@@ -24,6 +24,8 @@ class Reserver:
 
     def __init__(self, name: str, *answers) -> None:
         self.name, self.answers, self.asked = name, list(answers), []
+        self.last_heard = 0.0   # (as TaggedStream's: when the registry last sent anything)
+        self.chatty = False     # answers others meanwhile: heard from while an ask times out
 
     async def reserve(self, request, timeout=None):
         self.asked.append((request, timeout))
@@ -33,7 +35,10 @@ class Reserver:
         delay, code = answer if isinstance(answer, tuple) else (answer, None)
         if isinstance(delay, float):
             if delay > timeout:
-                await asyncio.sleep(timeout)
+                await asyncio.sleep(timeout / 2)
+                if self.chatty:
+                    self.last_heard = time.monotonic()
+                await asyncio.sleep(timeout / 2)
                 raise ReserveRefused(grpc.StatusCode.DEADLINE_EXCEEDED, "timed out")
             await asyncio.sleep(delay)
         if code is not None:
@@ -65,10 +70,59 @@ async def test_a_registry_without_room_or_answer_is_passed_for_the_next_and_aske
     f.all[0].aside_until = time.monotonic() - 1  # a's moment passed: b is still aside
     assert [r.name for r in f.order()] == ["a", "c", "b"]
     assert f.all[1].aside_until - time.monotonic() > regs.FULL_S
-    # ... and a grant ends a registry's spell aside.
+    # ... and once its spell is over, a grant ends its being aside.
+    f.all[1].aside_until = time.monotonic() - 1
     b.answers = [None]
     await f.reserve(ask, 1.0, [f.all[1]], keep_s=30)
-    assert not f.all[1].aside()
+    assert not f.all[1].aside() and not f.all[1].resting()
+
+
+async def test_a_silent_registry_rests_then_one_probe_at_a_time_sees_it_back():
+    """An ask that timed out (after a fair share) with nothing at all heard from the
+    registry meanwhile: hung. It is not asked while it is aside, so a request with no
+    other registry is refused at once (NotAsked) instead of waiting out its timeout there;
+    then one ask at a time goes to it (the others meanwhile are not asked), and an answer,
+    any answer, ends its rest."""
+    for _ in range(2):
+        a = Reserver("a", 0.5)
+        f = fleet(a)
+        with pytest.raises(ReserveRefused):
+            await f.reserve(ask, 0.2, f.order(), keep_s=30)
+        reg = f.all[0]
+        assert reg.resting() and reg.aside_until - time.monotonic() > regs.DOWN_S - 0.5
+        started = time.monotonic()
+        with pytest.raises(regs.NotAsked) as refused:
+            await f.reserve(ask, 0.2, f.order(), keep_s=30)
+        assert refused.value.code == grpc.StatusCode.UNAVAILABLE and "a did not answer lately" in refused.value.details
+        assert len(a.asked) == 1 and time.monotonic() - started < 0.1
+        reg.aside_until = time.monotonic() - 1  # its spell is over: the next ask probes it
+        a.answers = [0.3]                       # (it answers, slowly)
+        probe = asyncio.ensure_future(f.reserve(ask, 1.0, f.order(), keep_s=30))
+        await asyncio.sleep(0.05)
+        assert reg.probing and reg.resting()
+        with pytest.raises(regs.NotAsked):       # one probe at a time: this one is not asked
+            await f.reserve(ask, 1.0, f.order(), keep_s=30)
+        granted_in, _ = await probe
+        assert granted_in is reg and not reg.resting() and not reg.aside() and len(a.asked) == 2
+    # Not resting, only aside (asked last, so asked with one registry): one that answers
+    # "no room"; one whose stream broke or connection was refused (UNAVAILABLE: at once, and
+    # the next ask opens a new stream, maybe to another replica); one slow for an ask that
+    # timed out while it answered others.
+    for answer in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE, 0.5):
+        a = Reserver("a", answer, None)
+        a.chatty = True
+        f = fleet(a)
+        with pytest.raises(ReserveRefused):
+            await f.reserve(ask, 0.2, f.order(), keep_s=30)
+        assert f.all[0].aside() and not f.all[0].resting(), answer
+        await f.reserve(ask, 0.2, f.order(), keep_s=30)
+    # With another registry, a resting one is passed over and the other asked.
+    a, b = Reserver("a", 5.0), Reserver("b", None, None)
+    f = fleet(a, b)
+    reg, _ = await f.reserve(ask, 1.0, [f.all[0], f.all[1]], keep_s=30)
+    assert reg.name == "b" and f.all[0].resting()
+    reg, _ = await f.reserve(ask, 1.0, [f.all[0], f.all[1]], keep_s=30)
+    assert reg.name == "b" and len(a.asked) == 1
 
 
 async def test_an_invalid_argument_is_asked_elsewhere_and_a_live_request_id_is_not():
@@ -129,7 +183,11 @@ async def test_the_timeout_is_shared_a_hung_registry_leaving_time_for_the_next()
         await f.reserve(ask, 0.3, f.order(), keep_s=30)
     assert time.monotonic() - started < 0.45 and refused.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert all(r.aside() for r in f.all)
+    # ... and both resting now: the next request is not asked of either (said so, at once).
+    with pytest.raises(regs.NotAsked, match="c, d did not answer lately"):
+        await f.reserve(ask, 0.3, f.order(), keep_s=30)
     # No registry could take the ask at all: said so.
+    f = fleet(Reserver("e"))
     with pytest.raises(ReserveRefused, match="no registry was asked"):
         await f.reserve(lambda reg: None, 1.0, f.order(), keep_s=30)
 
