@@ -52,12 +52,12 @@ ASIDE_S = {grpc.StatusCode.RESOURCE_EXHAUSTED: FULL_S, grpc.StatusCode.FAILED_PR
 # the request id's live reservation, and another must not make a second.
 MOVE_ON = frozenset(ASIDE_S) | {grpc.StatusCode.INVALID_ARGUMENT}
 _NOT_KNOWN = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
+_log = log.get("registries")
 
 
 class NotAsked(ReserveRefused):
-    """No registry was asked: each one the caller could ask did not answer lately (it is
+    """No registry was asked: each one the caller could ask went silent lately (it is
     resting, ``Registry.resting``), so the request is served without push at once."""
-_log = log.get("registries")
 
 
 @dataclasses.dataclass(eq=False)
@@ -183,7 +183,7 @@ class Registries:
             return reg, res
         if refused is None and resting:
             raise NotAsked(grpc.StatusCode.UNAVAILABLE,
-                           f"not asked: {', '.join(resting)} did not answer lately (asked again in turn)")
+                           f"not asked: {', '.join(resting)} went silent lately (asked again in turn)")
         raise refused or ReserveRefused(grpc.StatusCode.DEADLINE_EXCEEDED,
                                         "no registry was asked: none could take the request in time")
 

@@ -129,9 +129,10 @@ def _failed(request: web.Request, endpoint: str, exc: Exception) -> tuple[str, w
         # Its reservation is released and decode's request closed by now; its stream
         # began, so the connection is aborted (below).
         return "client_too_slow", web.Response(status=408)
-    if isinstance(exc, asyncio.TimeoutError) or isinstance(exc.__cause__, asyncio.TimeoutError):
-        # (aiohttp's read timeout is a ClientError too; a break before the answer's first byte
-        # keeps it as its cause)
+    if isinstance(exc, asyncio.TimeoutError) or (isinstance(exc, aiohttp.ClientError)
+                                                 and isinstance(exc.__cause__, asyncio.TimeoutError)):
+        # (aiohttp's read timeout is a ClientError too; a break before the answer's first byte,
+        # upstream.BrokeBeforeAnswering, keeps it as its cause)
         silent = request.app[DISPATCHER].cfg.upstream_timeout_s
         return "upstream_error", json_error(f"the engine sent nothing for {silent:g} s (--upstream-timeout)", 504)
     if isinstance(exc, aiohttp.ClientError):
