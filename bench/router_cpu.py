@@ -193,7 +193,7 @@ def engines_part(model: str, logs: str, baseline: str) -> dict:
                 wall = time.monotonic() - t
                 cpu = meter.stop()
                 got = out.setdefault(phase, {"tokens": 0, "wall_s": 0.0, "errors": [], "cpu_s": {},
-                                             "router_ms_per_token_each": []})
+                                             "router_ms_per_token_each": [], "endpoint": endpoint})
                 tokens = sum(r.get("tokens", 0) for r in results)
                 got["tokens"] += tokens
                 got["wall_s"] += wall
@@ -358,13 +358,10 @@ def report(eng: dict | None, fake: dict | None, clients: int, seconds: float) ->
             lines.append(f"| {name} | {p['tokens']} | {p['wall_s']:.1f} | {router} | {m['decode vLLM']:.3f} | "
                          f"{m['prefill vLLM']:.3f} | {m['sidecars + control plane + etcd']:.3f} |")
         for endpoint in ENDPOINTS:
-            tail = "" if endpoint == "completions" else f", {endpoint}"
-            mine = eng.get(f"through the router{tail}")
-            base = next((p for n, p in eng.items() if n.startswith("through the baseline") and n.endswith(tail)
-                         and (tail or "," not in n)), None)
-            limit = eng.get(f"{LIMIT}{tail}")
+            mine, base, limit = (next((p["ms_per_token"]["router"] for n, p in eng.items() if n.startswith(path)
+                                       and p.get("endpoint", "completions") == endpoint), None)
+                                 for path in ("through the router", "through the baseline", LIMIT))
             if mine and base and limit:
-                mine, base, limit = (x["ms_per_token"]["router"] for x in (mine, base, limit))
                 lines += ["", f"Same run, {endpoint}: the router's CPU per token is **{mine / limit:.2f}x** "
                               f"the bare TCP relay's (the limit) and **{mine / base:.2f}x** the baseline router's."]
         t = eng["ttft_ms"]

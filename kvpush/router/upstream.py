@@ -73,40 +73,33 @@ class Upstream:
         """``sent``'s answer, streamed or not, as the client gets it."""
         timings = {} if timings is None else timings
         body = sent.body
+        # The client's answer begins with the engine's first bytes, not its headers: an engine
+        # sends those at once and may die before its first event (queued, or computing the
+        # prompt), and until then the client has nothing, so another engine can still serve it
+        # (``nothing_sent``), or it gets an error answer.
+        out = None
         try:
-            try:
-                answer = await sent.answer
-            except aiohttp.ClientError as exc:
-                if isinstance(exc, aiohttp.ClientConnectorError):
-                    raise
-                raise BrokeBeforeAnswering(f"{type(exc).__name__}: {exc}") from exc
-            async with answer as upstream:
+            async with await sent.answer as upstream:
                 if not body.get("stream") or upstream.status != 200:
                     payload = await upstream.read()
                     timings["decode_done"] = time.perf_counter()
                     metrics.TTFT.labels(path=path).observe(timings["decode_done"] - sent.started)
                     return web.Response(body=payload, status=upstream.status,
                                         content_type=upstream.content_type or "application/json")
-                # The client's answer begins with the engine's first bytes, not its headers: an
-                # engine sends those at once and may die before its first event (queued, or
-                # computing the prompt), and until then the client has nothing, so another
-                # engine can still serve it (``nothing_sent``), or it gets an error answer.
-                out = None
-                try:
-                    async for chunk in upstream.content.iter_any():
-                        if out is None:
-                            timings["first_chunk"] = time.perf_counter()
-                            metrics.TTFT.labels(path=path).observe(timings["first_chunk"] - sent.started)
-                            out = await self._begin(upstream, request)
-                        await out.write(chunk)
-                except aiohttp.ClientError as exc:
+                async for chunk in upstream.content.iter_any():
                     if out is None:
-                        raise BrokeBeforeAnswering(f"{type(exc).__name__} before its first byte: {exc}") from exc
-                    raise
+                        timings["first_chunk"] = time.perf_counter()
+                        metrics.TTFT.labels(path=path).observe(timings["first_chunk"] - sent.started)
+                        out = await self._begin(upstream, request)
+                    await out.write(chunk)
                 timings["decode_done"] = time.perf_counter()
                 out = out or await self._begin(upstream, request)
                 await out.write_eof()
                 return out
+        except aiohttp.ClientError as exc:
+            if out is None and not isinstance(exc, aiohttp.ClientConnectorError):
+                raise BrokeBeforeAnswering(f"{type(exc).__name__} before the client's first byte: {exc}") from exc
+            raise
         finally:
             sent.done()
 
