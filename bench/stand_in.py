@@ -91,6 +91,8 @@ def stand_in_app(model: str, pace_ms: float = 0.0, handover=None):
     async def handle(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         prompt = body["prompt"]
+        if isinstance(prompt, str):  # (a text prompt: its ids as an engine would return them)
+            prompt = tok.encode(prompt).ids
         if not body.get("stream"):
             kv = (body.get("kv_transfer_params") or {}).get("kvpush") or {}
             choice = {"index": 0, "text": tok.decode(out_ids[:1]), "logprobs": None, "finish_reason": "length",
