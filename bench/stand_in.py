@@ -88,23 +88,27 @@ def stand_in_app(model: str, pace_ms: float = 0.0, handover=None):
             streams[key] = b"".join(parts)
         return streams[key]
 
+    async def reported(body: dict, answer: dict) -> dict:
+        """A prefill answer with the push report an engine adds when a reservation reached it."""
+        kv = (body.get("kv_transfer_params") or {}).get("kvpush") or {}
+        if "await" in kv and handover is not None:
+            kv = {"reservation_id": await handover(kv["await"]["request_id"], kv["await"]["wait_ms"] / 1e3)}
+        if kv.get("reservation_id"):
+            answer["kv_transfer_params"] = push_report(kv["reservation_id"], True)
+        return answer
+
     async def handle(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         prompt = body["prompt"]
         if isinstance(prompt, str):  # (a text prompt: its ids as an engine would return them)
             prompt = tok.encode(prompt).ids
         if not body.get("stream"):
-            kv = (body.get("kv_transfer_params") or {}).get("kvpush") or {}
             choice = {"index": 0, "text": tok.decode(out_ids[:1]), "logprobs": None, "finish_reason": "length",
                       "stop_reason": None, "prompt_token_ids": prompt, "token_ids": out_ids[:1]}
             answer = {"id": "cmpl-fake-p", "object": "text_completion", "created": 1, "model": "tiny",
                       "choices": [choice], "usage": {"prompt_tokens": len(prompt), "completion_tokens": 1,
                                                      "total_tokens": len(prompt) + 1}}
-            if "await" in kv and handover is not None:
-                kv = {"reservation_id": await handover(kv["await"]["request_id"], kv["await"]["wait_ms"] / 1e3)}
-            if kv.get("reservation_id"):
-                answer["kv_transfer_params"] = push_report(kv["reservation_id"], True)
-            return web.json_response(answer)
+            return web.json_response(await reported(body, answer))
         resp = web.StreamResponse()
         resp.content_type = "text/event-stream"
         await resp.prepare(request)
@@ -117,8 +121,29 @@ def stand_in_app(model: str, pace_ms: float = 0.0, handover=None):
             await asyncio.sleep(pace_ms / 1e3)
         return resp
 
+    chat_tok = []  # (the HF tokenizer, for chat templates: loaded at the first chat)
+
+    async def chat(request: web.Request) -> web.Response:
+        """A chat's prefill request (one token, its ids, the push report); decode's
+        continuation is a completion."""
+        body = await request.json()
+        if body.get("stream"):
+            return web.json_response({"error": "the stand-in streams completions only"}, status=501)
+        if not chat_tok:
+            from transformers import AutoTokenizer
+            chat_tok.append(AutoTokenizer.from_pretrained(model, local_files_only=True))
+        prompt = list(chat_tok[0].apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True,
+                                                      return_dict=False))
+        choice = {"index": 0, "message": {"role": "assistant", "content": tok.decode(out_ids[:1])}, "logprobs": None,
+                  "finish_reason": "length", "stop_reason": None, "token_ids": out_ids[:1]}
+        answer = {"id": "chatcmpl-fake-p", "object": "chat.completion", "created": 1, "model": "tiny",
+                  "choices": [choice], "prompt_token_ids": prompt,
+                  "usage": {"prompt_tokens": len(prompt), "completion_tokens": 1, "total_tokens": len(prompt) + 1}}
+        return web.json_response(await reported(body, answer))
+
     app = web.Application()
     app.router.add_post("/v1/completions", handle)
+    app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/{engine}/v1/completions", handle)   # (one stand-in serving several engines' URLs)
     return app
 

@@ -1,0 +1,192 @@
+"""The router's CPU per request by the prompt's length and form: what a long prompt costs
+the router before the first token (reading it, tokenizing a text or a chat, the
+reservation's block keys, the prefill answer's prompt ids, decode's continuation body,
+the output text's detokenizer). ``router_cpu.py`` measures per token with 64-token
+prompts; this says what real prompts add.
+
+    .venv/bin/python bench/router_prompts.py --report   # ~4 minutes on 2 cores; writes the
+                                                        # "Router CPU by prompt" section
+
+One stack without engines (etcd, a control plane, a simulated decode engine registered for
+reservations) and a stand-in engine (``stand_in.py``) that answers the prefill request at
+once (a completion's or a chat's, with the prompt's ids) and streams decode's 20-token
+continuation one event every 5 ms. In front of it, interleaved for each prompt: this
+router, the router of ``--baseline`` (by default main before this work), both KV-aware
+(block keys with each Reserve), and for completions the bare TCP relay straight to the
+stand-in (bench/tcp_relay.py: what a proxy pays to carry the request, no first-token
+path). 8 clients for 4 s per router and prompt, two rounds; each process's CPU divided by
+the requests it answered. Prompts: token ids (64, 1,024, 4,096), English text, and chats
+with a long history, the last two of about the same token counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+
+import aiohttp
+import psutil
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import CpuMeter, update_section  # noqa: E402
+from bench.router_cpu import baseline_checkout, other_router, say, stand_in, tcp_relay  # noqa: E402
+from bench.stand_in import SimulatedDecode, prompt_ids, stream  # noqa: E402
+from kvpush.app import engines  # noqa: E402
+from kvpush.app.stack import Stack, StackSpec  # noqa: E402
+from kvpush.app.tiny_model import DEFAULT_DIR, ensure_model  # noqa: E402
+
+BASELINE = "25f4b38"  # main before the long-prompt work (session 25)
+TOKENS = 20
+CLIENTS = 8
+SECONDS = 4.0
+ROUNDS = 2
+PACE_MS = 5.0
+LENGTHS = (64, 1024, 4096)
+SENTENCE = ("The prefill engine computes the prompt's KV cache while the sidecar writes each layer into blocks "
+            "reserved on a decode engine, which starts generating the moment the last write lands. ")
+
+
+def text(i: int, tokens: int) -> str:
+    """English of about ``tokens`` tokens (the tiny model's BPE: about 3.7 characters a
+    token here), different per request (a number in each sentence)."""
+    out, n = [], 0
+    while n < tokens * 3.7:
+        s = f"{i}.{len(out)} {SENTENCE}"
+        out.append(s)
+        n += len(s)
+    return "".join(out)
+
+
+def chat(i: int, tokens: int) -> list[dict]:
+    """A conversation of about ``tokens`` tokens: turns of a user and an assistant."""
+    turns, n = [{"role": "system", "content": "You are a concise assistant."}], 0
+    while n < tokens * 3.3:
+        s = f"Turn {len(turns)} of {i}: {SENTENCE}"
+        turns.append({"role": "user" if len(turns) % 2 else "assistant", "content": s})
+        n += len(s)
+    if turns[-1]["role"] != "user":
+        turns.append({"role": "user", "content": f"And then, {i}?"})
+    return turns
+
+
+def prompts() -> list[tuple[str, str, object]]:
+    """(label, endpoint, request body's prompt fields per request number)."""
+    out = [(f"ids, {n}", "completions", lambda i, n=n: {"prompt": prompt_ids(i, n)}) for n in LENGTHS]
+    out += [(f"text, ~{n}", "completions", lambda i, n=n: {"prompt": text(i, n)}) for n in LENGTHS]
+    out += [(f"chat, ~{n}", "chats", lambda i, n=n: {"messages": chat(i, n)}) for n in LENGTHS[1:]]
+    return out
+
+
+async def drive(url: str, make, seconds: float) -> dict:
+    stop_at = time.monotonic() + seconds
+    results: list[dict] = []
+
+    async def client(c: int, s: aiohttp.ClientSession) -> None:
+        n = 0
+        while time.monotonic() < stop_at:
+            body = {"model": "tiny", "max_tokens": TOKENS, "stream": True, **make(c * 100_000 + n)}
+            results.append(await stream(s, url, body))
+            n += 1
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+        await asyncio.gather(*(client(c, s) for c in range(CLIENTS)))
+    bad = [r["error"] or f"{r['tokens']} tokens" for r in results if r["error"] or r["tokens"] != TOKENS]
+    return {"requests": len(results), "errors": bad}
+
+
+def run(model: str, logs: str, baseline: str) -> dict:
+    os.makedirs(logs, exist_ok=True)
+    from kvpush.router.tokens import HFTokenCounter
+    counter = HFTokenCounter(model)
+    stack = Stack(StackSpec(model_dir=model, log_dir=logs, engines=False, deadline_ms=3000, quarantine_ms=100),
+                  progress=say)
+    procs = []
+    try:
+        stack.start()
+        sim = SimulatedDecode(stack.controlplane, stack.engine_token)
+        upstream, port, engine_args = stand_in(stack, model, PACE_MS)
+        procs.append(upstream)
+        args = (*engine_args, "--prefix-block-size", str(engines.BLOCK_SIZE))
+        mine, mine_url = other_router(stack, "router", engines.ROOT, args)
+        base, base_url = other_router(stack, "router-baseline", baseline_checkout(baseline), args)
+        relay, relay_url = tcp_relay(stack, port)
+        procs += [mine, base, relay]
+        who = {"router": (mine_url, mine), f"baseline ({baseline})": (base_url, base), "relay": (relay_url, relay)}
+        out: dict = {}
+        for label, endpoint, make in prompts():
+            body = make(0)
+            n = len(counter.chat_ids(body["messages"]) if "messages" in body else counter.completion_ids(body["prompt"]))
+            row = out.setdefault(label, {"endpoint": endpoint, "tokens": n, "by": {}})
+            names = [w for w in who if w != "relay" or endpoint == "completions"]
+            for rnd in range(ROUNDS):
+                for name in names if rnd % 2 == 0 else names[::-1]:
+                    url, proc = who[name]
+                    if rnd == 0:
+                        asyncio.run(drive(url, make, 0.5))  # warm
+                    meter = CpuMeter({"p+": psutil.Process(proc.pid)})
+                    meter.start()
+                    got = asyncio.run(drive(url, make, SECONDS))
+                    cpu = meter.stop()["p"]
+                    acc = row["by"].setdefault(name, {"cpu_s": 0.0, "requests": 0, "errors": []})
+                    acc["cpu_s"] += cpu
+                    acc["requests"] += got["requests"]
+                    acc["errors"] += got["errors"][:3]
+            for name, acc in row["by"].items():
+                acc["ms_per_request"] = 1e3 * acc["cpu_s"] / max(acc["requests"], 1)
+            say(f"{label} ({n} tokens): " + ", ".join(f"{k} {v['ms_per_request']:.2f} ms/request"
+                                                      f"{' ERRORS ' + str(v['errors'][:1]) if v['errors'] else ''}"
+                                                      for k, v in row["by"].items()))
+        sim.stop()
+        return out
+    finally:
+        for p in procs:
+            p.stop()
+        stack.stop()
+
+
+def report(out: dict, baseline: str) -> str:
+    base = f"baseline ({baseline})"
+    lines = ["## Router CPU by prompt", "",
+             "`.venv/bin/python bench/router_prompts.py --report` (the script says what it does): the router's CPU "
+             f"per request of a {TOKENS}-token streamed answer, by the prompt's form and length, beside the router "
+             f"of {baseline} and a bare TCP relay, interleaved in one run ({CLIENTS} clients, {ROUNDS} x "
+             f"{SECONDS:g} s each). \"Per token at 200\": what the per-request CPU adds to each token of a "
+             "200-token answer.", "",
+             "| prompt | tokens | router ms/request | baseline ms/request | router / baseline | relay ms/request | "
+             "router per token at 200, us | requests (router, baseline) | errors |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for label, row in out.items():
+        by = row["by"]
+        r, b, relay = by["router"], by[base], by.get("relay")
+        errors = sum(len(v["errors"]) for v in by.values())
+        relay_ms = f"{relay['ms_per_request']:.2f}" if relay else "-"
+        lines.append(f"| {label} | {row['tokens']} | **{r['ms_per_request']:.2f}** | {b['ms_per_request']:.2f} | "
+                     f"{r['ms_per_request'] / b['ms_per_request']:.2f} | {relay_ms} | "
+                     f"{r['ms_per_request'] * 1e3 / 200:.0f} | {r['requests']}, {b['requests']} | {errors} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--baseline", default=BASELINE, help="the git ref whose router runs beside")
+    ap.add_argument("--report", action="store_true", help="write docs/BENCHMARKS.md's section")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+    model = os.path.abspath(ensure_model(os.path.join(engines.ROOT, DEFAULT_DIR)))
+    out = run(model, tempfile.mkdtemp(prefix="router-prompts-"), args.baseline)
+    text_ = report(out, args.baseline)
+    print(text_)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    if args.report:
+        update_section("router-prompts", text_)
+
+
+if __name__ == "__main__":
+    main()
