@@ -34,6 +34,9 @@ IN_FLIGHT = Gauge("kvpush_router_in_flight", "Requests being served", registry=R
 PREFIX_TOKENS = Counter("kvpush_router_prefix_tokens_total", "KV-aware routing: prompt tokens of reservations "
                         "(asked), and of those the chosen decode engine held in its prefix cache (cached)",
                         ["kind"], registry=REGISTRY)
+CHAT_TOKENS = Counter("kvpush_router_chat_tokens_total", "Chat prompts' tokens as the router counts them: tokenized, "
+                      "or reused from the conversation's earlier turn (a kept prefix of its template's text)", ["how"],
+                      registry=REGISTRY)
 LOCAL_PREFILL = Counter("kvpush_router_local_prefill_total", "Conditional disaggregation: requests a decode engine "
                         "served alone, no prefill engine involved, because it lacked fewer than --local-prefill-tokens "
                         "of the prompt: it held all but a short rest (cached_prefix) or the prompt is short "

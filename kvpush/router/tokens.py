@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from kvpush.router.chat_prefixes import ChatPrefixes, split_tokens
+
 
 class TokenCounter(Protocol):
     fast: bool                      # output text can be made here (OutputText)
@@ -105,10 +107,14 @@ class HFTokenCounter:
         # quarter less of the router's CPU per text prompt (3.4 against 4.6 ms for 6,800
         # tokens), the same ids.
         self._encode = getattr(self._rust, "encode_batch_fast", None)
+        self._chats = None
         if self._encode is not None:
             self._rust.no_truncation()
             self._rust.no_padding()
             self._rust.encode_special_tokens = bool(getattr(self._tok, "split_special_tokens", False))
+            cuts = split_tokens(self._rust.get_added_tokens_decoder(), self._rust.encode_special_tokens)
+            if cuts:
+                self._chats = ChatPrefixes(lambda text: self._ids(text, False), cuts)
 
     def _ids(self, text: str, add_special_tokens: bool) -> list[int]:
         if self._encode is None:
@@ -123,7 +129,8 @@ class HFTokenCounter:
     def chat_ids(self, messages: list[dict]) -> list[int]:
         # (The template's text tokenized without special tokens added, as HF's
         # apply_chat_template and vLLM's chat endpoint tokenize it.)
-        return self._ids(self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), False)
+        text = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self._chats.ids(text) if self._chats is not None else self._ids(text, False)
 
     def output_text(self, prompt_ids: list[int], skip_special_tokens: bool = True) -> OutputText:
         return OutputText(self._rust, prompt_ids, skip_special_tokens)
