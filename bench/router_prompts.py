@@ -12,7 +12,8 @@ reservations) and a stand-in engine (``stand_in.py``) that answers the prefill r
 once (a completion's or a chat's, with the prompt's ids) and streams decode's 20-token
 continuation one event every 5 ms. In front of it, interleaved for each prompt: this
 router, the router of ``--baseline`` (by default main before this work), both KV-aware
-(block keys with each Reserve), and for completions the bare TCP relay straight to the
+(block keys with each Reserve; every request on the first-token path, the short first
+turn of a conversation too), and for completions the bare TCP relay straight to the
 stand-in (bench/tcp_relay.py: what a proxy pays to carry the request, no first-token
 path). 8 clients for 4 s per router and prompt, two rounds; each process's CPU divided by
 the requests it answered. Prompts: token ids (64, 1,024, 4,096), English text, and chats
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import sys
@@ -47,6 +49,7 @@ CLIENTS = 8
 SECONDS = 4.0
 ROUNDS = 2
 PACE_MS = 5.0
+CLIENT_SPAN = 10_000_000  # request numbers of one client: client x CLIENT_SPAN + n
 LENGTHS = (64, 1024, 4096)
 SENTENCE = ("The prefill engine computes the prompt's KV cache while the sidecar writes each layer into blocks "
             "reserved on a decode engine, which starts generating the moment the last write lands. ")
@@ -75,22 +78,45 @@ def chat(i: int, tokens: int) -> list[dict]:
     return turns
 
 
+def chat_turn(i: int, tokens: int) -> list[dict]:
+    """Request ``i`` of a client: the next turn of its conversation, whose history grows
+    turn by turn to about ``tokens`` (then a new conversation begins), as a chat client
+    sends its history again with each question."""
+    client, n = divmod(i, CLIENT_SPAN)
+    users = _turns(tokens)
+    whole = chat(client * 1000 + n // len(users), tokens)
+    return whole[:users[n % len(users)] + 1]
+
+
+@functools.lru_cache
+def _turns(tokens: int) -> list[int]:
+    return [k for k, m in enumerate(chat(0, tokens)) if m["role"] == "user"]
+
+
 def prompts() -> list[tuple[str, str, object]]:
     """(label, endpoint, request body's prompt fields per request number)."""
     out = [(f"ids, {n}", "completions", lambda i, n=n: {"prompt": prompt_ids(i, n)}) for n in LENGTHS]
     out += [(f"text, ~{n}", "completions", lambda i, n=n: {"prompt": text(i, n)}) for n in LENGTHS]
     out += [(f"chat, ~{n}", "chats", lambda i, n=n: {"messages": chat(i, n)}) for n in LENGTHS[1:]]
+    out += [(f"chat turns, to ~{n}", "chats", lambda i, n=n: {"messages": chat_turn(i, n)}) for n in LENGTHS[1:]]
     return out
 
 
+_DRIVES = iter(range(1, 1 << 30))
+
+
 async def drive(url: str, make, seconds: float) -> dict:
+    """CLIENTS clients, one request after another, for ``seconds``; request numbers never
+    repeat between calls (no router has seen a prompt before, but a conversation's
+    earlier turns)."""
     stop_at = time.monotonic() + seconds
     results: list[dict] = []
+    first = next(_DRIVES) * 1000
 
     async def client(c: int, s: aiohttp.ClientSession) -> None:
-        n = 0
+        n = first
         while time.monotonic() < stop_at:
-            body = {"model": "tiny", "max_tokens": TOKENS, "stream": True, **make(c * 100_000 + n)}
+            body = {"model": "tiny", "max_tokens": TOKENS, "stream": True, **make(c * CLIENT_SPAN + n)}
             results.append(await stream(s, url, body))
             n += 1
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
@@ -111,7 +137,8 @@ def run(model: str, logs: str, baseline: str) -> dict:
         sim = SimulatedDecode(stack.controlplane, stack.engine_token)
         upstream, port, engine_args = stand_in(stack, model, PACE_MS)
         procs.append(upstream)
-        args = (*engine_args, "--prefix-block-size", str(engines.BLOCK_SIZE))
+        # (Every request on the first-token path: a conversation's short first turn too.)
+        args = (*engine_args, "--prefix-block-size", str(engines.BLOCK_SIZE), "--local-prefill-tokens", "0")
         mine, mine_url = other_router(stack, "router", engines.ROOT, args)
         base, base_url = other_router(stack, "router-baseline", baseline_checkout(baseline), args)
         relay, relay_url = tcp_relay(stack, port)
@@ -119,8 +146,9 @@ def run(model: str, logs: str, baseline: str) -> dict:
         who = {"router": (mine_url, mine), f"baseline ({baseline})": (base_url, base), "relay": (relay_url, relay)}
         out: dict = {}
         for label, endpoint, make in prompts():
-            body = make(0)
-            n = len(counter.chat_ids(body["messages"]) if "messages" in body else counter.completion_ids(body["prompt"]))
+            bodies = [make(i) for i in range(64)]  # (the turns of a conversation: their mean)
+            n = round(sum(len(counter.chat_ids(b["messages"]) if "messages" in b else counter.completion_ids(b["prompt"]))
+                          for b in bodies) / len(bodies))
             row = out.setdefault(label, {"endpoint": endpoint, "tokens": n, "by": {}})
             names = [w for w in who if w != "relay" or endpoint == "completions"]
             for rnd in range(ROUNDS):
@@ -157,7 +185,7 @@ def report(out: dict, baseline: str) -> str:
              f"of {baseline} and a bare TCP relay, interleaved in one run ({CLIENTS} clients, {ROUNDS} x "
              f"{SECONDS:g} s each). \"Per token at 200\": what the per-request CPU adds to each token of a "
              "200-token answer.", "",
-             "| prompt | tokens | router ms/request | baseline ms/request | router / baseline | relay ms/request | "
+             "| prompt | tokens (mean) | router ms/request | baseline ms/request | router / baseline | relay ms/request | "
              "router per token at 200, us | requests (router, baseline) | errors |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for label, row in out.items():
