@@ -45,24 +45,28 @@ _INVALID_PREFIX = "Invalid prefix encountered"  # (tokenizers' DecodeStream erro
 
 def priming(tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> list[int]:
     """The prompt's last tokens to prime a DecodeStream with: the shortest suffix of 4 to
-    ``PRIMING`` tokens that decodes to whole characters, else the whole prompt.
+    ``PRIMING`` tokens that decodes to some text, all of it whole characters; else the
+    whole prompt.
 
     Why that is enough: a primed stream's first text is decode(primed + token) less
     decode(primed), and every later text depends only on the tokens since the last text
     it made. The tokenizers' decoders (byte-level, metaspace, word-piece, byte fallback)
-    turn each token into text by itself or with its neighbours; only the very first
-    token of a decode is treated apart (a metaspace's leading space), and that is before
-    the difference. So a suffix that begins on a character boundary gives the same
-    difference as the whole prompt: vLLM primed its detokenizer this way (4 to 24
-    tokens) before it primed natively with every id. Where no short suffix decodes
-    whole (a prompt of ids ending inside a character, or text that holds U+FFFD itself)
-    the whole prompt is used, as vLLM does. Priming with a 6,800-token prompt took 1.2 ms
-    of the router's CPU per request, with 4 tokens 3 us."""
+    turn each token into text by itself or with its neighbours; only the start of a
+    decode's text is treated apart (a metaspace's or a strip's leading space, word-piece's
+    first word), and with some text decoded from the suffix that start is before the
+    difference. (A suffix of special tokens alone, skipped, would make the next token the
+    first: its leading space would be lost.) So such a suffix, beginning on a character
+    boundary, gives the same difference as the whole prompt: vLLM primed its detokenizer
+    with 4 to 24 tokens before it primed natively with every id. Where no short suffix
+    qualifies (a prompt of ids ending inside a character, text that holds U+FFFD itself,
+    a run of special tokens) the whole prompt is used, as vLLM does. Priming with a
+    6,800-token prompt took 1.2 ms of the router's CPU per request, with 4 tokens 3 us."""
     if len(prompt_ids) <= PRIMING:
         return list(prompt_ids)
     for k in range(4, PRIMING + 1):
         suffix = list(prompt_ids[-k:])
-        if "\ufffd" not in tokenizer.decode(suffix, skip_special_tokens):
+        text = tokenizer.decode(suffix, skip_special_tokens)
+        if text and "\ufffd" not in text:
             return suffix
     return list(prompt_ids)
 

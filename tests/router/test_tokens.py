@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvpush.app import engines
 from kvpush.app.tiny_model import DEFAULT_DIR, ensure_model
-from kvpush.router.tokens import PRIMING, HFTokenCounter, priming
+from kvpush.router.tokens import PRIMING, HFTokenCounter, OutputText, priming
 
 vllm_detok = pytest.importorskip("vllm.v1.engine.detokenizer", reason="vLLM is installed by scripts/setup.sh")
 
@@ -74,6 +74,31 @@ def test_a_prompt_ending_inside_a_character_primes_with_all_of_it():
     texts = router_texts(prompt, ids[-1:] + [ids[0]])
     assert texts == vllm_texts(prompt, ids[-1:] + [ids[0]])
     assert texts[0].startswith("日本 日本")
+
+
+def test_a_metaspace_tokenizers_leading_space_after_special_tokens():
+    """A SentencePiece-style tokenizer (a metaspace decoder, or Llama's strip) drops the
+    leading space of a decode's first text: primed with special tokens alone (skipped),
+    the next token would be that first text and lose its space; primed with the whole
+    prompt it keeps it. The suffix then reaches back to a token with text."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.decoders import DecodeStream
+    vocab = {"<unk>": 0, "</s>": 1, "▁Hello": 2, "▁world": 3, "▁the": 4, "▁KV": 5}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.add_special_tokens([AddedToken("</s>", special=True)])
+    llama = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                               decoders.Strip(" ", 1, 0)])
+    for decoder, ending in [(d, e) for d in (decoders.Metaspace(), llama)
+                            for e in ([1] * 6, [1] * 40, [5, 1, 1, 1, 1])]:
+        tok.decoder = decoder
+        prompt = [2, 3, 4, 5] * 10 + ending
+        whole = DecodeStream(ids=prompt, skip_special_tokens=True)
+        expected = [whole.step(tok, t) for t in (3, 4, 2)]
+        assert expected[0] == " world"
+        out = OutputText(tok, prompt)
+        assert [out.step(t) for t in (3, 4, 2)] == expected
+        assert tok.decode(priming(tok, prompt), True)
 
 
 def test_short_prompts_prime_whole():
