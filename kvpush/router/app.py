@@ -17,6 +17,7 @@ from kvpush.router.body import MAX_BODY, read as read_body
 from kvpush.router.config import RouterConfig
 from kvpush.router.dispatch import Dispatcher
 from kvpush.router.errors import ApiError, json_error
+from kvpush.router.first_token import body_json
 from kvpush.router.streams import ClientTooSlow
 from kvpush.router.tokens import HFTokenCounter, TokenCounter
 
@@ -40,7 +41,7 @@ def build_app(cfg: RouterConfig, counter: TokenCounter | None = None) -> web.App
         app[REGISTRIES] = Registries.connect(cfg.registry_targets(), cfg.tls_ca, cfg.tls_cert, cfg.tls_key,
                                              cfg.tls_server_name)
         app[SESSION] = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0),
+            connector=aiohttp.TCPConnector(limit=0), json_serialize=body_json,
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=cfg.upstream_timeout_s))
         app[DISPATCHER] = Dispatcher(cfg, app[COUNTER], app[REGISTRIES], app[SESSION])
         app[DISPATCHER].engines.start()

@@ -258,7 +258,7 @@ class Dispatcher(PushPath, AlonePath, Reserving):
             return await self._decode_alone(ask.endpoint, ask.body, request)
         try:
             answer = json.loads(payload)
-            head = parse_head(ask.endpoint, answer)
+            head = parse_head(ask.endpoint, answer, payload)
         except (BadHead, ValueError) as exc:
             if res is not None:
                 await self.release(res.id, "prefill's answer had no token ids")
