@@ -164,6 +164,10 @@ async def test_bad_requests(stack):
              ({"model": "tiny", "prompt": " ".join(["w"] * 1000)}, 400),   # longer than the 1000-token context
              ({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}}, 400),
              ({"model": "tiny", "prompt": "x", "temperature": -1}, 400), ({"model": "tiny", "prompt": [1, 5000]}, 400),
+             ({"model": "tiny", "prompt": [1, True]}, 400, "/v1/completions", "prompt"),
+             ({"model": "tiny", "prompt": [3, -1]}, 400, "/v1/completions", "prompt"),
+             ({"model": "tiny", "prompt": [2, 1.5]}, 400, "/v1/completions", "prompt"),
+             ({"model": "tiny", "prompt": [[1, 2], [3, False]]}, 400, "/v1/completions", "prompt"),
              ({"model": "tiny", "messages": []}, 400, "/v1/chat/completions"),
              ({"model": "tiny", "prompt": "x", "kv_transfer_params": {}}, 400),
              ({"model": "tiny", "prompt": "x", "cache_salt": ""}, 400, "/v1/completions", "cache_salt"),
