@@ -64,13 +64,15 @@ class IdsJson(list):
 def prompt_json(payload: bytes, prompt_ids: list) -> str:
     """The prompt ids' JSON text in the prefill engine's answer ``payload`` (parsed, with
     ``prompt_ids`` its ids): what is between the brackets, or "" where it is not plainly
-    there."""
+    there (digits and commas, as many ids as were parsed)."""
     at = payload.find(_PROMPT_IDS)
     end = payload.find(b"]", at) if at >= 0 else -1
     if end < 0:
         return ""
     raw = payload[at + len(_PROMPT_IDS):end]
-    return raw.decode() if raw.count(b",") + 1 == len(prompt_ids) else ""
+    if raw.count(b",") + 1 != len(prompt_ids) or raw.translate(None, b"0123456789, "):
+        return ""
+    return raw.decode()
 
 
 def body_json(body: dict) -> str:

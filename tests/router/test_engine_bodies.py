@@ -46,4 +46,6 @@ def test_the_prefill_answers_prompt_ids_as_written():
     assert parse_head("chat", chat, json.dumps(chat).encode()).prompt_json == ""
     assert prompt_json(b'{"prompt_token_ids":null}', [1]) == ""
     assert prompt_json(b'{"prompt_token_ids":[1,2]}', [1, 2, 3]) == ""
+    assert prompt_json(b'{"prompt_token_ids":["a]"]}', ["a]"]) == ""
+    assert prompt_json(b'{"prompt_token_ids":[1,-2]}', [1, -2]) == ""
     assert parse_head("completions", completion).prompt_json == ""
