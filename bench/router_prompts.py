@@ -160,14 +160,15 @@ def run(model: str, logs: str, baseline: str) -> dict:
                     meter.start()
                     got = asyncio.run(drive(url, make, SECONDS))
                     cpu = meter.stop()["p"]
-                    acc = row["by"].setdefault(name, {"cpu_s": 0.0, "requests": 0, "errors": []})
+                    acc = row["by"].setdefault(name, {"cpu_s": 0.0, "requests": 0, "errors": 0, "error_sample": []})
                     acc["cpu_s"] += cpu
                     acc["requests"] += got["requests"]
-                    acc["errors"] += got["errors"][:3]
+                    acc["errors"] += len(got["errors"])
+                    acc["error_sample"] += got["errors"][:3]
             for name, acc in row["by"].items():
                 acc["ms_per_request"] = 1e3 * acc["cpu_s"] / max(acc["requests"], 1)
             say(f"{label} ({n} tokens): " + ", ".join(f"{k} {v['ms_per_request']:.2f} ms/request"
-                                                      f"{' ERRORS ' + str(v['errors'][:1]) if v['errors'] else ''}"
+                                                      f"{' ERRORS ' + str(v['error_sample'][:1]) if v['errors'] else ''}"
                                                       for k, v in row["by"].items()))
         sim.stop()
         return out
@@ -191,7 +192,7 @@ def report(out: dict, baseline: str) -> str:
     for label, row in out.items():
         by = row["by"]
         r, b, relay = by["router"], by[base], by.get("relay")
-        errors = sum(len(v["errors"]) for v in by.values())
+        errors = sum(v["errors"] for v in by.values())
         relay_ms = f"{relay['ms_per_request']:.2f}" if relay else "-"
         lines.append(f"| {label} | {row['tokens']} | **{r['ms_per_request']:.2f}** | {b['ms_per_request']:.2f} | "
                      f"{r['ms_per_request'] / b['ms_per_request']:.2f} | {relay_ms} | "
