@@ -29,16 +29,15 @@ import json
 import os
 import sys
 import tempfile
-import time
 
-import aiohttp
 import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import CpuMeter, update_section  # noqa: E402
 from bench.router_cpu import baseline_checkout, other_router, say, stand_in, tcp_relay  # noqa: E402
-from bench.stand_in import SimulatedDecode, prompt_ids, stream  # noqa: E402
+from bench.stand_in import SimulatedDecode, prompt_ids  # noqa: E402
+from bench.stand_in import drive as clients_streaming  # noqa: E402
 from kvpush.app import engines  # noqa: E402
 from kvpush.app.stack import Stack, StackSpec  # noqa: E402
 from kvpush.app.tiny_model import DEFAULT_DIR, ensure_model  # noqa: E402
@@ -105,24 +104,13 @@ def prompts() -> list[tuple[str, str, object]]:
 _DRIVES = iter(range(1, 1 << 30))
 
 
-async def drive(url: str, make, seconds: float) -> dict:
-    """CLIENTS clients, one request after another, for ``seconds``; request numbers never
-    repeat between calls (no router has seen a prompt before, but a conversation's
-    earlier turns)."""
-    stop_at = time.monotonic() + seconds
-    results: list[dict] = []
+def drive(url: str, make, seconds: float) -> dict:
+    """CLIENTS clients streaming requests made by ``make`` (of a request number) for
+    ``seconds``; request numbers never repeat between calls (no router has seen a prompt
+    before, but a conversation's earlier turns)."""
     first = next(_DRIVES) * 1000
-
-    async def client(c: int, s: aiohttp.ClientSession) -> None:
-        n = first
-        while time.monotonic() < stop_at:
-            body = {"model": "tiny", "max_tokens": TOKENS, "stream": True, **make(c * CLIENT_SPAN + n)}
-            results.append(await stream(s, url, body))
-            n += 1
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
-        await asyncio.gather(*(client(c, s) for c in range(CLIENTS)))
-    bad = [r["error"] or f"{r['tokens']} tokens" for r in results if r["error"] or r["tokens"] != TOKENS]
-    return {"requests": len(results), "errors": bad}
+    return asyncio.run(clients_streaming(url, CLIENTS, seconds, TOKENS,
+                                         lambda c, n: make(c * CLIENT_SPAN + first + n)))
 
 
 def run(model: str, logs: str, baseline: str) -> dict:
@@ -155,10 +143,10 @@ def run(model: str, logs: str, baseline: str) -> dict:
                 for name in names if rnd % 2 == 0 else names[::-1]:
                     url, proc = who[name]
                     if rnd == 0:
-                        asyncio.run(drive(url, make, 0.5))  # warm
+                        drive(url, make, 0.5)  # warm
                     meter = CpuMeter({"p+": psutil.Process(proc.pid)})
                     meter.start()
-                    got = asyncio.run(drive(url, make, SECONDS))
+                    got = drive(url, make, SECONDS)
                     cpu = meter.stop()["p"]
                     acc = row["by"].setdefault(name, {"cpu_s": 0.0, "requests": 0, "errors": 0, "error_sample": []})
                     acc["cpu_s"] += cpu

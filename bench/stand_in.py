@@ -173,16 +173,19 @@ class SimulatedDecode:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
-async def drive(url: str, clients: int, seconds: float, tokens: int) -> dict:
-    """``clients`` loops, each streaming one request after another, for ``seconds``."""
+async def drive(url: str, clients: int, seconds: float, tokens: int, prompt=None) -> dict:
+    """``clients`` loops, each streaming one request after another, for ``seconds``;
+    ``prompt(client, n)``: the prompt's fields of a client's n-th request (by default 64
+    token ids, different per request)."""
     body = {"model": "tiny", "max_tokens": tokens, "stream": True}
     stop_at = time.monotonic() + seconds
     results: list[dict] = []
+    prompt = prompt or (lambda i, n: {"prompt": prompt_ids(i * 1000 + n)})
 
     async def client(i: int, s: aiohttp.ClientSession) -> None:
         n = 0
         while time.monotonic() < stop_at:
-            results.append(await stream(s, url, dict(body, prompt=prompt_ids(i * 1000 + n))))
+            results.append(await stream(s, url, dict(body, **prompt(i, n))))
             n += 1
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
         await asyncio.gather(*(client(i, s) for i in range(clients)))
