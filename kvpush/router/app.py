@@ -18,7 +18,7 @@ from kvpush.router.config import RouterConfig
 from kvpush.router.dispatch import Dispatcher
 from kvpush.router.errors import ApiError, json_error
 from kvpush.router.first_token import body_json
-from kvpush.router.streams import ClientTooSlow
+from kvpush.router.streams import ENDED_WITH_ERROR, ClientTooSlow
 from kvpush.router.tokens import HFTokenCounter, TokenCounter
 
 _log = log.get("router")
@@ -107,7 +107,8 @@ async def account(request: web.Request, handler) -> web.StreamResponse:
     outcome = "client_gone"  # unless it ends otherwise: a cancelled handler's client went away
     try:
         response = await handler(request)
-        outcome = "ok"
+        # (A stream that began and ended with an error event failed at its engine.)
+        outcome = "upstream_error" if request.get(ENDED_WITH_ERROR) else "ok"
         return response
     except Exception as exc:  # (not CancelledError: a BaseException)
         outcome, response = _failed(request, endpoint, exc)

@@ -49,7 +49,7 @@ from kvpush.router.reserving import Reserving
 from kvpush.router.errors import ApiError, json_error
 from kvpush.router.failover import Failover, with_reservation
 from kvpush.router.relay import Passthrough, Relay
-from kvpush.router.streams import DecodeStreamError, EventStream, sse_response
+from kvpush.router.streams import DecodeStreamError, EventStream, end_with_error, sse_response
 from kvpush.router.upstream import Answering, Upstream
 from kvpush.router.first_token import (BadHead, Chunks, Tail, decode_body, final_answer, parse_head, prefill_body,
                                 resume_body)
@@ -330,9 +330,7 @@ class Dispatcher(PushPath, AlonePath, Reserving):
                 await self.release(res.id, message)
             if out is None:
                 return whole if whole is not None else json_error(message, 502)
-            await out.write(chunks.error_event(message, 502) + Chunks.DONE)
-            await out.write_eof()
-            return out
+            return await end_with_error(request, out, message)
         try:
             if ask.stream:
                 out = await sse_response(request, self.cfg.write_timeout_s)

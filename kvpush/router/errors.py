@@ -28,6 +28,13 @@ def error_body(message: str, status: int, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": _TYPES.get(status, "Error"), "param": param, "code": status}}
 
 
+def error_event(message: str, status: int) -> bytes:
+    """The error object as a server-sent event: how a stream already begun says it failed
+    (vLLM's server writes one, then ``[DONE]``, when its engine fails mid-answer)."""
+    return b"data: " + json.dumps(error_body(message, status), ensure_ascii=False,
+                                  separators=(",", ":")).encode() + b"\n\n"
+
+
 def json_error(message: str, status: int, param: str | None = None) -> web.Response:
     return web.Response(status=status, content_type="application/json",
                         text=json.dumps(error_body(message, status, param)))

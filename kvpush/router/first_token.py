@@ -21,9 +21,8 @@ import dataclasses
 import json
 
 from kvpush.router.ask import Ask
-from kvpush.router.errors import error_body
 from kvpush.router.relay import Relay, event, js
-from kvpush.router.streams import DecodeStreamError
+from kvpush.router.streams import DONE, DecodeStreamError
 
 # Fields of the client's request that decode does not get as they are: the prompt is
 # the prefill engine's tokens plus its first token; the rest is set by decode_body.
@@ -465,10 +464,7 @@ class Chunks:
         # As vLLM writes the last event: without null fields (a whole answer's usage has them).
         return self._event(dict(self._base, choices=[], usage={k: v for k, v in usage.items() if v is not None}))
 
-    def error_event(self, message: str, status: int) -> bytes:
-        return self._event(error_body(message, status))
-
-    DONE = b"data: [DONE]\n\n"
+    DONE = DONE
 
 
 def _find_stop(text: str, new_chars: int, stop: list[str], include: bool) -> tuple[str, int] | None:

@@ -8,6 +8,14 @@ import asyncio
 import aiohttp
 from aiohttp import web
 
+from kvpush import log
+from kvpush.router.errors import error_event
+
+_log = log.get("router")
+DONE = b"data: [DONE]\n\n"
+# Set on a request whose stream began and then ended with an error event (``end_with_error``).
+ENDED_WITH_ERROR = web.RequestKey("ended_with_error", str)
+
 
 class DecodeStreamError(Exception):
     """Decode's stream broke or sent an error: the request failed after its first token."""
@@ -63,6 +71,25 @@ async def sse_response(request: web.Request, timeout_s: float) -> web.StreamResp
     out.headers["Cache-Control"] = "no-cache"
     await out.prepare(request)
     return out
+
+
+async def end_with_error(request: web.Request, out: web.StreamResponse, message: str,
+                         status: int = 502) -> web.StreamResponse:
+    """End a stream already begun whose engine failed, as vLLM's server ends one: an error
+    event, then ``[DONE]``. The client reads an error it can report (an OpenAI client raises
+    it), not a connection cut mid-answer; the answer is counted as the engine's failure
+    (``kvpush_router_requests_total{outcome="upstream_error"}``)."""
+    request[ENDED_WITH_ERROR] = message
+    _log.warning("stream ended with an error event", path=request.path, error=message)
+    await out.write_eof(error_event(message, status) + DONE)
+    return out
+
+
+def whole_events(data: bytes) -> int:
+    """How much of ``data`` is whole server-sent events: up to the blank line that ends its
+    last one (0: none yet)."""
+    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
 class EventStream:

@@ -11,7 +11,10 @@ from aiohttp import web
 
 from kvpush.router import ask as asks
 from kvpush.router import metrics
-from kvpush.router.streams import BoundedStream
+from kvpush.router.streams import BoundedStream, end_with_error, whole_events
+
+# The most of an event not yet whole held back (a stream that never ends one is passed on as it comes).
+HELD_MAX = 1 << 16
 
 
 class Upstream:
@@ -86,19 +89,40 @@ class Upstream:
                     metrics.TTFT.labels(path=path).observe(timings["decode_done"] - sent.started)
                     return web.Response(body=payload, status=upstream.status,
                                         content_type=upstream.content_type or "application/json")
+                # Server-sent events go on whole: the start of one not yet whole waits for its
+                # end, so a stream that breaks ends after a whole event, with an error event.
+                events = upstream.content_type == "text/event-stream"
+                held = b""
                 async for chunk in upstream.content.iter_any():
                     if out is None:
                         timings["first_chunk"] = time.perf_counter()
                         metrics.TTFT.labels(path=path).observe(timings["first_chunk"] - sent.started)
                         out = await self._begin(upstream, request)
+                    if events:
+                        chunk = held + chunk if held else chunk
+                        whole = whole_events(chunk)
+                        if whole < len(chunk) and len(chunk) - whole <= HELD_MAX:
+                            chunk, held = chunk[:whole], chunk[whole:]
+                        else:
+                            held = b""
+                        if not chunk:
+                            continue
                     await out.write(chunk)
                 timings["decode_done"] = time.perf_counter()
                 out = out or await self._begin(upstream, request)
-                await out.write_eof()
+                await out.write_eof(held)
                 return out
-        except aiohttp.ClientError as exc:
+        except aiohttp.ClientError as exc:  # (its read timeout among them)
             if out is None and not isinstance(exc, aiohttp.ClientConnectorError):
                 raise BrokeBeforeAnswering(f"{type(exc).__name__} before the client's first byte: {exc}") from exc
+            if out is not None and events:
+                # Part of the answer is out, so no other engine can take it over: it ends as
+                # vLLM ends a stream whose engine failed (the first-token path resumes instead).
+                if isinstance(exc, asyncio.TimeoutError):  # (aiohttp's read timeout: --upstream-timeout)
+                    silent = self.session.timeout.sock_read
+                    return await end_with_error(request, out, f"the engine sent nothing for {silent:g} s "
+                                                              "(--upstream-timeout)", 504)
+                return await end_with_error(request, out, f"the engine's stream broke: {type(exc).__name__}: {exc}")
             raise
         finally:
             sent.done()

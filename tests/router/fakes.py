@@ -39,6 +39,7 @@ class FakeEngine:
         self.break_after: int | None = None      # decode's stream: the connection aborted after this many events
         self.error_after: int | None = None      # ... or an error event after this many
         self.silent_after: int | None = None     # ... or nothing more after this many (a hung engine)
+        self.break_mid_event = False             # the plain stream's break: after the start of one more event
 
     async def _with_token_ids(self, request: web.Request, body: dict):
         base = {"id": f"cmpl-{self.name}", "created": 1, "model": "tiny"}
@@ -123,8 +124,13 @@ class FakeEngine:
                 await resp.prepare(request)
                 for i in range(self.chunks):
                     if self.break_after is not None and i == self.break_after:
+                        if self.break_mid_event:
+                            await resp.write(b'data: {"choices": [{"te')
+                            await asyncio.sleep(0.05)  # (read before the reset, which would drop it)
                         request.transport.abort()   # the engine dies part way (at 0: after its headers)
                         return resp
+                    if self.silent_after is not None and i == self.silent_after:
+                        await asyncio.sleep(3600)   # ... or hangs (until the router closes the connection)
                     text = "x" * self.chunk_bytes if self.chunk_bytes else f"t{i}"
                     await resp.write(f"data: {json.dumps({'choices': [{'text': text}]})}\n\n".encode())
                     await asyncio.sleep(0.01)

@@ -1,0 +1,98 @@
+"""A streamed answer whose engine dies once part of it is out, on every path: it ends as
+vLLM's own server ends one whose engine failed (the events sent so far, each whole, then
+an error event, then ``[DONE]``), never as a connection cut mid-event; an OpenAI client
+raises that error with its message; the answer counts as the engine's failure.
+(Stand-in engines and a real control plane, as in test_router.)"""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from aiohttp.test_utils import TestServer
+
+from kvpush.router.app import build_app
+from kvpush.router.tokens import WhitespaceCounter
+from tests.router.test_router_limits import requests_total, router_cfg
+
+# What sends a request down each path (``kvpush.router.ask``) on the stack's routers.
+PATHS = {
+    # the whitespace tokenizer is not a fast detokenizer: the push path, decode streaming every token
+    "push": ("url", {}),
+    "decode_only": ("url", {"n": 2}),
+    # the first-token path, its decode and the engine it resumes on both dying
+    "first_token": ("ft_url", {}),
+}
+
+
+def events_of(raw: bytes) -> list:
+    """Each event's data, parsed (a partial event would fail here), and the [DONE] as is."""
+    assert raw.endswith(b"\n\n"), raw[-80:]
+    out = []
+    for event in raw.decode().split("\n\n")[:-1]:
+        assert event.startswith("data: "), event
+        data = event[len("data: "):]
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+@pytest.mark.parametrize("mid_event", [False, True], ids=["between_events", "mid_event"])
+@pytest.mark.parametrize("path", list(PATHS))
+async def test_a_stream_whose_engine_dies_part_way_ends_with_an_error_event(stack, path, mid_event):
+    s = stack
+    where, extra = PATHS[path]
+    if path == "first_token":
+        s["prefill"].mode = s["decode"].mode = "token_ids"
+        s["prefill"].break_after = 2  # (the resume's engine: it serves decode alone once decode died)
+    s["decode"].break_after = 2
+    s["decode"].break_mid_event = s["prefill"].break_mid_event = mid_event
+    before = requests_total("completions", "upstream_error")
+    body = dict({"model": "tiny", "prompt": "one two", "max_tokens": 8, "stream": True}, **extra)
+    async with s["session"].post(s[where] + "/v1/completions", json=body) as r:
+        raw = await r.read()  # (a cut connection would raise here)
+    assert r.status == 200, raw
+    events = events_of(raw)
+    *answer, error, done = events
+    assert done == "[DONE]"
+    assert error["error"]["code"] == 502 and "broke" in error["error"]["message"], error
+    assert len(answer) >= 2 and all("choices" in e for e in answer), answer
+    assert requests_total("completions", "upstream_error") == before + 1
+
+    # The OpenAI client raises the error with its message (not a protocol error).
+    client = openai.AsyncOpenAI(base_url=s[where] + "/v1", api_key="-", max_retries=0)
+    try:
+        stream = await client.completions.create(model="tiny", prompt="one two", max_tokens=8, stream=True,
+                                                 extra_body=extra)
+        got = []
+        with pytest.raises(openai.APIError, match="stream broke") as raised:
+            async for chunk in stream:
+                got.append(chunk)
+        assert not isinstance(raised.value, openai.APIConnectionError)
+        assert len(got) >= 2
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("extra", [{}, {"n": 2}], ids=["push", "decode_only"])
+async def test_a_stream_whose_engine_goes_silent_part_way_ends_with_a_504_event(stack, extra):
+    """Nothing more for --upstream-timeout once the stream began: the same end, its error a
+    504 that says how long the engine was silent (as when it is silent before answering)."""
+    s = stack
+    s["decode"].silent_after = 2
+    router = TestServer(build_app(router_cfg(s, upstream_timeout_s=0.5), WhitespaceCounter()),
+                        handler_cancellation=True)
+    await router.start_server()
+    try:
+        before = requests_total("completions", "upstream_error")
+        body = dict({"model": "tiny", "prompt": "one two", "max_tokens": 8, "stream": True}, **extra)
+        async with s["session"].post(str(router.make_url("/v1/completions")), json=body) as r:
+            raw = await r.read()
+        *answer, error, done = events_of(raw)
+        assert r.status == 200 and done == "[DONE]" and len(answer) == 2, raw
+        assert error["error"]["code"] == 504, error
+        assert error["error"]["message"] == "the engine sent nothing for 0.5 s (--upstream-timeout)", error
+        assert requests_total("completions", "upstream_error") == before + 1
+    finally:
+        s["decode"].silent_after = None
+        await router.close()
