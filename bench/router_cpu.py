@@ -21,10 +21,13 @@ fake      the router alone in front of a stand-in engine process (bench/stand_in
           bare TCP relay straight to the stand-in (the limit). Tokens/s, and the router's
           CPU per token (its workers together). On 2 cores the stand-in and the clients
           share the cores with the router, so 2 workers cannot double what 1 does here.
-          Then paced: the router and the relay in front of a stand-in that streams one
-          event every 5 ms, answers of 200 and of 20 tokens; each one's CPU per request
-          fitted as R (per request) + E (per event) x events, to say where the router's
-          CPU above the relay's goes.
+          Then paced: the router (its first-token path, and its push path: requests with a
+          presence penalty), the baseline router's push path, and the relay, in front of
+          a stand-in that streams one event every 5 ms, answers of 200 and of 20 tokens;
+          each one's CPU per request fitted as R (per request) + E (per event) x events,
+          to say where the router's CPU above the relay's goes.
+paced     that paced table alone (about 3 minutes; --baseline REF for another router
+          beside it).
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ PACED_S = 8.0
 PACED_ROUNDS = 2        # (one round's E moved by 5 us between runs)
 LIMIT = "straight to decode through a bare TCP relay (the limit)"
 PACED = "paced"
+PUSHED = "the router (1 worker), push path"
 FAKE_LIMIT = "bare TCP relay straight to the stand-in (the limit)"
 
 
@@ -245,7 +249,7 @@ async def router_counts(url: str) -> dict[str, float]:
 
 
 def fake_part(model: str, logs: str, seconds: float, clients: int, workers_list: list[int], baseline: str,
-              pace_ms: float = 0.0) -> dict:
+              pace_ms: float = 0.0, paced_only: bool = False) -> dict:
     os.makedirs(logs, exist_ok=True)
     stack = Stack(StackSpec(model_dir=model, log_dir=logs, engines=False, deadline_ms=3000, quarantine_ms=100),
                   progress=say)
@@ -256,7 +260,7 @@ def fake_part(model: str, logs: str, seconds: float, clients: int, workers_list:
         sim = SimulatedDecode(stack.controlplane, stack.engine_token)
         upstream, port, engine_args = stand_in(stack, model, pace_ms)
         # 0: the baseline router (one process); -1: the bare TCP relay straight to the stand-in (the limit)
-        for workers in [0, *workers_list, -1]:
+        for workers in [] if paced_only else [0, *workers_list, -1]:
             name = f"router-w{workers}" if workers > 0 else "router-baseline" if workers == 0 else "tcp-relay"
             if workers > 0:
                 url = stack.add_router(name, discover=True, extra=(*engine_args, "--workers", str(workers)))
@@ -285,7 +289,7 @@ def fake_part(model: str, logs: str, seconds: float, clients: int, workers_list:
                 f"{got['router_ms_per_token'] * 1e3:.1f} us/token ({got['tokens_per_router_core_s']:.0f} tokens per "
                 f"router CPU second), errors {len(got['errors'])}, cpu {cpu}")
             proc.stop()
-        out[PACED] = paced_part(stack, model, clients)
+        out[PACED] = paced_part(stack, model, clients, baseline)
         sim.stop()
         return out
     finally:
@@ -294,29 +298,40 @@ def fake_part(model: str, logs: str, seconds: float, clients: int, workers_list:
         stack.stop()
 
 
-def paced_part(stack: Stack, model: str, clients: int) -> dict:
-    """The router (one worker) and the bare TCP relay in front of a stand-in that streams
-    one event every PACE_MS, with answers of each of PACED_TOKENS tokens (one event a
-    token), alternating: CPU per request = R + E x events, fitted on the two lengths."""
+def paced_part(stack: Stack, model: str, clients: int, baseline: str) -> dict:
+    """The router (one worker) on its two token paths, the baseline router on the push path,
+    and the bare TCP relay, in front of a stand-in that streams one event every PACE_MS, with
+    answers of each of PACED_TOKENS tokens (one event a token), alternating: CPU per request
+    = R + E x events, fitted on the two lengths. The push path (decode streams every token,
+    passed through whole) is what requests with output penalties, tools, structured output
+    or a seed take; the first-token path what the rest take."""
     upstream, port, engine_args = stand_in(stack, model, PACE_MS, "stand-in-paced")
     procs = [upstream]
     try:
         router_url = stack.add_router("router-paced", discover=True, extra=engine_args)
         router = stack.process("router-paced")
         procs.append(router)
+        base, base_url = other_router(stack, "router-paced-baseline", baseline_checkout(baseline), engine_args)
+        procs.append(base)
         relay, relay_url = tcp_relay(stack, port)
         procs.append(relay)
-        who = {"router": (router_url, psutil.Process(router.pid)), "relay": (relay_url, psutil.Process(relay.pid))}
+        plain = None  # (drive's default: 64 token ids)
+
+        def pushed(i: int, n: int) -> dict:  # (a penalty: the push path, in the baseline's router too)
+            return {"prompt": prompt_ids(i * 1000 + n), "presence_penalty": 0.5}
+        who = {"router": (router_url, router.pid, plain), PUSHED: (router_url, router.pid, pushed),
+               f"baseline router ({baseline}), push path": (base_url, base.pid, pushed),
+               "relay": (relay_url, relay.pid, plain)}
         per_request: dict[str, dict[int, list[float]]] = {w: {} for w in who}
-        for url, _ in who.values():
-            asyncio.run(drive(url, clients, 2.0, PACED_TOKENS[0]))  # warm
+        for url, _, prompt in who.values():
+            asyncio.run(drive(url, clients, 2.0, PACED_TOKENS[0], prompt))  # warm
         for rnd in range(PACED_ROUNDS):
             for i, tokens in enumerate(PACED_TOKENS):
                 for name in (list(who) if (rnd + i) % 2 == 0 else list(who)[::-1]):
-                    url, proc = who[name]
-                    meter = CpuMeter({"p+": proc})
+                    url, pid, prompt = who[name]
+                    meter = CpuMeter({"p+": psutil.Process(pid)})
                     meter.start()
-                    got = asyncio.run(drive(url, clients, PACED_S, tokens))
+                    got = asyncio.run(drive(url, clients, PACED_S, tokens, prompt))
                     cpu = meter.stop()["p"]
                     acc = per_request[name].setdefault(tokens, [0.0, 0, 0])  # CPU s, requests, errors
                     acc[0] += cpu
@@ -371,7 +386,7 @@ def report(eng: dict | None, fake: dict | None, clients: int, seconds: float) ->
                       f"the prefill engine alone), through the baseline router {t['baseline router']['p50']:.1f} / "
                       f"{t['baseline router']['p90']:.1f} ms ({t['baseline router']['p50'] / alone:.2f}x), the prefill "
                       f"engine alone {alone:.1f} / {t['prefill alone']['p90']:.1f} ms.", ""]
-    if fake:
+    if fake and set(fake) - {PACED}:
         lines += [f"**Fake upstream** ({clients} clients streaming {TOKENS}-token answers back to back for "
                   f"{seconds:g} s, every request reserved on a simulated decode engine; the stand-in engine, the "
                   "clients and the control plane on the same 2 cores):", "",
@@ -391,8 +406,8 @@ def report(eng: dict | None, fake: dict | None, clients: int, seconds: float) ->
                          f"{g['tokens_per_router_core_s']:.0f} | {g['requests']} | {g['ttft_ms_p50']:.1f} | "
                          f"{c['router']:.1f}, {c['upstream']:.1f}, {c['bench (clients)']:.1f}, "
                          f"{c['control plane']:.1f} | {ev} |")
-        if PACED in fake:
-            lines += paced_report(fake[PACED], clients)
+    if fake and PACED in fake:
+        lines += paced_report(fake[PACED], clients)
     return "\n".join(lines)
 
 
@@ -400,24 +415,34 @@ def paced_report(paced: dict, clients: int) -> list[str]:
     long_, short = PACED_TOKENS
     lines = ["", f"**Per request and per event** ({clients} clients, the stand-in streaming one event every "
              f"{PACE_MS:g} ms, answers of {long_} and {short} tokens, {PACED_ROUNDS} x {PACED_S:g} s each, "
-             "alternating; CPU per request fitted as R + E x events):", "",
+             "alternating; CPU per request fitted as R + E x events; the push path's requests ask for a presence "
+             "penalty):", "",
              f"| | R: ms per request | E: us per event | ms per {long_}-token request | ms per {short}-token request | "
              f"requests ({long_} + {short}) | errors |", "|---|---:|---:|---:|---:|---:|---:|"]
+    names = {"router": "the router (1 worker), first-token path", "relay": "bare TCP relay (the limit)"}
     for name, p in paced.items():
         at = p["ms_per_request_at"]
-        lines.append(f"| {'the router (1 worker)' if name == 'router' else 'bare TCP relay (the limit)'} | "
+        lines.append(f"| {names.get(name, name)} | "
                      f"{p['per_request_ms']:.2f} | {p['per_event_us']:.1f} | {at[long_]:.2f} | {at[short]:.2f} | "
                      f"{' + '.join(str(v) for v in p['requests'].values())} | {p['errors']} |")
     r, l = paced["router"], paced["relay"]
-    lines += ["", f"Above the relay: **{r['per_request_ms'] - l['per_request_ms']:.2f} ms per request** "
-              f"({(r['per_request_ms'] - l['per_request_ms']) * 1e3 / long_:.1f} us of a {long_}-token answer's "
-              f"per-token figure) and **{r['per_event_us'] - l['per_event_us']:.1f} us per event**."]
+    lines += ["", f"Above the relay, first-token path: **{r['per_request_ms'] - l['per_request_ms']:.2f} ms per "
+              f"request** ({(r['per_request_ms'] - l['per_request_ms']) * 1e3 / long_:.1f} us of a {long_}-token "
+              f"answer's per-token figure) and **{r['per_event_us'] - l['per_event_us']:.1f} us per event**."]
+    p = paced.get(PUSHED)
+    base = next((v for k, v in paced.items() if k.startswith("baseline router")), None)
+    if p and base:
+        lines += [f"Push path: **{p['per_event_us'] - l['per_event_us']:.1f} us per event** above the relay, "
+                  f"**{p['per_event_us'] / base['per_event_us']:.2f}x** the baseline router's per event and "
+                  f"**{p['ms_per_request_at'][long_] / base['ms_per_request_at'][long_]:.2f}x** its CPU per "
+                  f"{long_}-token request."]
     return lines
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=("engines", "fake", "both"), default="both")
+    ap.add_argument("--part", choices=("engines", "fake", "paced", "both"), default="both",
+                    help="paced: the fake part's paced table alone")
     ap.add_argument("--seconds", type=float, default=20.0, help="fake part: seconds per worker count")
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--workers", default="1,2", help="fake part: router worker counts")
@@ -427,14 +452,16 @@ def main() -> None:
     ap.add_argument("--pace-ms", type=float, default=0.0, help="fake part: the stand-in writes one event every "
                     "this many ms (an engine's pace) instead of all at once")
     args = ap.parse_args()
+    if args.report and args.part != "both":
+        ap.error("--report writes the whole section: every part (--part both)")
     model = os.path.abspath(ensure_model(os.path.join(engines.ROOT, DEFAULT_DIR)))
     logs = tempfile.mkdtemp(prefix="router-cpu-")
     say(f"logs in {logs}")
     eng = engines_part(model, os.path.join(logs, "engines"), args.baseline) if args.part in ("engines", "both") \
         else None
     fake = fake_part(model, os.path.join(logs, "fake"), args.seconds, args.clients,
-                     [int(w) for w in args.workers.split(",")], args.baseline, args.pace_ms) \
-        if args.part in ("fake", "both") else None
+                     [int(w) for w in args.workers.split(",")], args.baseline, args.pace_ms, args.part == "paced") \
+        if args.part in ("fake", "paced", "both") else None
     text = report(eng, fake, args.clients, args.seconds)
     print(text)
     if args.json:

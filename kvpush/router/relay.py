@@ -12,6 +12,10 @@ CPU, never a wrong answer.
 The client's events are written as vLLM's OpenAI server writes them (pydantic's
 compact JSON, its field order); ``tests/router/test_first_token_text.py`` holds these
 shapes against vLLM's own response classes.
+
+Both these and the streams the router passes through whole (the push path, decode alone:
+``WholeEvents``) are written on from the engine connection's own callback (``Direct``),
+no coroutine woken per event.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from __future__ import annotations
 import json
 
 from aiohttp import ClientError, StreamReader
+
+from kvpush.router.streams import HELD_MAX, whole_events
 
 # What follows the text in a steady completion event of decode (vLLM, return_token_ids).
 _STEADY_AFTER_TEXT = b',"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,"token_ids":['
@@ -103,11 +109,11 @@ class Relay:
         return sum(i.count(b",") + 1 for i in self.ids if i)
 
 
-_RELAYING: dict[int, "Passthrough"] = {}  # id(reader) -> its passthrough, while on
+_RELAYING: dict[int, "Direct"] = {}  # id(reader) -> what relays it, while on
 
 
 class _RelayedReader(StreamReader):
-    """A response stream whose data goes to its ``Passthrough`` (aiohttp's StreamReader has
+    """A response stream whose data goes to its ``Direct`` (aiohttp's StreamReader has
     slots: its class is swapped for this one, of the same layout, while relaying). The end
     of each HTTP chunk would wake the sleeping coroutine for nothing."""
     __slots__ = ()
@@ -119,40 +125,33 @@ class _RelayedReader(StreamReader):
         return None
 
 
-class Passthrough:
-    """Decode's steady events relayed to the client from the connection's own callback.
+class Direct:
+    """An engine's stream written on to the client from the connection's own callback.
 
-    Once the boundary is settled the router has nothing to decide per event, so it does
-    not wake a coroutine for each: while this is on, what aiohttp's parser hands decode's
-    response stream (``feed_data``) is cut into events here, each steady one written to
-    the client's transport at once (in the HTTP chunk framing its response uses), and
-    the coroutine reading the stream sleeps. The first event that is not steady (the
-    last, usage, an error), a client whose buffer is past its high-water mark, or a
-    closing client hands the stream back to the coroutine (``stop``) with every byte not
-    relayed, in order, and the parsed way (with its write timeout) takes it from there.
+    Where the router has nothing to decide per event it does not wake a coroutine for
+    each: while this is on, what aiohttp's parser hands the engine's response stream
+    (``feed_data``) is written to the client's transport at once (in the HTTP chunk framing
+    its response uses; ``feed``, a kind's own, says what is written), and the coroutine
+    reading the stream sleeps. A client whose buffer is past its high-water mark, a closing
+    client, or what the kind cannot pass on hands the stream back to the coroutine
+    (``stop``) with every byte not written, in order, and the coroutine's way (with its
+    write timeout) takes it from there. Its end and its errors wake the coroutine as ever.
     """
 
     @classmethod
-    def begin(cls, resp, request, out, tail) -> "Passthrough | None":
-        """Relay ``resp``'s steady events (decode's) to ``request``'s client, whose answer is
-        ``out`` (``tail``: the answer's ``first_token.Tail``, passing); None where this cannot
-        (another reader or writer than aiohttp's plain ones, the stream broken already)."""
+    def framing(cls, resp, request, out) -> bool | None:
+        """Whether ``out`` (the client's answer to ``request``, headers sent) is chunked; None
+        where bytes cannot be written past it (another reader or writer than aiohttp's plain
+        ones, the stream at its end already: all of it is in the reader, the coroutine has it)."""
         writer = getattr(out, "_payload_writer", None)  # (aiohttp's; its framing, for the relayed bytes)
         chunked = getattr(writer, "chunked", None)
         if request.transport is None or not isinstance(chunked, bool) or getattr(writer, "_compress", None) \
                 or type(resp.content) is not StreamReader or resp.content.is_eof():
-            return None  # (at its end, all of it is in the reader already: the coroutine has it)
-
-        def counted(n: int) -> None:
-            tail.passed_events += n
-        try:
-            return cls(resp.content, request.transport, chunked, tail.relay, counted)
-        except ClientError:  # the stream broke already: the coroutine's next read says so
             return None
+        return chunked
 
-    def __init__(self, reader, transport, chunked: bool, relay: Relay, counted) -> None:
+    def __init__(self, reader, transport, chunked: bool) -> None:
         self._reader, self._transport, self._chunked = reader, transport, chunked
-        self._relay, self._counted = relay, counted
         self._pending = b""
         self._high = transport.get_write_buffer_limits()[1]
         self.active = True
@@ -165,6 +164,60 @@ class Passthrough:
             self.feed(buffered)
 
     def feed(self, data: bytes, size: int = 0) -> bool:
+        raise NotImplementedError
+
+    def _write(self, body: bytes) -> None:
+        if not body or self._transport.is_closing():
+            return
+        self._transport.write(b"%x\r\n%b\r\n" % (len(body), body) if self._chunked else body)
+
+    def _slowed(self) -> None:
+        """Back to the coroutine when the client is not taking what it is sent."""
+        if self._transport.is_closing() or self._transport.get_write_buffer_size() > self._high:
+            self.stop()
+
+    def stop(self, rest: bytes = b"") -> bytes:
+        """Back to the coroutine, with ``rest`` (bytes not relayed) and what was pending, fed
+        to the reader again; at the stream's end they are returned instead."""
+        if not self.active:
+            return b""
+        self.active = False
+        reader = self._reader
+        reader.__class__ = StreamReader
+        del _RELAYING[id(reader)]
+        left = rest or self._pending
+        self._pending = b""
+        if left and not reader.is_eof():
+            reader.feed_data(left)
+            return b""
+        return left
+
+
+class Passthrough(Direct):
+    """Decode's steady events, first-token path: each cut out and written in the client's
+    shape (``Relay``) once the boundary is settled. The first event that is not steady (the
+    last, usage, an error) hands the stream back, from that event on."""
+
+    @classmethod
+    def begin(cls, resp, request, out, tail) -> "Passthrough | None":
+        """Relay ``resp``'s steady events (decode's) to ``request``'s client, whose answer is
+        ``out`` (``tail``: the answer's ``first_token.Tail``, passing); None where this cannot."""
+        chunked = cls.framing(resp, request, out)
+        if chunked is None:
+            return None
+
+        def counted(n: int) -> None:
+            tail.passed_events += n
+        try:
+            return cls(resp.content, request.transport, chunked, tail.relay, counted)
+        except ClientError:  # the stream broke already: the coroutine's next read says so
+            return None
+
+    def __init__(self, reader, transport, chunked: bool, relay: Relay, counted) -> None:
+        self._relay, self._counted = relay, counted
+        super().__init__(reader, transport, chunked)
+
+    def feed(self, data: bytes, size: int = 0) -> bool:
         buf = self._pending + data if self._pending else data
         relay, out, start = self._relay, [], 0
         while True:
@@ -175,7 +228,7 @@ class Passthrough:
             parts = relay.steady(event[6:]) if event.startswith(b"data: ") else None
             if parts is None:
                 self._counted(len(out))
-                self._write(out)
+                self._write(b"".join(out))
                 self._pending = b""
                 self.stop(buf[start:])
                 return False
@@ -184,26 +237,33 @@ class Passthrough:
             start = end + 2
         self._pending = buf[start:]
         self._counted(len(out))
-        self._write(out)
-        if self._transport.is_closing() or self._transport.get_write_buffer_size() > self._high:
-            self.stop()
+        self._write(b"".join(out))
+        self._slowed()
         return False
 
-    def _write(self, events: list[bytes]) -> None:
-        if not events or self._transport.is_closing():
-            return
-        body = b"".join(events)
-        self._transport.write(b"%x\r\n%b\r\n" % (len(body), body) if self._chunked else body)
 
-    def stop(self, rest: bytes = b"") -> None:
-        """Back to the coroutine, with ``rest`` (bytes not relayed) and what was pending."""
-        if not self.active:
-            return
-        self.active = False
-        reader = self._reader
-        reader.__class__ = StreamReader
-        del _RELAYING[id(reader)]
-        left = rest or self._pending
-        self._pending = b""
-        if left and not reader.is_eof():
-            reader.feed_data(left)
+class WholeEvents(Direct):
+    """An engine's stream passed through as it is (the push path, decode alone), whole
+    events at a time: the start of one not yet whole waits for its end, so a stream that
+    breaks leaves the client on a whole event (``streams.end_with_error`` then ends it)."""
+
+    @classmethod
+    def begin(cls, resp, request, out) -> "WholeEvents | None":
+        chunked = cls.framing(resp, request, out)
+        if chunked is None:
+            return None
+        try:
+            return cls(resp.content, request.transport, chunked)
+        except ClientError:
+            return None
+
+    def feed(self, data: bytes, size: int = 0) -> bool:
+        buf = self._pending + data if self._pending else data
+        whole = whole_events(buf)
+        if len(buf) - whole > HELD_MAX:  # (no end in sight: passed on as it comes)
+            whole = len(buf)
+        self._pending = buf[whole:]
+        if whole:
+            self._write(buf[:whole])
+            self._slowed()
+        return False

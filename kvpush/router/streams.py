@@ -85,6 +85,10 @@ async def end_with_error(request: web.Request, out: web.StreamResponse, message:
     return out
 
 
+# The most of an event not yet whole held back (a stream that never ends one is passed on as it comes).
+HELD_MAX = 1 << 16
+
+
 def whole_events(data: bytes) -> int:
     """How much of ``data`` is whole server-sent events: up to the blank line that ends its
     last one (0: none yet)."""

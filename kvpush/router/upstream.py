@@ -11,10 +11,8 @@ from aiohttp import web
 
 from kvpush.router import ask as asks
 from kvpush.router import metrics
-from kvpush.router.streams import BoundedStream, end_with_error, whole_events
-
-# The most of an event not yet whole held back (a stream that never ends one is passed on as it comes).
-HELD_MAX = 1 << 16
+from kvpush.router.relay import WholeEvents
+from kvpush.router.streams import HELD_MAX, BoundedStream, end_with_error, whole_events
 
 
 class Upstream:
@@ -91,23 +89,31 @@ class Upstream:
                                         content_type=upstream.content_type or "application/json")
                 # Server-sent events go on whole: the start of one not yet whole waits for its
                 # end, so a stream that breaks ends after a whole event, with an error event.
+                # Once the client has the first, the rest is written on from the connection's
+                # callback (``relay.WholeEvents``), no wakeup of this coroutine per event.
                 events = upstream.content_type == "text/event-stream"
-                held = b""
-                async for chunk in upstream.content.iter_any():
-                    if out is None:
-                        timings["first_chunk"] = time.perf_counter()
-                        metrics.TTFT.labels(path=path).observe(timings["first_chunk"] - sent.started)
-                        out = await self._begin(upstream, request)
-                    if events:
-                        chunk = held + chunk if held else chunk
-                        whole = whole_events(chunk)
-                        if whole < len(chunk) and len(chunk) - whole <= HELD_MAX:
-                            chunk, held = chunk[:whole], chunk[whole:]
-                        else:
-                            held = b""
-                        if not chunk:
-                            continue
-                    await out.write(chunk)
+                held, direct = b"", None
+                try:
+                    async for chunk in upstream.content.iter_any():
+                        if out is None:
+                            timings["first_chunk"] = time.perf_counter()
+                            metrics.TTFT.labels(path=path).observe(timings["first_chunk"] - sent.started)
+                            out = await self._begin(upstream, request)
+                        if events:
+                            chunk = held + chunk if held else chunk
+                            whole = whole_events(chunk)
+                            if whole < len(chunk) and len(chunk) - whole <= HELD_MAX:
+                                chunk, held = chunk[:whole], chunk[whole:]
+                            else:
+                                held = b""
+                            if not chunk:
+                                continue
+                        await out.write(chunk)
+                        if events and direct is None and not held:
+                            direct = WholeEvents.begin(upstream, request, out)
+                finally:
+                    if direct is not None:
+                        held += direct.stop()  # (at the end: the start of an event it never ended)
                 timings["decode_done"] = time.perf_counter()
                 out = out or await self._begin(upstream, request)
                 await out.write_eof(held)

@@ -1,7 +1,8 @@
-"""``relay.Passthrough`` on its own: decode's bytes as aiohttp's parser hands them over
-(events split anywhere), relayed in order; the stream handed back to the reader at the
-first event that is not steady, when the client's buffer is past its high-water mark,
-and on ``stop``; nothing lost or reordered on the way back."""
+"""``relay.Passthrough`` and ``relay.WholeEvents`` on their own: an engine's bytes as
+aiohttp's parser hands them over (events split anywhere), relayed in order; the stream
+handed back to the reader at the first event that is not steady (Passthrough), when the
+client's buffer is past its high-water mark, and on ``stop``; nothing lost or reordered
+on the way back."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import asyncio
 
 from aiohttp import StreamReader
 
-from kvpush.router.relay import Passthrough, Relay
+from kvpush.router.relay import Passthrough, Relay, WholeEvents
+from kvpush.router.streams import HELD_MAX
 
 
 class Transport:
@@ -124,3 +126,40 @@ async def test_no_passthrough_on_a_stream_already_at_its_end():
     assert Passthrough.begin(types.SimpleNamespace(content=reader), types.SimpleNamespace(transport=Transport()),
                              types.SimpleNamespace(_payload_writer=writer), tail) is None
     assert (await reader.read()).endswith(b"[DONE]\n\n")
+
+
+async def test_whole_events_are_written_as_they_end_and_the_rest_given_back_at_the_end():
+    reader = StreamReader(Protocol(), 1 << 16, loop=asyncio.get_running_loop())
+    reader.feed_data(steady(1)[:10])              # arrived before it began
+    t = Transport()
+    w = WholeEvents(reader, t, True)
+    stream = steady(1)[10:] + steady(2) + LAST + b"data: [DONE]\n\n" + b"data: {\"tail"
+    for k in range(0, len(stream), 29):          # split anywhere
+        reader.feed_data(stream[k:k + 29])
+        assert unchunk(t.written).endswith(b"\n\n") or not t.written   # never part of an event
+    assert unchunk(t.written) == steady(1) + steady(2) + LAST + b"data: [DONE]\n\n"
+    reader.feed_eof()
+    assert w.stop() == b'data: {"tail'           # at the end: returned, not fed
+    assert type(reader) is StreamReader and await reader.read() == b""
+
+
+async def test_whole_events_hand_back_to_a_slow_client_with_nothing_lost():
+    reader = StreamReader(Protocol(), 1 << 16, loop=asyncio.get_running_loop())
+    t = Transport(high=100)
+    w = WholeEvents(reader, t, False)
+    reader.feed_data(steady(1) + steady(2)[:20])
+    t.buffered = 500                               # (the write above took it past the mark)
+    reader.feed_data(steady(2)[20:] + steady(3)[:5])
+    assert not w.active and t.written == [steady(1), steady(2)]
+    reader.feed_data(steady(3)[5:])
+    assert await reader.read(len(steady(3))) == steady(3)
+
+
+async def test_an_event_that_never_ends_is_passed_on_as_it_comes():
+    reader = StreamReader(Protocol(), 1 << 16, loop=asyncio.get_running_loop())
+    t = Transport()
+    WholeEvents(reader, t, True)
+    reader.feed_data(b"data: " + b"x" * (HELD_MAX - 6))   # held: as much as is ever held
+    assert t.written == []
+    reader.feed_data(b"yy")
+    assert unchunk(t.written) == b"data: " + b"x" * (HELD_MAX - 6) + b"yy"

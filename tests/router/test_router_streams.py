@@ -1,17 +1,22 @@
-"""A streamed answer whose engine dies once part of it is out, on every path: it ends as
+"""Streams the router passes through whole (the push path, decode alone) and its
+first-token path's. One whose engine dies once part of it is out ends, on every path, as
 vLLM's own server ends one whose engine failed (the events sent so far, each whole, then
 an error event, then ``[DONE]``), never as a connection cut mid-event; an OpenAI client
-raises that error with its message; the answer counts as the engine's failure.
-(Stand-in engines and a real control plane, as in test_router.)"""
+raises that error with its message; the answer counts as the engine's failure. One whose
+client falls behind arrives whole. (Stand-in engines and a real control plane, as in
+test_router.)"""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 
 import openai
 import pytest
 from aiohttp.test_utils import TestServer
 
+from kvpush.router import relay
 from kvpush.router.app import build_app
 from kvpush.router.tokens import WhitespaceCounter
 from tests.router.test_router_limits import requests_total, router_cfg
@@ -95,4 +100,59 @@ async def test_a_stream_whose_engine_goes_silent_part_way_ends_with_a_504_event(
         assert requests_total("completions", "upstream_error") == before + 1
     finally:
         s["decode"].silent_after = None
+        await router.close()
+
+
+async def test_a_slow_reader_on_the_push_path_gets_the_whole_stream(stack, monkeypatch):
+    """A client that falls behind (a small receive buffer, a pause): the events written on
+    from decode's connection (``relay.WholeEvents``) hand the stream back to the handler
+    once the client's buffer fills, and the handler's writes wait for it: every event
+    arrives whole, once, in order."""
+    handed_back = []
+    slowed = relay.WholeEvents._slowed
+
+    def watched(self):
+        slowed(self)
+        if not self.active:
+            handed_back.append(True)
+    monkeypatch.setattr(relay.WholeEvents, "_slowed", watched)
+    s = stack
+    # 25 MiB over 4 s: more than the kernel's socket buffers hold while the client pauses
+    s["decode"].chunks, s["decode"].chunk_bytes = 400, 64 * 1024
+    router = TestServer(build_app(router_cfg(s), WhitespaceCounter()))
+    await router.start_server()
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    try:
+        await loop.sock_connect(sock, (router.host, router.port))
+        body = json.dumps({"model": "tiny", "prompt": "a b c", "max_tokens": 8, "stream": True}).encode()
+        await loop.sock_sendall(sock, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                      b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+        raw = bytearray()
+        while True:
+            got = await asyncio.wait_for(loop.sock_recv(sock, 1 << 16), 30)
+            if not got:
+                break
+            raw += got
+            if len(raw) - len(got) < 16384 <= len(raw):
+                await asyncio.sleep(1.0)   # it stops reading a while, decode streaming on
+        at = raw.index(b"\r\n\r\n") + 4
+        head = bytes(raw[:at])
+        assert head.startswith(b"HTTP/1.1 200") and b"chunked" in head.lower(), head
+        stream = bytearray()
+        while True:  # (the HTTP chunks, undone)
+            end = raw.index(b"\r\n", at)
+            size = int(raw[at:end], 16)
+            if size == 0:
+                break
+            stream += raw[end + 2:end + 2 + size]
+            at = end + 4 + size
+        stream = bytes(stream)
+        *answer, done = events_of(stream)
+        assert done == "[DONE]" and [e["choices"][0]["text"] for e in answer] == ["x" * 65536] * 400
+        assert handed_back, "the client never fell behind: nothing was handed back"
+    finally:
+        sock.close()
         await router.close()
