@@ -24,7 +24,7 @@ import json
 
 from aiohttp import ClientError, StreamReader
 
-from kvpush.router.streams import HELD_MAX, whole_events
+from kvpush.router.streams import split_whole
 
 # What follows the text in a steady completion event of decode (vLLM, return_token_ids).
 _STEADY_AFTER_TEXT = b',"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,"token_ids":['
@@ -258,12 +258,8 @@ class WholeEvents(Direct):
             return None
 
     def feed(self, data: bytes, size: int = 0) -> bool:
-        buf = self._pending + data if self._pending else data
-        whole = whole_events(buf)
-        if len(buf) - whole > HELD_MAX:  # (no end in sight: passed on as it comes)
-            whole = len(buf)
-        self._pending = buf[whole:]
-        if whole:
-            self._write(buf[:whole])
+        body, self._pending = split_whole(self._pending + data if self._pending else data)
+        if body:
+            self._write(body)
             self._slowed()
         return False

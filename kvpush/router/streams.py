@@ -89,11 +89,14 @@ async def end_with_error(request: web.Request, out: web.StreamResponse, message:
 HELD_MAX = 1 << 16
 
 
-def whole_events(data: bytes) -> int:
-    """How much of ``data`` is whole server-sent events: up to the blank line that ends its
-    last one (0: none yet)."""
+def split_whole(data: bytes) -> tuple[bytes, bytes]:
+    """``data`` as (its whole server-sent events, up to the blank line that ends the last;
+    the start of one not yet whole), that start held back up to HELD_MAX bytes."""
     lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
-    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+    whole = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+    if len(data) - whole > HELD_MAX:
+        return data, b""
+    return data[:whole], data[whole:]
 
 
 class EventStream:

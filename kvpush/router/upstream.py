@@ -12,7 +12,7 @@ from aiohttp import web
 from kvpush.router import ask as asks
 from kvpush.router import metrics
 from kvpush.router.relay import WholeEvents
-from kvpush.router.streams import HELD_MAX, BoundedStream, end_with_error, whole_events
+from kvpush.router.streams import BoundedStream, end_with_error, split_whole
 
 
 class Upstream:
@@ -100,12 +100,7 @@ class Upstream:
                             metrics.TTFT.labels(path=path).observe(timings["first_chunk"] - sent.started)
                             out = await self._begin(upstream, request)
                         if events:
-                            chunk = held + chunk if held else chunk
-                            whole = whole_events(chunk)
-                            if whole < len(chunk) and len(chunk) - whole <= HELD_MAX:
-                                chunk, held = chunk[:whole], chunk[whole:]
-                            else:
-                                held = b""
+                            chunk, held = split_whole(held + chunk if held else chunk)
                             if not chunk:
                                 continue
                         await out.write(chunk)
