@@ -21,12 +21,12 @@ fake      the router alone in front of a stand-in engine process (bench/stand_in
           bare TCP relay straight to the stand-in (the limit). Tokens/s, and the router's
           CPU per token (its workers together). On 2 cores the stand-in and the clients
           share the cores with the router, so 2 workers cannot double what 1 does here.
-          Then paced: the router (its first-token path, and its push path: requests with a
-          presence penalty), the baseline router's push path, and the relay, in front of
+          Then paced: the router and the baseline router, each on its first-token path and
+          its push path (requests with a presence penalty), and the relay, in front of
           a stand-in that streams one event every 5 ms, answers of 200 and of 20 tokens;
           each one's CPU per request fitted as R (per request) + E (per event) x events,
           to say where the router's CPU above the relay's goes.
-paced     that paced table alone (about 3 minutes; --baseline REF for another router
+paced     that paced table alone (about 4 minutes; --baseline REF for another router
           beside it).
 """
 
@@ -299,8 +299,8 @@ def fake_part(model: str, logs: str, seconds: float, clients: int, workers_list:
 
 
 def paced_part(stack: Stack, model: str, clients: int, baseline: str) -> dict:
-    """The router (one worker) on its two token paths, the baseline router on the push path,
-    and the bare TCP relay, in front of a stand-in that streams one event every PACE_MS, with
+    """The router (one worker) and the baseline router, each on its two token paths, and the
+    bare TCP relay, in front of a stand-in that streams one event every PACE_MS, with
     answers of each of PACED_TOKENS tokens (one event a token), alternating: CPU per request
     = R + E x events, fitted on the two lengths. The push path (decode streams every token,
     passed through whole) is what requests with output penalties, tools, structured output
@@ -320,6 +320,7 @@ def paced_part(stack: Stack, model: str, clients: int, baseline: str) -> dict:
         def pushed(i: int, n: int) -> dict:  # (a penalty: the push path, in the baseline's router too)
             return {"prompt": prompt_ids(i * 1000 + n), "presence_penalty": 0.5}
         who = {"router": (router_url, router.pid, plain), PUSHED: (router_url, router.pid, pushed),
+               f"baseline router ({baseline}), first-token path": (base_url, base.pid, plain),
                f"baseline router ({baseline}), push path": (base_url, base.pid, pushed),
                "relay": (relay_url, relay.pid, plain)}
         per_request: dict[str, dict[int, list[float]]] = {w: {} for w in who}
@@ -429,13 +430,14 @@ def paced_report(paced: dict, clients: int) -> list[str]:
     lines += ["", f"Above the relay, first-token path: **{r['per_request_ms'] - l['per_request_ms']:.2f} ms per "
               f"request** ({(r['per_request_ms'] - l['per_request_ms']) * 1e3 / long_:.1f} us of a {long_}-token "
               f"answer's per-token figure) and **{r['per_event_us'] - l['per_event_us']:.1f} us per event**."]
-    p = paced.get(PUSHED)
-    base = next((v for k, v in paced.items() if k.startswith("baseline router")), None)
-    if p and base:
-        lines += [f"Push path: **{p['per_event_us'] - l['per_event_us']:.1f} us per event** above the relay, "
-                  f"**{p['per_event_us'] / base['per_event_us']:.2f}x** the baseline router's per event and "
-                  f"**{p['ms_per_request_at'][long_] / base['ms_per_request_at'][long_]:.2f}x** its CPU per "
-                  f"{long_}-token request."]
+    for mine, path in (("router", "first-token path"), (PUSHED, "push path")):
+        p = paced.get(mine)
+        base = next((v for k, v in paced.items() if k.startswith("baseline router") and k.endswith(path)), None)
+        if p and base:
+            lines += [f"Against the baseline router, {path}: **{p['per_event_us'] / base['per_event_us']:.2f}x** its "
+                      f"CPU per event and **{p['ms_per_request_at'][long_] / base['ms_per_request_at'][long_]:.2f}x** "
+                      f"per {long_}-token request ({p['per_event_us'] - l['per_event_us']:.1f} us per event above "
+                      "the relay)."]
     return lines
 
 

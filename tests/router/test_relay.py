@@ -163,3 +163,49 @@ async def test_an_event_that_never_ends_is_passed_on_as_it_comes():
     assert t.written == []
     reader.feed_data(b"yy")
     assert unchunk(t.written) == b"data: " + b"x" * (HELD_MAX - 6) + b"yy"
+
+
+class Engine:
+    """aiohttp's ResponseHandler as ``relay.Silence`` uses it: its read timeout, its timer
+    (re)armed, and the read failed when the timer runs out."""
+
+    def __init__(self, timeout: float) -> None:
+        self.read_timeout, self.armed, self.failed_at = timeout, [], None
+
+    def start_timeout(self) -> None:
+        self.armed.append(self.read_timeout)
+
+    def _on_read_timeout(self) -> None:
+        self.failed_at = asyncio.get_running_loop().time()
+
+
+async def test_a_stream_silent_for_the_read_timeout_fails_as_aiohttps_timer_would():
+    loop = asyncio.get_running_loop()
+    reader = StreamReader(Protocol(), 1 << 16, loop=loop)
+    engine = Engine(0.5)
+    w = WholeEvents(reader, Transport(), True, engine)
+    assert engine.read_timeout is None and engine.armed == [None]   # aiohttp's per-read timer off
+    for i in range(12):                                # reads every 50 ms for 0.6 s: never silent long enough
+        reader.feed_data(steady(i))
+        last = loop.time()
+        await asyncio.sleep(0.05)
+    assert engine.failed_at is None and w.active
+    while engine.failed_at is None:
+        await asyncio.sleep(0.01)
+        assert loop.time() - last < 2.0, "a silent stream was never failed"
+    assert 0.5 <= engine.failed_at - last <= 0.5 + 0.5 / 8 + 0.25   # (never early; late by a check, and the loop)
+    assert not w.active and engine.read_timeout == 0.5 and engine.armed == [None]   # (not armed again)
+
+
+async def test_handed_back_the_engines_own_timer_runs_again():
+    loop = asyncio.get_running_loop()
+    for at_end in (False, True):
+        reader = StreamReader(Protocol(), 1 << 16, loop=loop)
+        engine = Engine(600.0)
+        w = WholeEvents(reader, Transport(), True, engine)
+        reader.feed_data(steady(1))
+        if at_end:
+            reader.feed_eof()
+        w.stop()
+        assert engine.read_timeout == 600.0
+        assert engine.armed == ([None] if at_end else [None, 600.0])   # armed again only for a stream going on
