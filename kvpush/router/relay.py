@@ -161,10 +161,10 @@ class Direct:
         self._high = transport.get_write_buffer_limits()[1]
         self.active = True
         self.fed = 0  # reads handed over (what ``Silence`` watches)
-        self._silence = Silence.over(engine, self)
         # What the reader holds already came first: relayed before anything newer (else a
-        # client would get the newer events ahead of it).
+        # client would get the newer events ahead of it). (A stream broken already raises.)
         buffered = reader.read_nowait(-1)
+        self._silence = Silence.over(engine, self)
         _RELAYING[id(reader)] = self
         reader.__class__ = _RelayedReader
         if buffered:

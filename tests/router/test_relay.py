@@ -209,3 +209,14 @@ async def test_handed_back_the_engines_own_timer_runs_again():
         w.stop()
         assert engine.read_timeout == 600.0
         assert engine.armed == ([None] if at_end else [None, 600.0])   # armed again only for a stream going on
+
+
+async def test_a_stream_broken_already_leaves_the_engines_timer_alone():
+    import pytest
+    from aiohttp import ClientPayloadError
+    reader = StreamReader(Protocol(), 1 << 16, loop=asyncio.get_running_loop())
+    reader.set_exception(ClientPayloadError("gone"))
+    engine = Engine(600.0)
+    with pytest.raises(ClientPayloadError):
+        WholeEvents(reader, Transport(), True, engine)
+    assert engine.read_timeout == 600.0 and engine.armed == [] and type(reader) is StreamReader
