@@ -39,7 +39,7 @@ class FakeEngine:
         self.break_after: int | None = None      # decode's stream: the connection aborted after this many events
         self.error_after: int | None = None      # ... or an error event after this many
         self.silent_after: int | None = None     # ... or nothing more after this many (a hung engine)
-        self.break_mid_event = False             # the plain stream's break: after the start of one more event
+        self.break_mid_event = False             # the break comes after the start of one more event
 
     async def _with_token_ids(self, request: web.Request, body: dict):
         base = {"id": f"cmpl-{self.name}", "created": 1, "model": "tiny"}
@@ -68,6 +68,9 @@ class FakeEngine:
         first = 6 + len(body["prompt"])  # ids 10, 11, ... after a 4-token prompt: a resumed prompt goes on
         for i in range(body["max_tokens"]):
             if self.break_after is not None and i == self.break_after:
+                if self.break_mid_event:
+                    await resp.write(b'data: {"id":"cmpl-')
+                    await asyncio.sleep(0.05)  # (read before the reset, which would drop it)
                 request.transport.abort()   # the engine dies part way
                 return resp
             if self.silent_after is not None and i == self.silent_after:
