@@ -13,7 +13,8 @@ _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 REQUESTS = Counter("kvpush_router_requests_total", "Answers on the OpenAI endpoints by endpoint and outcome: ok, "
                    "bad_request (a 4xx of the router's), unavailable (its 503), upstream_error (an engine unreachable or "
-                   "late, or a stream that began and ended with an error event), client_gone, client_too_slow, error (a failure nobody foresaw: a 500, logged)",
+                   "late, or a stream that began and ended with an error event), client_gone, client_too_slow, error (a "
+                   "failure nobody foresaw: a 500, logged)",
                    ["endpoint", "outcome"], registry=REGISTRY)
 FALLBACKS = Counter("kvpush_router_fallbacks_total", "Requests served without push (decode prefilled itself)",
                     ["reason"], registry=REGISTRY)
