@@ -16,7 +16,7 @@ from kvpush.router import connections, metrics
 from kvpush.router.body import MAX_BODY, read as read_body
 from kvpush.router.config import RouterConfig
 from kvpush.router.dispatch import Dispatcher
-from kvpush.router.errors import ApiError, json_error
+from kvpush.router.errors import ApiError, json_error, silent_engine
 from kvpush.router.first_token import body_json
 from kvpush.router.streams import ENDED_WITH_ERROR, ClientTooSlow
 from kvpush.router.tokens import HFTokenCounter, TokenCounter
@@ -136,7 +136,7 @@ def _failed(request: web.Request, endpoint: str, exc: Exception) -> tuple[str, w
         # (aiohttp's read timeout is a ClientError too; a break before the answer's first byte,
         # upstream.BrokeBeforeAnswering, keeps it as its cause)
         silent = request.app[DISPATCHER].cfg.upstream_timeout_s
-        return "upstream_error", json_error(f"the engine sent nothing for {silent:g} s (--upstream-timeout)", 504)
+        return "upstream_error", json_error(silent_engine(silent), 504)
     if isinstance(exc, aiohttp.ClientError):
         return "upstream_error", json_error(f"engine unreachable: {exc}", 502)
     if isinstance(exc, web.HTTPException):  # aiohttp's refusals (405, ...)

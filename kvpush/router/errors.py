@@ -28,6 +28,12 @@ def error_body(message: str, status: int, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": _TYPES.get(status, "Error"), "param": param, "code": status}}
 
 
+def silent_engine(seconds: float) -> str:
+    """Why an engine's answer failed that sent nothing for the read timeout (a 504's message,
+    as a whole answer or as a stream's error event)."""
+    return f"the engine sent nothing for {seconds:g} s (--upstream-timeout)"
+
+
 def error_event(message: str, status: int) -> bytes:
     """The error object as a server-sent event: how a stream already begun says it failed
     (vLLM's server writes one, then ``[DONE]``, when its engine fails mid-answer)."""

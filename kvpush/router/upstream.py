@@ -11,6 +11,7 @@ from aiohttp import web
 
 from kvpush.router import ask as asks
 from kvpush.router import metrics
+from kvpush.router.errors import silent_engine
 from kvpush.router.relay import WholeEvents
 from kvpush.router.streams import BoundedStream, end_with_error, split_whole
 
@@ -120,9 +121,7 @@ class Upstream:
                 # Part of the answer is out, so no other engine can take it over: it ends as
                 # vLLM ends a stream whose engine failed (the first-token path resumes instead).
                 if isinstance(exc, asyncio.TimeoutError):  # (aiohttp's read timeout: --upstream-timeout)
-                    silent = self.session.timeout.sock_read
-                    return await end_with_error(request, out, f"the engine sent nothing for {silent:g} s "
-                                                              "(--upstream-timeout)", 504)
+                    return await end_with_error(request, out, silent_engine(self.session.timeout.sock_read), 504)
                 return await end_with_error(request, out, f"the engine's stream broke: {type(exc).__name__}: {exc}")
             raise
         finally:
