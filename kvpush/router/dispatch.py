@@ -49,7 +49,7 @@ from kvpush.router.reserving import Reserving
 from kvpush.router.errors import ApiError, json_error
 from kvpush.router.failover import Failover, with_reservation
 from kvpush.router.relay import Passthrough, Relay
-from kvpush.router.streams import DecodeStreamError, EventStream, end_with_error, sse_response
+from kvpush.router.streams import DONE, DecodeStreamError, EventStream, end_with_error, sse_response
 from kvpush.router.upstream import Answering, Upstream
 from kvpush.router.first_token import (BadHead, Chunks, Tail, decode_body, final_answer, parse_head, prefill_body,
                                 resume_body)
@@ -309,7 +309,7 @@ class Dispatcher(PushPath, AlonePath, Reserving):
         chunks = Chunks(ask, head)
         out = await sse_response(request, self.cfg.write_timeout_s)
         usage = head.usage
-        await out.write(chunks.head_events(usage, head.text) + chunks.usage_event(usage) + Chunks.DONE)
+        await out.write(chunks.head_events(usage, head.text) + chunks.usage_event(usage) + DONE)
         await out.write_eof()
         return out
 
@@ -427,7 +427,7 @@ class Dispatcher(PushPath, AlonePath, Reserving):
                     return web.json_response(final_answer(ask, head, tail))
                 # (The last events and the end of the chunked body in one write: one system
                 # call, and one wakeup of the client, fewer per request.)
-                await out.write_eof(chunks.usage_event(tail.usage()) + Chunks.DONE)
+                await out.write_eof(chunks.usage_event(tail.usage()) + DONE)
                 return out
             finally:
                 self.up.reuse(resp)

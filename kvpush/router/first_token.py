@@ -22,7 +22,7 @@ import json
 
 from kvpush.router.ask import Ask
 from kvpush.router.relay import Relay, event, js
-from kvpush.router.streams import DONE, DecodeStreamError
+from kvpush.router.streams import DecodeStreamError
 
 # Fields of the client's request that decode does not get as they are: the prompt is
 # the prefill engine's tokens plus its first token; the rest is set by decode_body.
@@ -463,8 +463,6 @@ class Chunks:
             return b""
         # As vLLM writes the last event: without null fields (a whole answer's usage has them).
         return self._event(dict(self._base, choices=[], usage={k: v for k, v in usage.items() if v is not None}))
-
-    DONE = DONE
 
 
 def _find_stop(text: str, new_chars: int, stop: list[str], include: bool) -> tuple[str, int] | None:

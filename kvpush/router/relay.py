@@ -142,16 +142,21 @@ class Direct:
     """
 
     @classmethod
-    def framing(cls, resp, request, out) -> bool | None:
-        """Whether ``out`` (the client's answer to ``request``, headers sent) is chunked; None
-        where bytes cannot be written past it (another reader or writer than aiohttp's plain
-        ones, the stream at its end already: all of it is in the reader, the coroutine has it)."""
+    def _begin(cls, resp, request, out, *args) -> "Direct | None":
+        """Relay ``resp``'s stream to ``request``'s client, whose answer is ``out`` (headers
+        sent; ``args``: the kind's own); None where bytes cannot be written past it (another
+        reader or writer than aiohttp's plain ones, the stream at its end already: all of it is
+        in the reader, the coroutine has it; or broken already: its next read says so)."""
         writer = getattr(out, "_payload_writer", None)  # (aiohttp's; its framing, for the relayed bytes)
         chunked = getattr(writer, "chunked", None)
         if request.transport is None or not isinstance(chunked, bool) or getattr(writer, "_compress", None) \
                 or type(resp.content) is not StreamReader or resp.content.is_eof():
             return None
-        return chunked
+        engine = getattr(getattr(resp, "connection", None), "protocol", None)  # (aiohttp's ResponseHandler)
+        try:
+            return cls(resp.content, request.transport, chunked, *args, engine=engine)
+        except ClientError:
+            return None
 
     def __init__(self, reader, transport, chunked: bool, engine=None) -> None:
         """``engine``: the engine connection's protocol (aiohttp's), whose read timer
@@ -260,16 +265,9 @@ class Passthrough(Direct):
     def begin(cls, resp, request, out, tail) -> "Passthrough | None":
         """Relay ``resp``'s steady events (decode's) to ``request``'s client, whose answer is
         ``out`` (``tail``: the answer's ``first_token.Tail``, passing); None where this cannot."""
-        chunked = cls.framing(resp, request, out)
-        if chunked is None:
-            return None
-
         def counted(n: int) -> None:
             tail.passed_events += n
-        try:
-            return cls(resp.content, request.transport, chunked, tail.relay, counted, engine_protocol(resp))
-        except ClientError:  # the stream broke already: the coroutine's next read says so
-            return None
+        return cls._begin(resp, request, out, tail.relay, counted)
 
     def __init__(self, reader, transport, chunked: bool, relay: Relay, counted, engine=None) -> None:
         self._relay, self._counted = relay, counted
@@ -307,13 +305,7 @@ class WholeEvents(Direct):
 
     @classmethod
     def begin(cls, resp, request, out) -> "WholeEvents | None":
-        chunked = cls.framing(resp, request, out)
-        if chunked is None:
-            return None
-        try:
-            return cls(resp.content, request.transport, chunked, engine_protocol(resp))
-        except ClientError:
-            return None
+        return cls._begin(resp, request, out)
 
     def feed(self, data: bytes, size: int = 0) -> bool:
         body, self._pending = split_whole(self._pending + data if self._pending else data)
@@ -321,8 +313,3 @@ class WholeEvents(Direct):
             self._write(body)
             self._slowed()
         return False
-
-
-def engine_protocol(resp):
-    """The protocol of ``resp``'s connection (aiohttp's ResponseHandler), or None."""
-    return getattr(getattr(resp, "connection", None), "protocol", None)
