@@ -156,3 +156,40 @@ async def test_a_slow_reader_on_the_push_path_gets_the_whole_stream(stack, monke
     finally:
         sock.close()
         await router.close()
+
+
+@pytest.mark.parametrize("path", ["push", "first_token"])
+async def test_without_the_connection_callback_relay_the_answers_are_the_same_bytes(stack, path, monkeypatch):
+    """``relay.Direct`` leans on aiohttp's internals and steps aside where it does not find
+    them (another aiohttp: pyproject allows any 3.x from 3.14.3): then the handler's own
+    reads relay every event, and the client's bytes must not change."""
+    s = stack
+    where, extra = PATHS[path]
+    if path == "first_token":
+        s["prefill"].mode = s["decode"].mode = "token_ids"
+        s["decode"].chunk_delay = 0.005  # (a stream whole before its first read is not relayed so)
+    s["decode"].chunks = 12
+    bodies = [dict({"model": "tiny", "prompt": "one two", "max_tokens": 12, "stream": True}, **extra),
+              dict({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12,
+                    "stream": True, "stream_options": {"include_usage": True}}, **extra)]
+
+    async def answers() -> list[bytes]:
+        out = []
+        for body in bodies:
+            endpoint = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+            async with s["session"].post(s[where] + endpoint, json=body) as r:
+                assert r.status == 200
+                out.append(await r.read())
+        return out
+    began = []  # what Direct._begin gave: one relay per answer, here
+    direct_begin = relay.Direct._begin.__func__
+
+    def begin(cls, *args):
+        began.append(direct_begin(cls, *args))
+        return began[-1]
+    monkeypatch.setattr(relay.Direct, "_begin", classmethod(begin))
+    relayed = await answers()
+    assert len(began) == 2 and all(began), began
+    monkeypatch.setattr(relay.Direct, "_begin", classmethod(lambda cls, *args: None))
+    handled = await answers()
+    assert handled == relayed and all(len(events_of(a)) >= 12 for a in relayed), (handled, relayed)
