@@ -1,11 +1,13 @@
-"""The router's and the control plane's tests at the oldest versions pyproject.toml
-allows: a lower bound there is a claim that a user's environment holding that version
-works (vLLM's image, or one pinned by other software), so it is installed and tested.
+"""The router's, the sidecar's and the control plane's tests at the oldest versions
+pyproject.toml allows: a lower bound there is a claim that a user's environment holding
+that version works (vLLM's image, or one pinned by other software), so it is installed
+and tested.
 
-A fresh venv (not the project's) gets each dependency of the router, the control plane,
-the embedded etcd and the test tools at its lower bound, exactly, and the rest at
-whatever pip picks; their tests run there against this tree's code. (The sidecar's tests
-need NIXL and the connector's vLLM, whose own pins decide there.)
+A fresh venv (not the project's) gets each dependency of the router, the sidecar, the
+control plane, the embedded etcd and the test tools at its lower bound, exactly, the rest
+at whatever pip picks, and NIXL as requirements/nixl.txt pins it (without its torch);
+their tests run there against this tree's code. (The connector's run inside vLLM, whose
+own pins decide there.)
 The tiny model's tokenizer is written again by that venv's transformers (the project's
 writes a format older ones cannot read; real models carry their own)."""
 
@@ -26,10 +28,10 @@ from packaging.version import Version
 from kvpush.app.tiny_model import DEFAULT_DIR, MARKER, ensure_model
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-EXTRAS = ("router", "controlplane", "etcd", "test")
+EXTRAS = ("router", "sidecar", "controlplane", "etcd", "test")
 # What the router's tests use beyond kvpush's extras (vLLM brings them to the project's venv).
 TEST_CLIENTS = ("openai", "httpx")
-pytestmark = pytest.mark.timeout(1500)
+pytestmark = pytest.mark.timeout(2400)
 
 
 def floors(extras=EXTRAS) -> dict[str, str]:
@@ -77,7 +79,7 @@ def test_floors_name_every_router_dependency_at_its_lower_bound():
     assert not any(name == "kvpush" for name in pins)
 
 
-def test_the_routers_and_control_planes_tests_pass_with_every_dependency_at_its_floor(tmp_path):
+def test_the_tests_of_router_sidecar_and_control_plane_pass_with_every_dependency_at_its_floor(tmp_path):
     pins = floors()
     venv = tmp_path / "venv"
     run([sys.executable, "-m", "venv", str(venv)], tmp_path)
@@ -85,6 +87,8 @@ def test_the_routers_and_control_planes_tests_pass_with_every_dependency_at_its_
     # Wheels only: an old sdist may not build with today's setuptools (cbor2 5.0's did not).
     run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--only-binary=:all:",
          *pins.values(), *TEST_CLIENTS], tmp_path, timeout=1200)
+    run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps", "-r",
+         str(ROOT / "requirements" / "nixl.txt")], tmp_path, timeout=1200)
     installed = dict(line.split("==", 1) for line in run([py, "-m", "pip", "freeze"], tmp_path).stdout.splitlines()
                      if "==" in line)
     installed = {canonicalize_name(name): Version(v) for name, v in installed.items()}
@@ -107,8 +111,8 @@ def test_the_routers_and_control_planes_tests_pass_with_every_dependency_at_its_
     assert (model / MARKER).exists() and (model / "tokenizer.json").exists()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     done = subprocess.run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "tests/router",
-                           "tests/controlplane", "tests/test_contract.py"], cwd=src,
-                          capture_output=True, text=True, timeout=1000, env=env)
+                           "tests/sidecar", "tests/controlplane", "tests/test_contract.py"], cwd=src,
+                          capture_output=True, text=True, timeout=1500, env=env)
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
     assert done.returncode == 0 and " passed" in summary and "failed" not in summary, \
         f"{done.stdout[-6000:]}\n{done.stderr[-3000:]}"
