@@ -14,6 +14,12 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=${KVPUSH_VENV:-.venv}
 
+# (Said now, not as a failure deep inside vLLM's install.)
+py=$([ -x "$VENV/bin/python" ] && echo "$VENV/bin/python" || echo "$PYTHON")
+if ! "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "kvpush needs Python 3.11 or newer; $py is $("$py" -V 2>&1). Run with PYTHON=python3.11 (or newer)." >&2
+  exit 1
+fi
 if [ ! -x "$VENV/bin/python" ]; then
   echo "==> creating $VENV"
   "$PYTHON" -m venv "$VENV"

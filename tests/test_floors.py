@@ -6,8 +6,9 @@ and tested.
 A fresh venv (not the project's) gets each dependency of the router, the sidecar, the
 control plane, the embedded etcd and the test tools at its lower bound, exactly, the rest
 at whatever pip picks, and NIXL as requirements/nixl.txt pins it (without its torch);
-their tests run there against this tree's code. (The connector's run inside vLLM, whose
-own pins decide there.)
+their tests run there against this tree's code, on the Python running these tests
+(3.11 in CI, requires-python's floor). (The connector's run inside vLLM, whose own pins
+decide there.)
 The tiny model's tokenizer is written again by that venv's transformers (the project's
 writes a format older ones cannot read; real models carry their own)."""
 
