@@ -212,7 +212,7 @@ def cmd_router(args) -> None:
                            http_tls_cert=args.http_tls_cert, http_tls_key=args.http_tls_key,
                            body_timeout_s=args.body_timeout, write_timeout_s=args.write_timeout,
                            header_timeout_s=args.header_timeout, keepalive_timeout_s=args.keepalive_timeout,
-                           upstream_timeout_s=args.upstream_timeout,
+                           upstream_timeout_s=args.upstream_timeout, reserve_timeout_s=args.reserve_timeout,
                            relocate=not args.no_relocate, prefix_block_size=args.prefix_block_size,
                            prefix_hash=args.prefix_hash, prefix_hash_seed=args.prefix_hash_seed,
                            local_prefill_tokens=(args.local_prefill_tokens if args.local_prefill_tokens is not None
@@ -362,6 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds an engine may send nothing (before its answer begins, or between two streamed "
                         "events) before its request fails over or the client gets a 504; not a bound on how long "
                         "an answer that keeps streaming may take")
+    p.add_argument("--reserve-timeout", type=float, default=0.5,
+                   help="seconds a request's Reserve may take; past it the request is served without push "
+                        "(kvpush_router_fallbacks_total{reason=\"deadline_exceeded\"}), and a prefill engine "
+                        "holding a request for its reservation waits this and 0.25 s more")
     p.add_argument("--no-relocate", action="store_true",
                    help="when a decode engine fails before loading a request's KV, compute the prompt on another "
                         "(the baseline) instead of moving the reservation and pushing the staged KV again")

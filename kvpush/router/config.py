@@ -74,7 +74,8 @@ class RouterConfig:
         addresses = [a for a, _ in self.registry_targets()]
         if len(set(addresses)) != len(addresses):
             raise ValueError(f"--controlplane names the same registry twice: {addresses}")
-        for flag, value in (("--header-timeout", self.header_timeout_s),
+        for flag, value in (("--reserve-timeout", self.reserve_timeout_s),
+                            ("--header-timeout", self.header_timeout_s),
                             ("--keepalive-timeout", self.keepalive_timeout_s),
                             ("--upstream-timeout", self.upstream_timeout_s)):
             if not value > 0:  # (NaN too)

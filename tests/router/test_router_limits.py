@@ -264,6 +264,7 @@ async def test_upstream_timeout_bounds_an_engines_silence_not_an_answers_length(
 
 
 @pytest.mark.parametrize("field, flag", [("upstream_timeout_s", "--upstream-timeout"),
+                                         ("reserve_timeout_s", "--reserve-timeout"),
                                          ("header_timeout_s", "--header-timeout"),
                                          ("keepalive_timeout_s", "--keepalive-timeout")])
 @pytest.mark.parametrize("value", [0.0, -1.0, float("nan")])
@@ -271,3 +272,23 @@ def test_a_timeout_that_is_not_a_positive_number_is_refused_by_name(field, flag,
     cfg = RouterConfig(controlplane="127.0.0.1:1", token="t", model="tiny", prefill_urls=(), decode=())
     with pytest.raises(ValueError, match=f"{flag} must be a positive number of seconds"):
         dataclasses.replace(cfg, **{field: value})
+
+
+def test_the_reserve_timeout_flag_reaches_the_router_and_a_bad_one_is_refused_by_name(monkeypatch):
+    from kvpush import aio, log
+    from kvpush.app import cli
+    from kvpush.router import app as router_app
+    served = []
+    monkeypatch.setattr(log, "configure", lambda *args: None)
+    monkeypatch.setattr(router_app, "serve", lambda cfg, ready_file: served.append(cfg))
+    monkeypatch.setattr(aio, "run", lambda coro: None)
+    base = ["router", "--model", "tiny", "--token", "t"]
+    args = cli.build_parser().parse_args(base + ["--reserve-timeout", "2.5"])
+    args.fn(args)
+    assert served[0].reserve_timeout_s == 2.5
+    args = cli.build_parser().parse_args(base)
+    args.fn(args)
+    assert served[1].reserve_timeout_s == 0.5
+    args = cli.build_parser().parse_args(base + ["--reserve-timeout", "0"])
+    with pytest.raises(SystemExit, match="--reserve-timeout must be a positive number of seconds"):
+        args.fn(args)
