@@ -16,9 +16,7 @@ writes a format older ones cannot read; real models carry their own)."""
 from __future__ import annotations
 
 import os
-import pathlib
 import shutil
-import subprocess
 import sys
 import tomllib
 
@@ -28,8 +26,8 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 from kvpush.app.tiny_model import DEFAULT_DIR, MARKER, ensure_model
+from tests.test_packaging import ROOT, copy_tracked, run
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXTRAS = ("router", "sidecar", "controlplane", "etcd", "test")
 # What the router's tests use beyond kvpush's extras (vLLM brings them to the project's venv).
 TEST_CLIENTS = ("openai", "httpx")
@@ -68,12 +66,6 @@ def floors(extras=EXTRAS) -> dict[str, str]:
     return {**declared, **{name: f"{name}=={v}" for name, v in lowest.items()}}
 
 
-def run(cmd, cwd, timeout=900) -> subprocess.CompletedProcess:
-    done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, f"{cmd} exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
-    return done
-
-
 def test_floors_name_every_router_dependency_at_its_lower_bound():
     pins = floors()
     assert pins["aiohttp"] == "aiohttp==3.14.3" and pins["jinja2"].startswith("jinja2==")
@@ -101,7 +93,7 @@ def test_the_routers_and_sidecars_tests_pass_with_every_dependency_at_its_floor(
     # by the venv's transformers.
     src = tmp_path / "src"
     src.mkdir()
-    subprocess.run(f"git ls-files -z | tar -c --null -T - | tar -x -C {src}", shell=True, cwd=ROOT, check=True)
+    copy_tracked(src)
     for stub in (ROOT / "kvpush" / "contract" / "v1").glob("*_pb2*.py*"):
         shutil.copy(stub, src / "kvpush" / "contract" / "v1")
     model = src / DEFAULT_DIR
@@ -112,9 +104,8 @@ def test_the_routers_and_sidecars_tests_pass_with_every_dependency_at_its_floor(
                    "build_tokenizer(TinySpec()).save_pretrained(sys.argv[1])", str(model)], src)
     assert (model / MARKER).exists() and (model / "tokenizer.json").exists()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    done = subprocess.run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "tests/router",
-                           "tests/sidecar", "tests/test_contract.py"], cwd=src,
-                          capture_output=True, text=True, timeout=1500, env=env)
+    done = run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "tests/router", "tests/sidecar",
+                "tests/test_contract.py"], src, timeout=1500, env=env, check=False)
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
     assert done.returncode == 0 and " passed" in summary and "failed" not in summary, \
         f"{done.stdout[-6000:]}\n{done.stderr[-3000:]}"

@@ -35,6 +35,11 @@ def run(cmd, cwd, timeout=600, env=None, check=True) -> subprocess.CompletedProc
     return done
 
 
+def copy_tracked(dest: pathlib.Path) -> None:
+    """What git tracks in this checkout, copied into ``dest`` (no generated stubs, no venv)."""
+    subprocess.run(f"git ls-files -z | tar -c --null -T - | tar -x -C {dest}", shell=True, cwd=ROOT, check=True)
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> dict[str, pathlib.Path]:
     """An sdist and a wheel, built as `python -m build` builds them (the wheel from the
@@ -42,7 +47,7 @@ def built(tmp_path_factory) -> dict[str, pathlib.Path]:
     tmp = tmp_path_factory.mktemp("packaging")
     src = tmp / "src"
     src.mkdir()
-    subprocess.run(f"git ls-files -z | tar -c --null -T - | tar -x -C {src}", shell=True, cwd=ROOT, check=True)
+    copy_tracked(src)
     assert not list(src.glob("kvpush/contract/v1/*_pb2.py")), "the copy must not carry generated stubs"
     dist = tmp / "dist"
     run([sys.executable, "-m", "build", "--outdir", str(dist), str(src)], tmp, timeout=900)
