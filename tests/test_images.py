@@ -90,3 +90,18 @@ def test_a_control_plane_with_embedded_etcd_serves_from_the_image(container):
             server.wait(30)
         except subprocess.TimeoutExpired:
             server.kill()
+
+
+def test_the_image_holds_what_the_router_and_sidecar_import_on_their_paths(container):
+    """The lock's distributions that only some paths import: a chat request's template
+    (jinja2, through transformers), the sidecar's KV events (pyzmq), blocks hashed with
+    CBOR (cbor2). A tokenizer made in the image counts a chat the way the router does."""
+    script = ("import tempfile, zmq, cbor2\n"
+              "from kvpush.app.tiny_model import TinySpec, build_tokenizer\n"
+              "from kvpush.router.tokens import HFTokenCounter\n"
+              "import kvpush.sidecar.kv_events\n"
+              "d = tempfile.mkdtemp()\n"
+              "build_tokenizer(TinySpec()).save_pretrained(d)\n"
+              "print(len(HFTokenCounter(d).chat_ids([{'role': 'user', 'content': 'hello there'}])))\n")
+    counted = run_in(container, "python", "-c", script).stdout.strip().splitlines()[-1]
+    assert int(counted) > 2, counted
