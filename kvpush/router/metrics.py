@@ -67,6 +67,15 @@ CONTINUATION_EVENTS = Counter("kvpush_router_continuation_events_total", "First-
                               "as bytes past the first-token boundary (passed) or made again in the router (made: the "
                               "boundary, the last event, and answers with logprobs or usage in every event)", ["how"],
                               registry=REGISTRY)
+DIRECT_RELAYS = Counter("kvpush_router_direct_relays_total", "Engine streams written on to the client from the "
+                        "engine connection's callback, no coroutine woken per event, by kind: passthrough (the "
+                        "first-token path's steady events), whole (whole events: the push path, decode alone)",
+                        ["kind"], registry=REGISTRY)
+DIRECT_DECLINED = Counter("kvpush_router_direct_relay_declined_total", "Reads of an engine's stream that could not be "
+                          "written on from the connection's callback because aiohttp's writer or reader is not the "
+                          "kind this router knows (another aiohttp 3.x) or the answer is compressed: the answers are "
+                          "the same bytes, at more CPU per event; above zero, pin aiohttp to the lock's version",
+                          registry=REGISTRY)
 
 
 def collect() -> bytes:

@@ -23,9 +23,14 @@ from __future__ import annotations
 import asyncio
 import json
 
+import aiohttp
 from aiohttp import ClientError, StreamReader
 
+from kvpush import log
+from kvpush.router import metrics
 from kvpush.router.streams import split_whole
+
+_log = log.get("router")
 
 # What follows the text in a steady completion event of decode (vLLM, return_token_ids).
 _STEADY_AFTER_TEXT = b',"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,"token_ids":['
@@ -141,22 +146,42 @@ class Direct:
     write timeout) takes it from there. Its end and its errors wake the coroutine as ever.
     """
 
+    KIND = ""  # (the metrics' label)
+    _told = False  # (that this aiohttp's objects are not the ones known: logged once a process)
+
     @classmethod
     def _begin(cls, resp, request, out, *args) -> "Direct | None":
         """Relay ``resp``'s stream to ``request``'s client, whose answer is ``out`` (headers
         sent; ``args``: the kind's own); None where bytes cannot be written past it (another
-        reader or writer than aiohttp's plain ones, the stream at its end already: all of it is
-        in the reader, the coroutine has it; or broken already: its next read says so)."""
+        reader or writer than aiohttp's plain ones: counted, see ``_declined``; the client gone;
+        the stream at its end already: all of it is in the reader, the coroutine has it; or
+        broken already: its next read says so)."""
         writer = getattr(out, "_payload_writer", None)  # (aiohttp's; its framing, for the relayed bytes)
         chunked = getattr(writer, "chunked", None)
-        if request.transport is None or not isinstance(chunked, bool) or getattr(writer, "_compress", None) \
-                or type(resp.content) is not StreamReader or resp.content.is_eof():
+        if not isinstance(chunked, bool) or getattr(writer, "_compress", None) or type(resp.content) is not StreamReader:
+            cls._declined()
+            return None
+        if request.transport is None or resp.content.is_eof():
             return None
         engine = getattr(getattr(resp, "connection", None), "protocol", None)  # (aiohttp's ResponseHandler)
         try:
-            return cls(resp.content, request.transport, chunked, *args, engine=engine)
+            direct = cls(resp.content, request.transport, chunked, *args, engine=engine)
         except ClientError:
             return None
+        metrics.DIRECT_RELAYS.labels(kind=cls.KIND).inc()
+        return direct
+
+    @classmethod
+    def _declined(cls) -> None:
+        """Answers still come out the same bytes, each read relayed by a woken coroutine instead
+        (more CPU per event): an operator must be able to see that, after an aiohttp upgrade
+        say, so it is counted per read and said once."""
+        metrics.DIRECT_DECLINED.inc()
+        if not Direct._told:
+            Direct._told = True
+            _log.warning("direct_relay_declined", aiohttp=aiohttp.__version__,
+                         why="aiohttp's response writer or stream reader is not the kind this router knows (or the "
+                             "answer is compressed): engine streams go through the handler, at more CPU per event")
 
     def __init__(self, reader, transport, chunked: bool, engine=None) -> None:
         """``engine``: the engine connection's protocol (aiohttp's), whose read timer
@@ -261,6 +286,8 @@ class Passthrough(Direct):
     shape (``Relay``) once the boundary is settled. The first event that is not steady (the
     last, usage, an error) hands the stream back, from that event on."""
 
+    KIND = "passthrough"
+
     @classmethod
     def begin(cls, resp, request, out, tail) -> "Passthrough | None":
         """Relay ``resp``'s steady events (decode's) to ``request``'s client, whose answer is
@@ -302,6 +329,8 @@ class WholeEvents(Direct):
     """An engine's stream passed through as it is (the push path, decode alone), whole
     events at a time: the start of one not yet whole waits for its end, so a stream that
     breaks leaves the client on a whole event (``streams.end_with_error`` then ends it)."""
+
+    KIND = "whole"
 
     @classmethod
     def begin(cls, resp, request, out) -> "WholeEvents | None":

@@ -14,9 +14,10 @@ import socket
 
 import openai
 import pytest
+from aiohttp import StreamReader
 from aiohttp.test_utils import TestServer
 
-from kvpush.router import relay
+from kvpush.router import metrics, relay
 from kvpush.router.app import build_app
 from kvpush.router.tokens import WhitespaceCounter
 from tests.router.test_router_limits import requests_total, router_cfg
@@ -162,7 +163,7 @@ async def test_a_slow_reader_on_the_push_path_gets_the_whole_stream(stack, monke
 async def test_without_the_connection_callback_relay_the_answers_are_the_same_bytes(stack, path, monkeypatch):
     """``relay.Direct`` leans on aiohttp's internals and steps aside where it does not find
     them (another aiohttp: pyproject allows any 3.x from 3.14.3): then the handler's own
-    reads relay every event, and the client's bytes must not change."""
+    reads relay every event, the client's bytes must not change, and /metrics shows it."""
     s = stack
     where, extra = PATHS[path]
     if path == "first_token":
@@ -188,8 +189,21 @@ async def test_without_the_connection_callback_relay_the_answers_are_the_same_by
         began.append(direct_begin(cls, *args))
         return began[-1]
     monkeypatch.setattr(relay.Direct, "_begin", classmethod(begin))
+    kind = "whole" if path == "push" else "passthrough"
+
+    def counted() -> tuple[float, float]:
+        value = metrics.REGISTRY.get_sample_value
+        return (value("kvpush_router_direct_relays_total", {"kind": kind}) or 0,
+                value("kvpush_router_direct_relay_declined_total") or 0)
+    before = counted()
     relayed = await answers()
     assert len(began) == 2 and all(began), began
-    monkeypatch.setattr(relay.Direct, "_begin", classmethod(lambda cls, *args: None))
+    assert counted() == (before[0] + 2, before[1])
+
+    class Other(StreamReader):  # (another aiohttp's reader, as the relay sees it: not the class it knows)
+        pass
+    monkeypatch.setattr(relay, "StreamReader", Other)
     handled = await answers()
     assert handled == relayed and all(len(events_of(a)) >= 12 for a in relayed), (handled, relayed)
+    after = counted()
+    assert after[0] == before[0] + 2 and after[1] >= before[1] + 2, (before, after)  # (declined per read)
