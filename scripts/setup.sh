@@ -8,7 +8,7 @@
 #   KVPUSH_TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu scripts/setup.sh
 #       where pip cannot find torch==2.13.0+cpu by itself (it is not on PyPI;
 #       the default here relies on pip's configured find-links)
-#   KVPUSH_SKIP_VLLM=1 scripts/setup.sh   # control plane and sidecars only
+#   KVPUSH_SKIP_VLLM=1 scripts/setup.sh   # the services (control plane, sidecar, router), no vLLM
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
