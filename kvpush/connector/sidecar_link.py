@@ -97,7 +97,8 @@ class Redialer:
     no reservation (so no request that would reconnect) is granted before that.
 
     ``dial_now`` is the same attempt made at once on the caller's thread, for a request
-    that needs the channel before the next attempt would come. Attempts never overlap."""
+    that needs the channel before the next attempt would come (or the attempt under way,
+    waited for). Attempts never overlap."""
 
     def __init__(self, dial: Callable[[], tuple[SidecarClient, SidecarInfo]],
                  on_connected: Callable[[SidecarClient, SidecarInfo], None], what: str,
@@ -133,10 +134,12 @@ class Redialer:
     def down(self) -> bool:
         return self._client is None or self._client.broken
 
-    def dial_now(self) -> bool:
-        """One attempt on the caller's thread, unless one is under way; True when a
-        channel is up afterwards."""
-        if not self._lock.acquire(blocking=False):
+    def dial_now(self, wait_s: float = 0.5) -> bool:
+        """One attempt on the caller's thread; where the redialer's own is under way, its
+        outcome, waited for up to ``wait_s`` (a restarted sidecar's first HELLO can take a
+        while: giving up at once refused the push that asked, the channel up a moment
+        later). True when a channel is up afterwards."""
+        if not self._lock.acquire(timeout=wait_s):
             return False
         try:
             return self._attempt()
