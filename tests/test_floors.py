@@ -104,8 +104,10 @@ def test_the_routers_and_sidecars_tests_pass_with_every_dependency_at_its_floor(
                    "build_tokenizer(TinySpec()).save_pretrained(sys.argv[1])", str(model)], src)
     assert (model / MARKER).exists() and (model / "tokenizer.json").exists()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    done = run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "tests/router", "tests/sidecar",
+    done = run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", "tests/router", "tests/sidecar",
                 "tests/test_contract.py"], src, timeout=1500, env=env, check=False)
-    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    lines = done.stdout.strip().splitlines()
+    summary = lines[-1] if lines else ""
+    failed = [line for line in lines if line.startswith(("FAILED ", "ERROR "))]  # (named first: the tail is logs)
     assert done.returncode == 0 and " passed" in summary and "failed" not in summary, \
-        f"{done.stdout[-6000:]}\n{done.stderr[-3000:]}"
+        "\n".join(failed) + f"\n{done.stdout[-6000:]}\n{done.stderr[-3000:]}"
